@@ -1,0 +1,12 @@
+//! kv-router: an Envoy ext_proc endpoint picker that sends each LLM request to the vLLM pod
+//! whose KV cache already holds the most of its prompt, without letting any pod drown.
+//!
+//! ```text
+//! ext_proc stream ─► request (parse) ─► blocks (keys) ─► index (lookup) ─► scoring ─► picker ─► reply
+//!                                                             ▲                       │
+//!                                                             └── record decision ◄───┘
+//! ```
+//! Only [`decide`] calls the stages in order; only [`app`] constructs them.
+
+pub mod blocks;
+pub mod request;

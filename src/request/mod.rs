@@ -1,0 +1,438 @@
+//! OpenAI request understanding: body bytes in, a [`RoutingRequest`] out.
+//!
+//! The routing input is a deterministic canonical serialization of the whole prompt, built so
+//! that a chat conversation's turn `t` is a byte prefix of turn `t + 1`. Nothing here logs or
+//! returns prompt text in errors.
+
+mod canonical;
+
+use serde_json::{Map, Value};
+use thiserror::Error;
+
+pub use canonical::{canonical_chat, canonical_responses};
+
+/// Which OpenAI-compatible API a request targets, from its path.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Api {
+    /// `/v1/completions`
+    Completions,
+    /// `/v1/chat/completions`
+    ChatCompletions,
+    /// `/v1/responses`
+    Responses,
+    /// `/v1/embeddings`
+    Embeddings,
+    /// Any other path with a JSON body (routed by load; the pod decides).
+    Other,
+}
+
+impl Api {
+    /// Classifies a request path (query string ignored).
+    pub fn from_path(path: &str) -> Self {
+        let path = path.split('?').next().unwrap_or(path).trim_end_matches('/');
+        if path.ends_with("/chat/completions") {
+            Api::ChatCompletions
+        } else if path.ends_with("/completions") {
+            Api::Completions
+        } else if path.ends_with("/responses") {
+            Api::Responses
+        } else if path.ends_with("/embeddings") {
+            Api::Embeddings
+        } else {
+            Api::Other
+        }
+    }
+
+    /// Stable label for metrics.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Api::Completions => "completions",
+            Api::ChatCompletions => "chat_completions",
+            Api::Responses => "responses",
+            Api::Embeddings => "embeddings",
+            Api::Other => "other",
+        }
+    }
+}
+
+/// The prompt in the form the block-key stage consumes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Prompt {
+    /// Canonical text (chat conversations, string prompts).
+    Text(String),
+    /// Token ids given by the client.
+    Tokens(Vec<u32>),
+    /// No prompt (e.g. unknown API with a body).
+    Empty,
+}
+
+impl Prompt {
+    /// Rough prompt size in tokens (text: 4 bytes per token).
+    pub fn approx_tokens(&self) -> u64 {
+        match self {
+            Prompt::Text(t) => (t.len() as u64).div_ceil(4),
+            Prompt::Tokens(t) => t.len() as u64,
+            Prompt::Empty => 0,
+        }
+    }
+}
+
+/// Everything the router needs from a request body.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RoutingRequest {
+    /// The API the path names.
+    pub api: Api,
+    /// `model` (a LoRA adapter is a model name).
+    pub model: Option<String>,
+    /// `user` field, usable as a session key.
+    pub user: Option<String>,
+    /// `stream: true`.
+    pub stream: bool,
+    /// vLLM `cache_salt`: isolates prefix caching between tenants.
+    pub cache_salt: Option<String>,
+    /// Canonical prompt (first prompt of a batch; see docs/block-keys.md).
+    pub prompt: Prompt,
+    /// Number of prompts in a batched request (completions/embeddings lists).
+    pub batch: usize,
+}
+
+/// Why a body could not be understood. Messages never contain prompt text.
+#[derive(Debug, Error, Clone, PartialEq, Eq)]
+pub enum RequestError {
+    /// The body is not valid JSON.
+    #[error("request body is not valid JSON (line {line}, column {column})")]
+    InvalidJson {
+        /// 1-based line of the first error.
+        line: usize,
+        /// 1-based column of the first error.
+        column: usize,
+    },
+    /// The body is JSON but not an object.
+    #[error("request body must be a JSON object")]
+    NotAnObject,
+    /// A required field is missing.
+    #[error("missing required field '{0}'")]
+    MissingField(&'static str),
+    /// A field has the wrong type or shape.
+    #[error("field '{field}' must be {expected}")]
+    InvalidField {
+        /// The field's name.
+        field: &'static str,
+        /// What it must be.
+        expected: &'static str,
+    },
+}
+
+impl RequestError {
+    /// Stable label for metrics.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            RequestError::InvalidJson { .. } => "invalid_json",
+            RequestError::NotAnObject => "not_an_object",
+            RequestError::MissingField(_) => "missing_field",
+            RequestError::InvalidField { .. } => "invalid_field",
+        }
+    }
+}
+
+/// Parses a request body for the API named by `path`.
+pub fn parse(path: &str, body: &[u8]) -> Result<RoutingRequest, RequestError> {
+    let api = Api::from_path(path);
+    let value: Value = serde_json::from_slice(body).map_err(|e| RequestError::InvalidJson {
+        line: e.line(),
+        column: e.column(),
+    })?;
+    let Value::Object(obj) = value else {
+        return Err(RequestError::NotAnObject);
+    };
+    let model = opt_string(&obj, "model")?;
+    let user = opt_string(&obj, "user")?;
+    let cache_salt = opt_string(&obj, "cache_salt")?;
+    let stream = match obj.get("stream") {
+        None | Some(Value::Null) => false,
+        Some(Value::Bool(b)) => *b,
+        Some(_) => {
+            return Err(RequestError::InvalidField {
+                field: "stream",
+                expected: "a boolean",
+            })
+        }
+    };
+    let (prompt, batch) = match api {
+        Api::Completions => prompt_field(&obj, "prompt")?,
+        Api::Embeddings => prompt_field(&obj, "input")?,
+        Api::ChatCompletions => {
+            let messages = obj
+                .get("messages")
+                .ok_or(RequestError::MissingField("messages"))?;
+            let Value::Array(messages) = messages else {
+                return Err(RequestError::InvalidField {
+                    field: "messages",
+                    expected: "an array of messages",
+                });
+            };
+            (Prompt::Text(canonical_chat(obj.get("tools"), messages)?), 1)
+        }
+        Api::Responses => {
+            let input = obj
+                .get("input")
+                .ok_or(RequestError::MissingField("input"))?;
+            (
+                Prompt::Text(canonical_responses(
+                    obj.get("instructions"),
+                    obj.get("tools"),
+                    input,
+                )?),
+                1,
+            )
+        }
+        Api::Other => (Prompt::Empty, 0),
+    };
+    Ok(RoutingRequest {
+        api,
+        model,
+        user,
+        stream,
+        cache_salt,
+        prompt,
+        batch,
+    })
+}
+
+fn opt_string(
+    obj: &Map<String, Value>,
+    field: &'static str,
+) -> Result<Option<String>, RequestError> {
+    match obj.get(field) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) => Ok(Some(s.clone())),
+        Some(_) => Err(RequestError::InvalidField {
+            field,
+            expected: "a string",
+        }),
+    }
+}
+
+/// `prompt` / `input`: string, list of strings, token ids, or list of token-id lists.
+fn prompt_field(
+    obj: &Map<String, Value>,
+    field: &'static str,
+) -> Result<(Prompt, usize), RequestError> {
+    let invalid = RequestError::InvalidField {
+        field,
+        expected:
+            "a string, an array of strings, an array of token ids or an array of token-id arrays",
+    };
+    let value = obj.get(field).ok_or(RequestError::MissingField(field))?;
+    match value {
+        Value::String(s) => Ok((Prompt::Text(s.clone()), 1)),
+        Value::Array(items) if items.is_empty() => Err(invalid),
+        Value::Array(items) => match &items[0] {
+            Value::String(_) => {
+                let mut first = None;
+                for item in items {
+                    let Value::String(s) = item else {
+                        return Err(invalid);
+                    };
+                    first.get_or_insert(s);
+                }
+                Ok((
+                    Prompt::Text(first.cloned().unwrap_or_default()),
+                    items.len(),
+                ))
+            }
+            Value::Number(_) => Ok((Prompt::Tokens(token_ids(items).ok_or(invalid)?), 1)),
+            Value::Array(_) => {
+                let mut first = None;
+                for item in items {
+                    let Value::Array(ids) = item else {
+                        return Err(invalid.clone());
+                    };
+                    let ids = token_ids(ids).ok_or(invalid.clone())?;
+                    first.get_or_insert(ids);
+                }
+                Ok((Prompt::Tokens(first.unwrap_or_default()), items.len()))
+            }
+            _ => Err(invalid),
+        },
+        _ => Err(invalid),
+    }
+}
+
+fn token_ids(items: &[Value]) -> Option<Vec<u32>> {
+    items
+        .iter()
+        .map(|v| v.as_u64().and_then(|n| u32::try_from(n).ok()))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn text(r: &RoutingRequest) -> &str {
+        match &r.prompt {
+            Prompt::Text(t) => t,
+            other => panic!("expected text prompt, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn completions_string_prompt() {
+        let r = parse(
+            "/v1/completions",
+            br#"{"model":"m","prompt":"hello","stream":true,"user":"u1","cache_salt":"s"}"#,
+        )
+        .unwrap();
+        assert_eq!(r.api, Api::Completions);
+        assert_eq!(r.model.as_deref(), Some("m"));
+        assert_eq!(r.user.as_deref(), Some("u1"));
+        assert_eq!(r.cache_salt.as_deref(), Some("s"));
+        assert!(r.stream);
+        assert_eq!(text(&r), "hello");
+    }
+
+    #[test]
+    fn completions_prompt_shapes() {
+        let r = parse("/v1/completions", br#"{"model":"m","prompt":["a","b"]}"#).unwrap();
+        assert_eq!((text(&r), r.batch), ("a", 2));
+        let r = parse("/v1/completions", br#"{"model":"m","prompt":[1,2,3]}"#).unwrap();
+        assert_eq!(r.prompt, Prompt::Tokens(vec![1, 2, 3]));
+        let r = parse("/v1/completions", br#"{"model":"m","prompt":[[4,5],[6]]}"#).unwrap();
+        assert_eq!((r.prompt, r.batch), (Prompt::Tokens(vec![4, 5]), 2));
+        for bad in [
+            &br#"{"prompt":[1,"a"]}"#[..],
+            br#"{"prompt":[]}"#,
+            br#"{"prompt":{"x":1}}"#,
+            br#"{"prompt":[-1]}"#,
+            br#"{"prompt":[[1],"a"]}"#,
+        ] {
+            assert!(matches!(
+                parse("/v1/completions", bad),
+                Err(RequestError::InvalidField {
+                    field: "prompt",
+                    ..
+                })
+            ));
+        }
+        assert_eq!(
+            parse("/v1/completions", br#"{"model":"m"}"#),
+            Err(RequestError::MissingField("prompt"))
+        );
+    }
+
+    #[test]
+    fn chat_turns_share_a_prefix() {
+        let t1 = br#"{"model":"m","messages":[{"role":"system","content":"sys"},{"role":"user","content":"q1"}]}"#;
+        let t2 = br#"{"model":"m","messages":[{"role":"system","content":"sys"},{"role":"user","content":"q1"},{"role":"assistant","content":"a1"},{"role":"user","content":[{"type":"text","text":"q2"}]}]}"#;
+        let a = parse("/v1/chat/completions", t1).unwrap();
+        let b = parse("/v1/chat/completions", t2).unwrap();
+        assert!(text(&b).starts_with(text(&a)));
+        assert!(text(&b).len() > text(&a).len());
+    }
+
+    #[test]
+    fn chat_content_parts_equal_plain_string() {
+        let a = parse(
+            "/v1/chat/completions",
+            br#"{"messages":[{"role":"user","content":"hello world"}]}"#,
+        )
+        .unwrap();
+        let b = parse(
+            "/v1/chat/completions",
+            br#"{"messages":[{"role":"user","content":[{"type":"text","text":"hello "},{"type":"text","text":"world"}]}]}"#,
+        )
+        .unwrap();
+        assert_eq!(text(&a), text(&b));
+    }
+
+    #[test]
+    fn chat_tools_are_part_of_the_prompt_and_key_order_does_not_matter() {
+        let a = parse(
+            "/v1/chat/completions",
+            br#"{"tools":[{"type":"function","function":{"name":"f","parameters":{"a":1,"b":2}}}],"messages":[{"role":"user","content":"x"}]}"#,
+        )
+        .unwrap();
+        let b = parse(
+            "/v1/chat/completions",
+            br#"{"messages":[{"role":"user","content":"x"}],"tools":[{"function":{"parameters":{"b":2,"a":1},"name":"f"},"type":"function"}]}"#,
+        )
+        .unwrap();
+        let c = parse(
+            "/v1/chat/completions",
+            br#"{"messages":[{"role":"user","content":"x"}]}"#,
+        )
+        .unwrap();
+        assert_eq!(text(&a), text(&b));
+        assert_ne!(text(&a), text(&c));
+    }
+
+    #[test]
+    fn chat_errors_are_typed() {
+        assert_eq!(
+            parse("/v1/chat/completions", br#"{"model":"m"}"#),
+            Err(RequestError::MissingField("messages"))
+        );
+        assert!(matches!(
+            parse("/v1/chat/completions", br#"{"messages":"hi"}"#),
+            Err(RequestError::InvalidField {
+                field: "messages",
+                ..
+            })
+        ));
+        assert!(matches!(
+            parse("/v1/chat/completions", br#"{"messages":[1]}"#),
+            Err(RequestError::InvalidField { .. })
+        ));
+        assert!(matches!(
+            parse("/v1/chat/completions", b"{not json"),
+            Err(RequestError::InvalidJson { .. })
+        ));
+        assert_eq!(
+            parse("/v1/chat/completions", b"[1]"),
+            Err(RequestError::NotAnObject)
+        );
+        assert!(matches!(
+            parse("/v1/chat/completions", br#"{"messages":[],"stream":"yes"}"#),
+            Err(RequestError::InvalidField {
+                field: "stream",
+                ..
+            })
+        ));
+    }
+
+    #[test]
+    fn errors_never_echo_prompt_text() {
+        let secret = "TOP-SECRET-PROMPT";
+        let body = format!(r#"{{"prompt":[{{"x":"{secret}"}}]}}"#);
+        let err = parse("/v1/completions", body.as_bytes()).unwrap_err();
+        assert!(!err.to_string().contains(secret));
+        let body = format!(r#"{{"prompt":"{secret}"#);
+        let err = parse("/v1/completions", body.as_bytes()).unwrap_err();
+        assert!(!err.to_string().contains(secret));
+    }
+
+    #[test]
+    fn responses_and_embeddings() {
+        let r = parse(
+            "/v1/responses",
+            br#"{"model":"m","instructions":"be nice","input":[{"role":"user","content":[{"type":"input_text","text":"hi"}]}]}"#,
+        )
+        .unwrap();
+        assert!(text(&r).contains("be nice") && text(&r).contains("hi"));
+        let s = parse("/v1/responses", br#"{"model":"m","input":"hi"}"#).unwrap();
+        assert!(text(&s).contains("hi"));
+        let e = parse("/v1/embeddings", br#"{"model":"m","input":["a","b","c"]}"#).unwrap();
+        assert_eq!((text(&e), e.batch), ("a", 3));
+    }
+
+    #[test]
+    fn other_paths_parse_model_only() {
+        let r = parse("/v1/rerank", br#"{"model":"m","query":"q"}"#).unwrap();
+        assert_eq!((r.api, r.prompt), (Api::Other, Prompt::Empty));
+        assert_eq!(
+            Api::from_path("/v1/chat/completions?x=1"),
+            Api::ChatCompletions
+        );
+    }
+}
