@@ -9,4 +9,5 @@
 //! Only [`decide`] calls the stages in order; only [`app`] constructs them.
 
 pub mod blocks;
+pub mod config;
 pub mod request;

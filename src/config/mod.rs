@@ -1,0 +1,620 @@
+//! Router configuration: YAML (serde_yaml), every field defaulted, validated once at startup.
+//! Every default is documented in `docs/config.md`; a test parses the example there.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+use thiserror::Error;
+
+/// Root of `router.yaml`.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct Config {
+    /// Listening addresses.
+    pub listen: Listen,
+    /// Largest request body accepted (both body modes); also tonic's decode limit.
+    pub body_limit_bytes: usize,
+    /// Unparsable bodies get a 400 from the router instead of being routed by load.
+    pub strict: bool,
+    /// Also set the `x-gateway-destination-endpoint` request header (GIE compatibility).
+    pub destination_header: bool,
+    /// Fallback endpoints listed after the primary (tried in order on retry).
+    pub fallbacks: usize,
+    /// Routing policy.
+    pub policy: Policy,
+    /// How prompts are cut into block keys.
+    pub blocks: BlocksConfig,
+    /// Prefix index.
+    pub index: IndexConfig,
+    /// Scorer weights and parameters.
+    pub scorers: ScorersConfig,
+    /// Saturation gate.
+    pub gate: GateConfig,
+    /// Where pods come from and how they are watched.
+    pub pods: PodsConfig,
+    /// Logging.
+    pub log: LogConfig,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            listen: Listen::default(),
+            body_limit_bytes: 64 << 20,
+            strict: false,
+            destination_header: true,
+            fallbacks: 2,
+            policy: Policy::Weighted,
+            blocks: BlocksConfig::default(),
+            index: IndexConfig::default(),
+            scorers: ScorersConfig::default(),
+            gate: GateConfig::default(),
+            pods: PodsConfig::default(),
+            log: LogConfig::default(),
+        }
+    }
+}
+
+/// Listening addresses.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct Listen {
+    /// ext_proc, Pick and gRPC health.
+    pub grpc: String,
+    /// Admin HTTP: /metrics, /healthz, /readyz, /debug/*.
+    pub admin: String,
+}
+
+impl Default for Listen {
+    fn default() -> Self {
+        Self {
+            grpc: "127.0.0.1:9002".into(),
+            admin: "127.0.0.1:9090".into(),
+        }
+    }
+}
+
+/// Routing policy.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "kebab-case")]
+pub enum Policy {
+    /// Weighted sum of the prefix, session and load scorers behind the saturation gate.
+    Weighted,
+    /// Rotate over candidates.
+    RoundRobin,
+    /// Uniformly random candidate.
+    Random,
+    /// Lowest load.
+    LeastLoaded,
+}
+
+impl Policy {
+    /// Stable name for metrics and reports.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Policy::Weighted => "weighted",
+            Policy::RoundRobin => "round-robin",
+            Policy::Random => "random",
+            Policy::LeastLoaded => "least-loaded",
+        }
+    }
+}
+
+/// Block-key scheme (approximate mode).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct BlocksConfig {
+    /// Bytes of canonical prompt per block (64 ≈ 16 tokens, vLLM's default block).
+    pub size_chars: usize,
+    /// Most blocks keyed per request (longer prompts are keyed on their head only).
+    pub max_blocks: usize,
+}
+
+impl Default for BlocksConfig {
+    fn default() -> Self {
+        Self {
+            size_chars: 64,
+            max_blocks: 4096,
+        }
+    }
+}
+
+/// Prefix index.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct IndexConfig {
+    /// Backend (only `memory` in this release).
+    pub backend: IndexBackend,
+    /// Entries not refreshed for this long are ignored and swept.
+    pub ttl_ms: u64,
+    /// Per-pod capacity in blocks when the pod does not report `num_gpu_blocks`.
+    pub default_capacity_blocks: usize,
+    /// Multiplier applied to a pod's `num_gpu_blocks` (router blocks may differ in size).
+    pub capacity_factor: f64,
+}
+
+impl Default for IndexConfig {
+    fn default() -> Self {
+        Self {
+            backend: IndexBackend::Memory,
+            ttl_ms: 600_000,
+            default_capacity_blocks: 31_250,
+            capacity_factor: 1.0,
+        }
+    }
+}
+
+/// Index backend.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "kebab-case")]
+pub enum IndexBackend {
+    /// In-process index learned from the router's own decisions.
+    Memory,
+}
+
+/// Scorer weights and parameters.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct ScorersConfig {
+    /// Prefix scorer: matched consecutive blocks / total blocks.
+    pub prefix: PrefixScorerConfig,
+    /// Session stickiness.
+    pub session: SessionScorerConfig,
+    /// Load.
+    pub load: LoadScorerConfig,
+}
+
+impl Default for ScorersConfig {
+    fn default() -> Self {
+        Self {
+            prefix: PrefixScorerConfig::default(),
+            session: SessionScorerConfig::default(),
+            load: LoadScorerConfig::default(),
+        }
+    }
+}
+
+/// Prefix scorer.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct PrefixScorerConfig {
+    /// Weight in the sum.
+    pub weight: f64,
+}
+
+impl Default for PrefixScorerConfig {
+    fn default() -> Self {
+        Self { weight: 3.0 }
+    }
+}
+
+/// Session scorer.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct SessionScorerConfig {
+    /// Weight in the sum.
+    pub weight: f64,
+    /// Headers carrying a session id, first present wins.
+    pub headers: Vec<String>,
+    /// Fall back to the body's `user` field.
+    pub use_user_field: bool,
+    /// Idle sessions are forgotten after this long.
+    pub ttl_ms: u64,
+    /// Most sessions remembered (least recently used dropped first).
+    pub capacity: usize,
+}
+
+impl Default for SessionScorerConfig {
+    fn default() -> Self {
+        Self {
+            weight: 1.0,
+            headers: vec!["x-session-id".into(), "session-id".into()],
+            use_user_field: true,
+            ttl_ms: 1_800_000,
+            capacity: 100_000,
+        }
+    }
+}
+
+/// Load scorer: `1 − Σ wᵢ·signalᵢ / Σ wᵢ`, each signal normalised to [0,1].
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct LoadScorerConfig {
+    /// Weight in the sum.
+    pub weight: f64,
+    /// Requests (waiting at the pod + in flight from this router) that count as fully loaded.
+    pub queue_full: f64,
+    /// Weight of the queue signal.
+    pub queue_weight: f64,
+    /// Weight of `vllm:kv_cache_usage_perc`.
+    pub kv_weight: f64,
+    /// Uncached prompt tokens in flight that count as fully loaded.
+    pub tokens_full: f64,
+    /// Weight of the in-flight uncached-token signal.
+    pub tokens_weight: f64,
+}
+
+impl Default for LoadScorerConfig {
+    fn default() -> Self {
+        Self {
+            weight: 2.0,
+            queue_full: 32.0,
+            queue_weight: 1.0,
+            kv_weight: 0.5,
+            tokens_full: 32_768.0,
+            tokens_weight: 1.0,
+        }
+    }
+}
+
+/// Saturation gate: saturated pods are not candidates while an unsaturated one exists.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct GateConfig {
+    /// Off: every healthy pod stays a candidate.
+    pub enabled: bool,
+    /// Saturated at this many waiting requests (pod queue + router in flight beyond running).
+    pub max_waiting: f64,
+    /// Saturated at this KV-cache usage.
+    pub max_kv_usage: f64,
+    /// Saturated at this many uncached prompt tokens in flight from this router.
+    pub max_inflight_tokens: f64,
+    /// A pod whose metrics are stale counts as saturated.
+    pub stale_is_saturated: bool,
+}
+
+impl Default for GateConfig {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            max_waiting: 8.0,
+            max_kv_usage: 0.95,
+            max_inflight_tokens: 65_536.0,
+            stale_is_saturated: true,
+        }
+    }
+}
+
+/// Pod sources and probes.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct PodsConfig {
+    /// Pods listed explicitly.
+    #[serde(rename = "static")]
+    pub static_pods: Vec<StaticPod>,
+    /// Headless-service DNS names re-resolved periodically.
+    pub dns: Vec<DnsSource>,
+    /// Models served by DNS-discovered pods; empty = learn from each pod's `/v1/models`.
+    pub models: Vec<String>,
+    /// Health probe (`GET /health`) period.
+    pub health_interval_ms: u64,
+    /// Consecutive failed probes before a pod is unhealthy.
+    pub unhealthy_after: u32,
+    /// Load scrape (`GET /metrics`) period.
+    pub scrape_interval_ms: u64,
+    /// Metrics older than this are stale.
+    pub stale_after_ms: u64,
+    /// Timeout of one probe or scrape.
+    pub probe_timeout_ms: u64,
+    /// How often `/v1/models` is re-read for pods without configured models.
+    pub models_refresh_ms: u64,
+}
+
+impl Default for PodsConfig {
+    fn default() -> Self {
+        Self {
+            static_pods: Vec::new(),
+            dns: Vec::new(),
+            models: Vec::new(),
+            health_interval_ms: 1_000,
+            unhealthy_after: 2,
+            scrape_interval_ms: 100,
+            stale_after_ms: 2_000,
+            probe_timeout_ms: 1_000,
+            models_refresh_ms: 30_000,
+        }
+    }
+}
+
+/// One explicitly configured pod.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct StaticPod {
+    /// `ip:port` Envoy knows the pod by.
+    pub address: String,
+    /// Served model names (LoRA adapters included); empty = learn from `/v1/models`.
+    #[serde(default)]
+    pub models: Vec<String>,
+    /// Free-form labels shown in /debug/pods.
+    #[serde(default)]
+    pub labels: BTreeMap<String, String>,
+}
+
+/// A DNS source (Kubernetes headless Service).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct DnsSource {
+    /// Name to resolve, e.g. `vllm.llm.svc.cluster.local`.
+    pub name: String,
+    /// Port of every resolved pod.
+    pub port: u16,
+    /// Re-resolve period.
+    #[serde(default = "default_dns_refresh_ms")]
+    pub refresh_ms: u64,
+}
+
+fn default_dns_refresh_ms() -> u64 {
+    5_000
+}
+
+/// Logging.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct LogConfig {
+    /// `text` or `json`.
+    pub format: LogFormat,
+    /// tracing-subscriber filter (RUST_LOG overrides).
+    pub level: String,
+}
+
+impl Default for LogConfig {
+    fn default() -> Self {
+        Self {
+            format: LogFormat::Text,
+            level: "info".into(),
+        }
+    }
+}
+
+/// Log output format.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    /// Human-readable lines.
+    Text,
+    /// One JSON object per line.
+    Json,
+}
+
+/// A configuration problem, naming the key.
+#[derive(Debug, Error)]
+pub enum ConfigError {
+    /// The file could not be read.
+    #[error("cannot read {path}: {source}")]
+    Read {
+        /// The path.
+        path: String,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+    /// The YAML does not match the schema.
+    #[error("invalid YAML: {0}")]
+    Yaml(#[from] serde_yaml::Error),
+    /// One or more values are out of range (all listed).
+    #[error("invalid configuration:\n{}", .0.iter().map(|p| format!("  - {p}")).collect::<Vec<_>>().join("\n"))]
+    Invalid(Vec<Problem>),
+}
+
+/// One invalid value.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Problem {
+    /// Dotted key, e.g. `scorers.load.weight`.
+    pub key: String,
+    /// What is wrong.
+    pub reason: String,
+}
+
+impl std::fmt::Display for Problem {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}: {}", self.key, self.reason)
+    }
+}
+
+impl Config {
+    /// Reads, parses and validates a YAML file.
+    pub fn load(path: &Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.display().to_string(),
+            source,
+        })?;
+        Self::from_yaml(&text)
+    }
+
+    /// Parses and validates YAML text.
+    pub fn from_yaml(text: &str) -> Result<Self, ConfigError> {
+        let cfg: Config = if text.trim().is_empty() {
+            Config::default()
+        } else {
+            serde_yaml::from_str(text)?
+        };
+        cfg.validate()
+    }
+
+    /// Checks every value; reports all problems at once.
+    pub fn validate(self) -> Result<Self, ConfigError> {
+        let mut p = Vec::new();
+        let mut bad = |key: &str, reason: &str| {
+            p.push(Problem {
+                key: key.to_string(),
+                reason: reason.to_string(),
+            })
+        };
+        for (key, value) in [
+            ("listen.grpc", &self.listen.grpc),
+            ("listen.admin", &self.listen.admin),
+        ] {
+            if value.parse::<SocketAddr>().is_err() {
+                bad(key, "must be an ip:port socket address");
+            }
+        }
+        if self.body_limit_bytes < 1024 {
+            bad("body_limit_bytes", "must be at least 1024");
+        }
+        if self.fallbacks > 16 {
+            bad("fallbacks", "must be at most 16");
+        }
+        if self.blocks.size_chars < 4 {
+            bad("blocks.size_chars", "must be at least 4");
+        }
+        if self.blocks.max_blocks == 0 {
+            bad("blocks.max_blocks", "must be positive");
+        }
+        if self.index.ttl_ms == 0 {
+            bad("index.ttl_ms", "must be positive");
+        }
+        if self.index.default_capacity_blocks == 0 {
+            bad("index.default_capacity_blocks", "must be positive");
+        }
+        if !(self.index.capacity_factor > 0.0 && self.index.capacity_factor.is_finite()) {
+            bad("index.capacity_factor", "must be a positive number");
+        }
+        let s = &self.scorers;
+        for (key, w) in [
+            ("scorers.prefix.weight", s.prefix.weight),
+            ("scorers.session.weight", s.session.weight),
+            ("scorers.load.weight", s.load.weight),
+            ("scorers.load.queue_weight", s.load.queue_weight),
+            ("scorers.load.kv_weight", s.load.kv_weight),
+            ("scorers.load.tokens_weight", s.load.tokens_weight),
+        ] {
+            if !(w >= 0.0 && w.is_finite()) {
+                bad(key, "must be a finite number >= 0");
+            }
+        }
+        for (key, v) in [
+            ("scorers.load.queue_full", s.load.queue_full),
+            ("scorers.load.tokens_full", s.load.tokens_full),
+            ("gate.max_waiting", self.gate.max_waiting),
+            ("gate.max_inflight_tokens", self.gate.max_inflight_tokens),
+        ] {
+            if !(v > 0.0 && v.is_finite()) {
+                bad(key, "must be a positive number");
+            }
+        }
+        if !(self.gate.max_kv_usage > 0.0 && self.gate.max_kv_usage <= 1.0) {
+            bad("gate.max_kv_usage", "must be in (0, 1]");
+        }
+        if s.session.capacity == 0 {
+            bad("scorers.session.capacity", "must be positive");
+        }
+        if s.session.ttl_ms == 0 {
+            bad("scorers.session.ttl_ms", "must be positive");
+        }
+        if s.session
+            .headers
+            .iter()
+            .any(|h| h.is_empty() || h.chars().any(|c| c.is_ascii_uppercase()))
+        {
+            bad(
+                "scorers.session.headers",
+                "header names must be non-empty and lower-case",
+            );
+        }
+        for (i, pod) in self.pods.static_pods.iter().enumerate() {
+            if pod.address.parse::<SocketAddr>().is_err() {
+                bad(
+                    &format!("pods.static[{i}].address"),
+                    "must be an ip:port socket address",
+                );
+            }
+        }
+        for (i, d) in self.pods.dns.iter().enumerate() {
+            if d.name.is_empty() {
+                bad(&format!("pods.dns[{i}].name"), "must not be empty");
+            }
+            if d.refresh_ms == 0 {
+                bad(&format!("pods.dns[{i}].refresh_ms"), "must be positive");
+            }
+        }
+        if self.pods.static_pods.is_empty() && self.pods.dns.is_empty() {
+            bad(
+                "pods",
+                "list at least one pod under pods.static or a name under pods.dns",
+            );
+        }
+        for (key, v) in [
+            ("pods.health_interval_ms", self.pods.health_interval_ms),
+            ("pods.scrape_interval_ms", self.pods.scrape_interval_ms),
+            ("pods.stale_after_ms", self.pods.stale_after_ms),
+            ("pods.probe_timeout_ms", self.pods.probe_timeout_ms),
+            ("pods.models_refresh_ms", self.pods.models_refresh_ms),
+        ] {
+            if v == 0 {
+                bad(key, "must be positive");
+            }
+        }
+        if self.pods.unhealthy_after == 0 {
+            bad("pods.unhealthy_after", "must be at least 1");
+        }
+        if p.is_empty() {
+            Ok(self)
+        } else {
+            Err(ConfigError::Invalid(p))
+        }
+    }
+
+    /// Parsed gRPC listen address (valid after [`Config::validate`]).
+    pub fn grpc_addr(&self) -> SocketAddr {
+        self.listen.grpc.parse().expect("validated")
+    }
+
+    /// Parsed admin listen address (valid after [`Config::validate`]).
+    pub fn admin_addr(&self) -> SocketAddr {
+        self.listen.admin.parse().expect("validated")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn minimal_config_gets_defaults() {
+        let cfg = Config::from_yaml("pods:\n  static:\n    - address: 127.0.0.1:8000\n").unwrap();
+        assert_eq!(cfg.body_limit_bytes, 64 << 20);
+        assert_eq!(cfg.policy, Policy::Weighted);
+        assert_eq!(cfg.pods.static_pods[0].address, "127.0.0.1:8000");
+    }
+
+    #[test]
+    fn all_problems_reported_with_keys() {
+        let err = Config::from_yaml(
+            "listen: { grpc: nope }\nblocks: { size_chars: 1 }\nscorers: { load: { weight: -1 } }\ngate: { max_kv_usage: 2 }\n",
+        )
+        .unwrap_err();
+        let text = err.to_string();
+        for key in [
+            "listen.grpc",
+            "blocks.size_chars",
+            "scorers.load.weight",
+            "gate.max_kv_usage",
+            "pods",
+        ] {
+            assert!(text.contains(key), "{key} missing from: {text}");
+        }
+    }
+
+    #[test]
+    fn unknown_keys_are_rejected() {
+        let err = Config::from_yaml("pods: { static: [] }\nbogus: 1\n").unwrap_err();
+        assert!(err.to_string().contains("bogus"));
+    }
+
+    #[test]
+    fn documented_example_parses_and_matches_defaults() {
+        let doc = include_str!("../../docs/config.md");
+        let start = doc
+            .find("```yaml\n")
+            .expect("docs/config.md has a yaml block")
+            + 8;
+        let end = start + doc[start..].find("```").unwrap();
+        let cfg = Config::from_yaml(&doc[start..end]).unwrap();
+        // The documented example spells out every default; only the pod list differs.
+        let mut expected = Config::default();
+        expected.pods.static_pods = cfg.pods.static_pods.clone();
+        expected.pods.dns = cfg.pods.dns.clone();
+        assert_eq!(cfg, expected);
+    }
+}
