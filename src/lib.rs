@@ -10,4 +10,7 @@
 
 pub mod blocks;
 pub mod config;
+pub mod index;
+pub mod pods;
 pub mod request;
+pub mod scoring;
