@@ -10,7 +10,10 @@
 
 pub mod blocks;
 pub mod config;
+pub mod decide;
 pub mod index;
+pub mod picker;
 pub mod pods;
 pub mod request;
 pub mod scoring;
+pub mod telemetry;
