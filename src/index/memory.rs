@@ -160,8 +160,7 @@ impl KvIndex for MemoryIndex {
     async fn set_capacity(&self, pod: &PodId, blocks: usize) -> Result<(), IndexError> {
         let mut inner = self.inner.write();
         let slot = inner.slot(pod, self.default_capacity);
-        loop {
-            let entries = inner.pods[slot as usize].as_mut().expect("live slot");
+        while let Some(entries) = inner.pods[slot as usize].as_mut() {
             if entries.lru.len() <= blocks.max(1) {
                 entries.lru.resize(cap(blocks));
                 break;
