@@ -10,3 +10,4 @@
 
 pub mod blocks;
 pub mod request;
+pub mod sim;
