@@ -642,6 +642,41 @@ mod tests {
     }
 
     #[test]
+    fn deterministic_and_kv_usage_tracks_running_blocks() {
+        let trace = || {
+            let mut e = Engine::new(cfg());
+            let mut log = Vec::new();
+            for id in 0..5u64 {
+                e.submit(id * 300, id, sub(id % 2, 30 + id as u32, 3));
+                log.extend(e.step(id * 300));
+            }
+            while let Some(t) = e.next_event_time() {
+                log.extend(e.step(t));
+            }
+            (log, e.drain_cache_events())
+        };
+        assert_eq!(trace(), trace());
+
+        let mut e = Engine::new(cfg());
+        // 30 prompt tokens = 8 blocks (7 full + 1 partial) of 4 tokens, out of 1024.
+        e.submit(0, 1, sub(1, 30, 10));
+        e.step(0);
+        assert_eq!(e.stats().kv_cache_usage, 8.0 / 1024.0);
+        // After 3 tokens: 33 tokens = 9 blocks.
+        let mut tokens = 0;
+        while tokens < 3 {
+            let t = e.next_event_time().unwrap();
+            tokens += e
+                .step(t)
+                .iter()
+                .filter(|o| matches!(o, Output::Token { .. }))
+                .count();
+        }
+        assert_eq!(e.stats().kv_cache_usage, 9.0 / 1024.0);
+        assert_eq!(e.stats().running, 1);
+    }
+
+    #[test]
     fn huge_prompt_is_linear() {
         let mut c = cfg();
         c.block_size = 16;

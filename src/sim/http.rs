@@ -27,6 +27,9 @@ use super::metrics::{self, MetricsInfo};
 /// Header naming the pod that served a response.
 pub const POD_HEADER: &str = "x-vllm-sim-pod";
 
+/// Largest accepted request body (a 4 MB prompt is 4 MB plus JSON escaping).
+pub const MAX_BODY_BYTES: usize = 256 << 20;
+
 /// Default `max_tokens` when a request gives none.
 pub const DEFAULT_MAX_TOKENS: u64 = 16;
 
@@ -64,7 +67,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/metrics", get(metrics_text))
         .route("/reset_prefix_cache", post(reset_prefix_cache))
         .fallback(not_found)
-        .layer(DefaultBodyLimit::disable())
+        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .layer(middleware::from_fn(move |req: Request, next: Next| {
             let pod = pod.clone();
             async move {
@@ -424,7 +427,7 @@ impl From<Usage> for UsageJson {
     fn from(u: Usage) -> Self {
         Self {
             prompt_tokens: u.prompt_tokens,
-            total_tokens: u.prompt_tokens + u.completion_tokens,
+            total_tokens: u.prompt_tokens.saturating_add(u.completion_tokens),
             completion_tokens: u.completion_tokens,
             prompt_tokens_details: PromptTokensDetails {
                 cached_tokens: u.cached_tokens,
