@@ -299,6 +299,14 @@ async fn errors_have_the_vllm_shape() {
         json!({"prompt": "x", "max_tokens": "many"}),
         json!({"prompt": ""}),
         json!({"prompt": 5}),
+        json!({"prompt": "x", "max_tokens": 1e30}),
+        json!({"prompt": "x", "max_tokens": -1}),
+        json!({"prompt": "x", "max_tokens": u64::MAX}),
+        json!({"prompt": "x", "stream_options": {"include_usage": "yes"}}),
+        json!({"prompt": [4_294_967_296u64]}),
+        json!({"prompt": "x", "stream": "yes"}),
+        json!([]),
+        json!(null),
     ] {
         let (status, err) = sim.post("/v1/completions", &bad).await;
         assert_eq!(status, 400, "{bad}");
@@ -373,4 +381,32 @@ async fn client_disconnect_frees_the_slot() {
     assert_eq!(r.0, 200);
     let (_, text) = sim.get_text("/metrics").await;
     assert!(text.contains("finished_reason=\"abort\"} 1.0"), "{text}");
+}
+
+#[tokio::test]
+async fn bursts_queue_beyond_max_num_seqs() {
+    let sim = Sim::start(&["--max-num-seqs", "2", "--decode-ms-per-token", "50"]);
+    let sim = std::sync::Arc::new(sim);
+    let mut handles = Vec::new();
+    for i in 0..5 {
+        let sim = sim.clone();
+        handles.push(tokio::spawn(async move {
+            let body = json!({"prompt": format!("request {i}"), "max_tokens": 10});
+            sim.post("/v1/completions", &body).await.0
+        }));
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let (_, text) = sim.get_text("/metrics").await;
+    assert!(
+        text.contains("vllm:num_requests_running{model_name=\"sim-model\",engine=\"0\"} 2.0"),
+        "{text}"
+    );
+    assert!(
+        text.contains("vllm:num_requests_waiting{model_name=\"sim-model\",engine=\"0\"} 3.0"),
+        "{text}"
+    );
+    assert!(!text.contains("vllm:kv_cache_usage_perc{model_name=\"sim-model\",engine=\"0\"} 0.0\n"));
+    for h in handles {
+        assert_eq!(h.await.unwrap(), 200);
+    }
 }
