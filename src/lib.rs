@@ -20,4 +20,5 @@ pub mod picker;
 pub mod pods;
 pub mod request;
 pub mod scoring;
+pub mod sim;
 pub mod telemetry;
