@@ -115,7 +115,15 @@ fn default_path() -> String {
     "/v1/chat/completions".into()
 }
 
-async fn explain(State(s): State<AdminState>, Json(input): Json<ExplainInput>) -> Response {
+// Any content type is accepted: this is an operator's curl target.
+async fn explain(State(s): State<AdminState>, raw: axum::body::Bytes) -> Response {
+    let input: ExplainInput = match serde_json::from_slice(&raw) {
+        Ok(i) => i,
+        Err(e) => {
+            let msg = json!({"error": {"message": format!("explain input is not valid JSON: line {}, column {}", e.line(), e.column()), "type": "BadRequestError", "param": null, "code": 400}});
+            return (StatusCode::BAD_REQUEST, Json(msg)).into_response();
+        }
+    };
     let headers: Vec<(String, String)> = input
         .headers
         .into_iter()
