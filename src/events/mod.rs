@@ -1,6 +1,11 @@
 //! vLLM KV-cache events: typed events, the msgpack codec (vLLM 0.33 map layout and the legacy
 //! positional layouts), and the ZMQ subscriber that feeds them to the index.
 
+mod decode;
 mod types;
 
+#[cfg(test)]
+mod fixture_tests;
+
+pub use decode::{decode_batch, DecodeError, MAX_PAYLOAD_BYTES};
 pub use types::{BlockHash, ExtraKey, KvEvent, KvEventBatch, Medium};
