@@ -8,4 +8,10 @@ mod types;
 mod fixture_tests;
 
 pub use decode::{decode_batch, DecodeError, MAX_PAYLOAD_BYTES};
+/// A fixture payload by name (tests only; reads `shared/fixtures/vllm-kv-events`).
+#[cfg(test)]
+pub(crate) fn fixture_payload(name: &str) -> Vec<u8> {
+    fixture_tests::payload(name)
+}
+
 pub use types::{BlockHash, ExtraKey, KvEvent, KvEventBatch, Medium};
