@@ -2,6 +2,8 @@
 //! positional layouts), and the ZMQ subscriber that feeds them to the index.
 
 mod decode;
+pub mod sequence;
+pub mod subscriber;
 mod types;
 
 #[cfg(test)]
