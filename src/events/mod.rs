@@ -2,6 +2,7 @@
 //! positional layouts), and the ZMQ subscriber that feeds them to the index.
 
 mod decode;
+pub mod ingest;
 pub mod sequence;
 pub mod subscriber;
 mod types;
