@@ -260,7 +260,8 @@ mod tests {
         let m = b.response.unwrap().header_mutation.unwrap();
         assert_eq!(
             m.set_headers[0].header.as_ref().unwrap().raw_value,
-            b"10.0.0.5:8000,10.0.0.6:8000"
+            b"10.0.0.5:8000",
+            "the header names the primary only"
         );
         assert_eq!(
             m.set_headers[0].append_action,
