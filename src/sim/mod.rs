@@ -12,6 +12,7 @@ pub mod cache;
 pub mod engine;
 pub mod http;
 pub mod metrics;
+pub mod vllm_hash;
 
 use std::io::Write;
 use std::net::SocketAddr;
