@@ -772,3 +772,37 @@ async fn bytes_hashes_rank_offset_and_connect_mode() {
         .collect();
     assert_eq!(got, digests.iter().map(|d| d.to_vec()).collect::<Vec<_>>());
 }
+
+/// LoRA + cache_salt over token-id prompts: the live payload equals vLLM's fixture 04 byte for
+/// byte (except the timestamp).
+#[tokio::test]
+async fn lora_and_salt_match_vllm_fixture_04() {
+    let sim = Sim::start(&[
+        "--kv-events-endpoint",
+        "tcp://*:0",
+        "--lora-modules",
+        "sql-lora=acme/sql-lora",
+    ]);
+    let mut sub = Subscriber::connect(&sim.events).await;
+    sub.join(&sim).await;
+    let body = json!({
+        "model": "sql-lora",
+        "prompt": (0..32).collect::<Vec<u32>>(),
+        "max_tokens": 1,
+        "cache_salt": "tenant-a",
+    });
+    assert_eq!(sim.post("/v1/completions", &body).await, 200);
+    let m = sub.next().await;
+    let ev = &m.events()[0];
+    assert_eq!(
+        u64s(field(ev, "block_hashes").unwrap()),
+        [2074664808143845955, 16629636498037367489]
+    );
+    assert_eq!(field(ev, "lora_id").unwrap().as_u64(), Some(1));
+    assert_eq!(field(ev, "lora_name").unwrap().as_str(), Some("sql-lora"));
+    let Some(dir) = fixtures() else { return };
+    let mut want = std::fs::read(dir.join("04_block_stored_lora_cache_salt.msgpack")).unwrap();
+    // Bytes 1..10 are `cb` + the float64 timestamp.
+    want[2..10].copy_from_slice(&m.payload[2..10]);
+    assert_eq!(hex(&m.payload), hex(&want));
+}
