@@ -10,7 +10,7 @@ use lru::LruCache;
 use parking_lot::RwLock;
 use smallvec::SmallVec;
 
-use super::{ApplyStats, IndexError, IndexStats, KvIndex};
+use super::{prefix_walk, ApplyStats, IndexError, IndexStats, KvIndex};
 use crate::blocks::{chain_token_block, namespace_seed, BlockKey};
 use crate::events::{ExtraKey, KvEvent, KvEventBatch, Medium};
 use crate::pods::PodId;
@@ -226,46 +226,27 @@ impl KvIndex for EventIndex {
     ) -> Result<Vec<f64>, IndexError> {
         let inner = self.inner.read();
         let slots: Vec<Option<Slot>> = pods.iter().map(|p| inner.slots.get(p).copied()).collect();
-        let mut matched = vec![0.0; pods.len()];
-        let mut alive: Vec<bool> = slots.iter().map(Option::is_some).collect();
-        let mut remaining = alive.iter().filter(|a| **a).count();
-        for key in keys {
-            if remaining == 0 {
-                break;
-            }
-            let holders = inner.keys.get(key);
-            for (i, slot) in slots.iter().enumerate() {
-                if !alive[i] {
-                    continue;
-                }
-                let slot = slot.expect("alive implies a slot");
-                let confirmed = holders
-                    .and_then(|hs| hs.iter().find(|h| h.slot == slot))
-                    .map(|h| {
-                        if h.gpu > 0 {
-                            self.cfg.gpu_weight
-                        } else {
-                            self.cfg.cpu_weight
-                        }
-                    });
-                let weight = confirmed.or_else(|| {
-                    let state = inner.pods[slot as usize].as_ref()?;
-                    state
-                        .speculative
-                        .peek(key)
-                        .filter(|&&exp| exp > now_ms)
-                        .map(|_| self.cfg.gpu_weight)
-                });
-                match weight {
-                    Some(w) => matched[i] += w,
-                    None => {
-                        alive[i] = false;
-                        remaining -= 1;
-                    }
-                }
-            }
-        }
-        Ok(matched)
+        let (gpu_w, cpu_w) = (self.cfg.gpu_weight, self.cfg.cpu_weight);
+        Ok(prefix_walk(
+            keys,
+            &slots,
+            |key| {
+                inner
+                    .keys
+                    .get(key)
+                    .into_iter()
+                    .flatten()
+                    .map(move |h| (h.slot, if h.gpu > 0 { gpu_w } else { cpu_w }))
+            },
+            |c, key| {
+                let state = inner.pods[slots[c]? as usize].as_ref()?;
+                state
+                    .speculative
+                    .peek(key)
+                    .filter(|&&exp| exp > now_ms)
+                    .map(|_| gpu_w)
+            },
+        ))
     }
 
     async fn record(&self, pod: &PodId, keys: &[BlockKey], now_ms: u64) -> Result<(), IndexError> {

@@ -7,7 +7,7 @@ use lru::LruCache;
 use parking_lot::RwLock;
 use smallvec::SmallVec;
 
-use super::{IndexError, IndexStats, KvIndex};
+use super::{prefix_walk, IndexError, IndexStats, KvIndex};
 use crate::blocks::BlockKey;
 use crate::pods::PodId;
 
@@ -23,7 +23,8 @@ struct Inner {
     slots: AHashMap<PodId, Slot>,
     pods: Vec<Option<PodEntries>>,
     free: Vec<Slot>,
-    keys: AHashMap<BlockKey, SmallVec<[Slot; 4]>>,
+    // Holders with their entry's expiry (mirrors the LRU value) so lookups never touch the LRUs.
+    keys: AHashMap<BlockKey, SmallVec<[(Slot, u64); 4]>>,
     entries: usize,
 }
 
@@ -73,7 +74,7 @@ impl Inner {
 
     fn unlink(&mut self, key: BlockKey, slot: Slot) {
         if let Some(holders) = self.keys.get_mut(&key) {
-            holders.retain(|s| *s != slot);
+            holders.retain(|(s, _)| *s != slot);
             self.entries -= 1;
             if holders.is_empty() {
                 self.keys.remove(&key);
@@ -92,33 +93,20 @@ impl KvIndex for MemoryIndex {
     ) -> Result<Vec<f64>, IndexError> {
         let inner = self.inner.read();
         let slots: Vec<Option<Slot>> = pods.iter().map(|p| inner.slots.get(p).copied()).collect();
-        let mut matched = vec![0.0; pods.len()];
-        let mut alive: Vec<bool> = slots.iter().map(Option::is_some).collect();
-        let mut remaining = alive.iter().filter(|a| **a).count();
-        for key in keys {
-            if remaining == 0 {
-                break;
-            }
-            let holders = inner.keys.get(key);
-            for (i, slot) in slots.iter().enumerate() {
-                if !alive[i] {
-                    continue;
-                }
-                let slot = slot.expect("alive implies a slot");
-                let held = holders.is_some_and(|h| h.contains(&slot))
-                    && inner.pods[slot as usize]
-                        .as_ref()
-                        .and_then(|p| p.lru.peek(key))
-                        .is_some_and(|&exp| exp > now_ms);
-                if held {
-                    matched[i] += 1.0;
-                } else {
-                    alive[i] = false;
-                    remaining -= 1;
-                }
-            }
-        }
-        Ok(matched)
+        Ok(prefix_walk(
+            keys,
+            &slots,
+            |key| {
+                inner
+                    .keys
+                    .get(key)
+                    .into_iter()
+                    .flatten()
+                    .filter(move |(_, exp)| *exp > now_ms)
+                    .map(|(s, _)| (*s, 1.0))
+            },
+            |_, _| None,
+        ))
     }
 
     async fn record(&self, pod: &PodId, keys: &[BlockKey], now_ms: u64) -> Result<(), IndexError> {
@@ -131,13 +119,20 @@ impl KvIndex for MemoryIndex {
             let entries = inner.pods[slot as usize].as_mut().expect("live slot");
             if entries.lru.contains(&key) {
                 entries.lru.put(key, expiry);
+                if let Some(h) = inner
+                    .keys
+                    .get_mut(&key)
+                    .and_then(|hs| hs.iter_mut().find(|(s, _)| *s == slot))
+                {
+                    h.1 = expiry;
+                }
                 continue;
             }
             let evicted = entries.lru.push(key, expiry).map(|(k, _)| k);
             if let Some(old) = evicted {
                 inner.unlink(old, slot);
             }
-            inner.keys.entry(key).or_default().push(slot);
+            inner.keys.entry(key).or_default().push((slot, expiry));
             inner.entries += 1;
         }
         Ok(())

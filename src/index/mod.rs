@@ -93,3 +93,64 @@ pub trait KvIndex: Send + Sync + 'static {
     /// Backend name for `/debug/pods`.
     fn describe(&self) -> &'static str;
 }
+
+/// The consecutive-prefix walk shared by the backends. For each key in order, `holders` yields
+/// `(slot, weight)` of every pod slot holding it; `fallback(candidate, key)` may still vouch for an
+/// alive candidate that no holder named (speculative entries). A candidate drops out at its first
+/// missing key. Costs O(holders + alive candidates) per key, not O(holders × candidates).
+pub(crate) fn prefix_walk<I>(
+    keys: &[BlockKey],
+    cand_slots: &[Option<u32>],
+    mut holders: impl FnMut(&BlockKey) -> I,
+    mut fallback: impl FnMut(usize, &BlockKey) -> Option<f64>,
+) -> Vec<f64>
+where
+    I: IntoIterator<Item = (u32, f64)>,
+{
+    const NONE: usize = usize::MAX;
+    let n = cand_slots.len();
+    let mut matched = vec![0.0; n];
+    let max_slot = cand_slots
+        .iter()
+        .flatten()
+        .copied()
+        .max()
+        .map_or(0, |m| m as usize + 1);
+    let mut cand_of = vec![NONE; max_slot];
+    for (c, s) in cand_slots.iter().enumerate() {
+        if let Some(s) = s {
+            cand_of[*s as usize] = c;
+        }
+    }
+    let mut alive: Vec<usize> = (0..n).filter(|&c| cand_slots[c].is_some()).collect();
+    let mut stamp = vec![usize::MAX; n];
+    let mut weight = vec![0.0; n];
+    for (ki, key) in keys.iter().enumerate() {
+        if alive.is_empty() {
+            break;
+        }
+        for (slot, w) in holders(key) {
+            if let Some(&c) = cand_of.get(slot as usize) {
+                if c != NONE {
+                    stamp[c] = ki;
+                    weight[c] = w;
+                }
+            }
+        }
+        alive.retain(|&c| {
+            let w = if stamp[c] == ki {
+                Some(weight[c])
+            } else {
+                fallback(c, key)
+            };
+            match w {
+                Some(w) => {
+                    matched[c] += w;
+                    true
+                }
+                None => false,
+            }
+        });
+    }
+    matched
+}
