@@ -23,3 +23,4 @@ pub mod request;
 pub mod scoring;
 pub mod sim;
 pub mod telemetry;
+pub mod tokenize;
