@@ -24,3 +24,4 @@ pub mod request;
 pub mod scoring;
 pub mod sim;
 pub mod telemetry;
+pub mod tokenize;
