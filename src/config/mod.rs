@@ -323,6 +323,11 @@ pub struct GateConfig {
     pub max_inflight_tokens: f64,
     /// A pod whose metrics are stale counts as saturated.
     pub stale_is_saturated: bool,
+    /// A pod is hot (skipped like a saturated one) when its requests (running + waiting + routed
+    /// but not yet visible) exceed the least loaded candidate's by more than this...
+    pub hot_abs: f64,
+    /// ...and are more than this many times the least loaded candidate's.
+    pub hot_rel: f64,
 }
 
 impl Default for GateConfig {
@@ -333,6 +338,8 @@ impl Default for GateConfig {
             max_kv_usage: 0.95,
             max_inflight_tokens: 65_536.0,
             stale_is_saturated: true,
+            hot_abs: 4.0,
+            hot_rel: 1.5,
         }
     }
 }
@@ -562,6 +569,12 @@ impl Config {
             if !(v > 0.0 && v.is_finite()) {
                 bad(key, "must be a positive number");
             }
+        }
+        if !(self.gate.hot_abs >= 0.0 && self.gate.hot_abs.is_finite()) {
+            bad("gate.hot_abs", "must be a finite number >= 0");
+        }
+        if !(self.gate.hot_rel >= 1.0 && self.gate.hot_rel.is_finite()) {
+            bad("gate.hot_rel", "must be a finite number >= 1");
         }
         if !(self.gate.max_kv_usage > 0.0 && self.gate.max_kv_usage <= 1.0) {
             bad("gate.max_kv_usage", "must be in (0, 1]");

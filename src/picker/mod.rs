@@ -80,6 +80,25 @@ impl Picker {
                 || load.inflight_tokens >= g.max_inflight_tokens)
     }
 
+    /// Which candidates carry clearly more requests than the least loaded one (SGLang-style
+    /// imbalance test, per pod): more than `hot_abs` above the minimum and over `hot_rel` times
+    /// it. A shared hot prefix then spills to other pods instead of piling onto one.
+    pub fn hot(&self, loads: &[&PodLoad]) -> Vec<bool> {
+        let g = &self.gate;
+        let requests = |l: &PodLoad| l.waiting + l.running + l.inflight_requests;
+        let min = loads
+            .iter()
+            .map(|l| requests(l))
+            .fold(f64::INFINITY, f64::min);
+        loads
+            .iter()
+            .map(|l| {
+                let r = requests(l);
+                g.enabled && r - min > g.hot_abs && r > g.hot_rel * min
+            })
+            .collect()
+    }
+
     /// Ranks candidates. `scores[s][i]` is scorer `s`'s score of candidate `i`; `busy[i]` is
     /// candidate `i`'s load in [0, 1] (for least-loaded).
     pub fn rank(
@@ -90,10 +109,13 @@ impl Picker {
         rng: &mut impl Rng,
     ) -> Ranking {
         let n = input.candidates.len();
+        let loads: Vec<&PodLoad> = input.candidates.iter().map(|c| &c.load).collect();
+        let hot = self.hot(&loads);
         let saturated: Vec<bool> = input
             .candidates
             .iter()
-            .map(|c| self.saturated(&c.load))
+            .zip(&hot)
+            .map(|(c, hot)| *hot || self.saturated(&c.load))
             .collect();
         let mut order: Vec<usize> = (0..n).collect();
         // Shuffle first, then a stable sort: exact ties end up in random order.
@@ -191,6 +213,44 @@ mod tests {
         inp.candidates[1].load.fresh = false;
         let r = p.rank(&inp, &scores, &[0.0; 2], &mut StdRng::seed_from_u64(1));
         assert_eq!((r.order[0], r.reason), (0, PickReason::AllSaturated));
+    }
+
+    #[test]
+    fn hot_pod_spills_to_idle_ones() {
+        let p = Picker::new(Policy::Weighted, vec![3.0], GateConfig::default());
+        let mut inp = input(3);
+        inp.candidates[0].load.running = 5.0;
+        inp.candidates[1].load.running = 1.0;
+        inp.candidates[2].load.running = 2.0;
+        // The warm pod has 4 more requests than the idlest: still preferred.
+        let r = p.rank(
+            &inp,
+            &[vec![1.0, 0.0, 0.0]],
+            &[0.0; 3],
+            &mut StdRng::seed_from_u64(1),
+        );
+        assert_eq!(r.order[0], 0);
+        // One more and it is hot: the prefix no longer wins it the request.
+        inp.candidates[0].load.inflight_requests = 1.0;
+        let r = p.rank(
+            &inp,
+            &[vec![1.0, 0.0, 0.0]],
+            &[0.0; 3],
+            &mut StdRng::seed_from_u64(1),
+        );
+        assert_ne!(r.order[0], 0);
+        assert_eq!(r.order[2], 0, "the hot pod is the last fallback");
+        // Big loads: a difference of 5 is not an imbalance (under 1.5x).
+        for c in &mut inp.candidates {
+            c.load.running += 100.0;
+        }
+        let r = p.rank(
+            &inp,
+            &[vec![1.0, 0.0, 0.0]],
+            &[0.0; 3],
+            &mut StdRng::seed_from_u64(1),
+        );
+        assert_eq!(r.order[0], 0);
     }
 
     #[test]
