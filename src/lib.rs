@@ -11,3 +11,6 @@
 pub mod blocks;
 pub mod config;
 pub mod request;
+
+// kv-bench harness (deployments, workloads, runner, reports); not part of the router itself.
+pub mod bench;
