@@ -11,6 +11,7 @@
 pub mod blocks;
 pub mod config;
 pub mod request;
+pub mod sim;
 
 // kv-bench harness (deployments, workloads, runner, reports); not part of the router itself.
 pub mod bench;

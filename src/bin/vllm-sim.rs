@@ -1,1 +1,16 @@
-fn main() {}
+//! `vllm-sim`: a simulated vLLM pod. See `docs/vllm-sim.md`.
+
+use clap::Parser;
+use kv_router::sim::{run, Args};
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .init();
+    run(Args::parse()).await
+}

@@ -1,0 +1,186 @@
+//! The engine actor: one tokio task owns the [`Engine`] and drives it with real timers.
+//! HTTP handlers talk to it through an [`EngineHandle`].
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::{mpsc, oneshot};
+use tokio::time::Instant;
+
+use super::cache::CacheEvent;
+use super::engine::{Engine, Output, RequestId, Stats, Submission, Usage};
+
+/// What a request's owner receives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RequestEvent {
+    /// Token number `index` (0-based) was generated.
+    Token {
+        /// 0-based output position.
+        index: u32,
+    },
+    /// The request finished.
+    Done(Usage),
+}
+
+enum Command {
+    Submit {
+        id: RequestId,
+        sub: Submission,
+        events: mpsc::UnboundedSender<RequestEvent>,
+    },
+    Cancel(RequestId),
+    Reset(oneshot::Sender<bool>),
+    Stats(oneshot::Sender<Stats>),
+}
+
+/// Cloneable access to the engine actor.
+#[derive(Clone)]
+pub struct EngineHandle {
+    tx: mpsc::UnboundedSender<Command>,
+    next_id: Arc<AtomicU64>,
+}
+
+/// Starts the actor on the current tokio runtime. Cache events (vLLM KV events) are sent to
+/// `cache_events` when given, and dropped otherwise.
+pub fn spawn(
+    engine: Engine,
+    cache_events: Option<mpsc::UnboundedSender<CacheEvent>>,
+) -> EngineHandle {
+    let (tx, rx) = mpsc::unbounded_channel();
+    tokio::spawn(run(engine, rx, cache_events));
+    EngineHandle {
+        tx,
+        next_id: Arc::new(AtomicU64::new(1)),
+    }
+}
+
+impl EngineHandle {
+    /// Submits a request; events arrive on the returned [`RequestStream`]. Dropping the stream
+    /// before `Done` cancels the request (frees its slot).
+    pub fn submit(&self, sub: Submission) -> RequestStream {
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let (events, rx) = mpsc::unbounded_channel();
+        let _ = self.tx.send(Command::Submit { id, sub, events });
+        RequestStream {
+            id,
+            rx,
+            tx: self.tx.clone(),
+            done: false,
+        }
+    }
+
+    /// Clears the prefix cache; returns whether the engine accepted.
+    pub async fn reset_prefix_cache(&self) -> bool {
+        let (tx, rx) = oneshot::channel();
+        let _ = self.tx.send(Command::Reset(tx));
+        rx.await.unwrap_or(false)
+    }
+
+    /// Current engine statistics.
+    pub async fn stats(&self) -> Stats {
+        let (tx, rx) = oneshot::channel();
+        let _ = self.tx.send(Command::Stats(tx));
+        rx.await.unwrap_or_default()
+    }
+}
+
+/// Events of one submitted request.
+pub struct RequestStream {
+    id: RequestId,
+    rx: mpsc::UnboundedReceiver<RequestEvent>,
+    tx: mpsc::UnboundedSender<Command>,
+    done: bool,
+}
+
+impl RequestStream {
+    /// The next event; `None` if the engine went away.
+    pub async fn recv(&mut self) -> Option<RequestEvent> {
+        let ev = self.rx.recv().await;
+        if matches!(ev, Some(RequestEvent::Done(_)) | None) {
+            self.done = true;
+        }
+        ev
+    }
+}
+
+impl Drop for RequestStream {
+    fn drop(&mut self) {
+        if !self.done {
+            let _ = self.tx.send(Command::Cancel(self.id));
+        }
+    }
+}
+
+fn micros(start: Instant) -> u64 {
+    start.elapsed().as_micros().min(u64::MAX as u128) as u64
+}
+
+async fn run(
+    mut engine: Engine,
+    mut rx: mpsc::UnboundedReceiver<Command>,
+    cache_events: Option<mpsc::UnboundedSender<CacheEvent>>,
+) {
+    let start = Instant::now();
+    let mut owners: std::collections::HashMap<RequestId, mpsc::UnboundedSender<RequestEvent>> =
+        std::collections::HashMap::new();
+    loop {
+        let now = micros(start);
+        for out in engine.step(now) {
+            let (id, ev) = match out {
+                Output::Token { id, index, .. } => (id, RequestEvent::Token { index }),
+                Output::Finished { id, usage, .. } => (id, RequestEvent::Done(usage)),
+            };
+            let delivered = match owners.get(&id) {
+                Some(tx) => tx.send(ev).is_ok(),
+                None => false,
+            };
+            if matches!(ev, RequestEvent::Done(_)) {
+                owners.remove(&id);
+            } else if !delivered {
+                owners.remove(&id);
+                engine.cancel(now, id);
+            }
+        }
+        for ev in engine.drain_cache_events() {
+            if let Some(tx) = &cache_events {
+                let _ = tx.send(ev);
+            }
+        }
+        let deadline = engine
+            .next_event_time()
+            .map(|t| start + Duration::from_micros(t));
+        let cmd = tokio::select! {
+            cmd = rx.recv() => match cmd {
+                Some(cmd) => Some(cmd),
+                None => return,
+            },
+            _ = sleep_until(deadline) => None,
+        };
+        let Some(cmd) = cmd else { continue };
+        let now = micros(start);
+        match cmd {
+            Command::Submit { id, sub, events } => {
+                owners.insert(id, events);
+                engine.submit(now, id, sub);
+            }
+            Command::Cancel(id) => {
+                owners.remove(&id);
+                engine.cancel(now, id);
+            }
+            Command::Reset(reply) => {
+                let _ = reply.send(engine.reset_prefix_cache(now));
+            }
+            Command::Stats(reply) => {
+                let _ = reply.send(engine.stats());
+            }
+        }
+    }
+}
+
+async fn sleep_until(deadline: Option<Instant>) {
+    match deadline {
+        Some(d) => tokio::time::sleep_until(d).await,
+        None => std::future::pending().await,
+    }
+}

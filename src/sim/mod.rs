@@ -1,0 +1,124 @@
+//! `vllm-sim`: a simulated vLLM pod for tests, demos and benchmarks (no GPU needed).
+//!
+//! ```text
+//! HTTP (http) ─► request::parse + pseudo_tokens ─► actor (tokio task) ─► engine (pure) ─► cache
+//! ```
+//! The [`engine`] is a deterministic scheduler (prefix cache, continuous batching, latency
+//! model) driven by explicit timestamps; the [`actor`] drives it with real timers; [`http`]
+//! speaks vLLM's OpenAI-compatible wire format. See `docs/vllm-sim.md`.
+
+pub mod actor;
+pub mod cache;
+pub mod engine;
+pub mod http;
+pub mod metrics;
+
+use std::io::Write;
+use std::net::SocketAddr;
+use std::sync::atomic::AtomicU64;
+use std::sync::Arc;
+
+use clap::Parser;
+
+use engine::{Engine, EngineConfig};
+
+/// Command-line flags of `vllm-sim` (defaults documented in `docs/vllm-sim.md`).
+#[derive(Debug, Clone, Parser)]
+#[command(
+    name = "vllm-sim",
+    about = "Simulated vLLM pod (OpenAI-compatible API, prefix cache)"
+)]
+pub struct Args {
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    /// Port to listen on (0 = pick a free port; the address is printed).
+    #[arg(long, default_value_t = 8000)]
+    pub port: u16,
+    /// Served model name (repeatable; the first is the default for requests without `model`).
+    #[arg(
+        long = "model",
+        alias = "served-model-name",
+        default_value = "sim-model"
+    )]
+    pub models: Vec<String>,
+    /// Pod name sent in the `x-vllm-sim-pod` header (default: the listen address).
+    #[arg(long)]
+    pub pod_name: Option<String>,
+    /// Tokens per KV block.
+    #[arg(long, default_value_t = 16)]
+    pub block_size: usize,
+    /// KV blocks on the simulated GPU (prefix-cache capacity).
+    #[arg(long, default_value_t = 2048)]
+    pub num_gpu_blocks: usize,
+    /// Maximum concurrently running requests; more wait FIFO.
+    #[arg(long, default_value_t = 64)]
+    pub max_num_seqs: usize,
+    /// Maximum prompt + output tokens per request.
+    #[arg(long, default_value_t = 4_194_304)]
+    pub max_model_len: usize,
+    /// Fixed time-to-first-token overhead, milliseconds.
+    #[arg(long, default_value_t = 15.0)]
+    pub ttft_base_ms: f64,
+    /// Prefill compute per uncached prompt token, microseconds (single prefill lane per pod).
+    #[arg(long, default_value_t = 100.0)]
+    pub prefill_us_per_token: f64,
+    /// Decode time per output token with a batch of one, milliseconds.
+    #[arg(long, default_value_t = 10.0)]
+    pub decode_ms_per_token: f64,
+    /// Relative decode slowdown per running request.
+    #[arg(long, default_value_t = 0.01)]
+    pub decode_batch_slowdown: f64,
+    /// Seed for response ids and generated text.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+}
+
+impl Args {
+    /// The engine configuration these flags describe.
+    pub fn engine_config(&self) -> EngineConfig {
+        let finite = |v: f64| if v.is_finite() { v.max(0.0) } else { 0.0 };
+        EngineConfig {
+            block_size: self.block_size.max(1),
+            num_gpu_blocks: self.num_gpu_blocks,
+            max_num_seqs: self.max_num_seqs.max(1),
+            ttft_base_us: finite(self.ttft_base_ms) * 1000.0,
+            prefill_us_per_token: finite(self.prefill_us_per_token),
+            decode_us_per_token: finite(self.decode_ms_per_token) * 1000.0,
+            decode_batch_slowdown: finite(self.decode_batch_slowdown),
+        }
+    }
+}
+
+/// Binds, prints `vllm-sim listening on <addr>` to stdout, and serves until the process ends.
+pub async fn run(args: Args) -> anyhow::Result<()> {
+    let listener = tokio::net::TcpListener::bind((args.host.as_str(), args.port)).await?;
+    let addr: SocketAddr = listener.local_addr()?;
+    let engine = actor::spawn(Engine::new(args.engine_config()), None);
+    let mut models = args.models.clone();
+    if models.is_empty() {
+        models.push("sim-model".into());
+    }
+    let state = Arc::new(http::AppState {
+        models,
+        max_model_len: args.max_model_len,
+        block_size: args.block_size.max(1),
+        num_gpu_blocks: args.num_gpu_blocks,
+        pod_name: args.pod_name.clone().unwrap_or_else(|| addr.to_string()),
+        seed: args.seed,
+        engine,
+        started: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(0),
+        counter: AtomicU64::new(0),
+    });
+    {
+        let mut out = std::io::stdout().lock();
+        writeln!(out, "vllm-sim listening on {addr}")?;
+        out.flush()?;
+    }
+    tracing::info!(%addr, pod = %state.pod_name, "vllm-sim started");
+    axum::serve(listener, http::router(state)).await?;
+    Ok(())
+}
