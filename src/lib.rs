@@ -10,7 +10,13 @@
 
 pub mod blocks;
 pub mod config;
+pub mod decide;
+pub mod index;
+pub mod picker;
+pub mod pods;
 pub mod request;
+pub mod scoring;
+pub mod telemetry;
 pub mod sim;
 
 // kv-bench harness (deployments, workloads, runner, reports); not part of the router itself.

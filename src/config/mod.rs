@@ -234,6 +234,9 @@ pub struct LoadScorerConfig {
     pub tokens_full: f64,
     /// Weight of the in-flight uncached-token signal.
     pub tokens_weight: f64,
+    /// Assumed prefill speed of a pod: routed uncached tokens stay counted for `tokens / this`
+    /// seconds when the response itself is not observed (BUFFERED mode).
+    pub prefill_tokens_per_sec: f64,
 }
 
 impl Default for LoadScorerConfig {
@@ -245,6 +248,7 @@ impl Default for LoadScorerConfig {
             kv_weight: 0.5,
             tokens_full: 32_768.0,
             tokens_weight: 1.0,
+            prefill_tokens_per_sec: 10_000.0,
         }
     }
 }
@@ -486,6 +490,10 @@ impl Config {
         for (key, v) in [
             ("scorers.load.queue_full", s.load.queue_full),
             ("scorers.load.tokens_full", s.load.tokens_full),
+            (
+                "scorers.load.prefill_tokens_per_sec",
+                s.load.prefill_tokens_per_sec,
+            ),
             ("gate.max_waiting", self.gate.max_waiting),
             ("gate.max_inflight_tokens", self.gate.max_inflight_tokens),
         ] {

@@ -1,0 +1,213 @@
+//! The picker: saturation gate, weighted sum of scorer outputs, random tie-break among equals;
+//! and the baseline policies (round-robin, random, least-loaded) used for comparisons.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use rand::seq::SliceRandom;
+use rand::Rng;
+
+use crate::config::{GateConfig, Policy};
+use crate::pods::PodLoad;
+use crate::scoring::ScoreInput;
+
+/// Why the ranking looks the way it does (closed set, used as a metric label).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PickReason {
+    /// Weighted scores over unsaturated candidates.
+    Scored,
+    /// Every candidate was saturated; scored over all of them.
+    AllSaturated,
+    /// A baseline policy chose.
+    Policy,
+}
+
+impl PickReason {
+    /// Metric label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PickReason::Scored => "scored",
+            PickReason::AllSaturated => "all-saturated",
+            PickReason::Policy => "policy",
+        }
+    }
+}
+
+/// The picker's output: candidate indices best first, with their combined scores.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Ranking {
+    /// Indices into the candidates, best first (saturated ones after all others).
+    pub order: Vec<usize>,
+    /// Combined score per candidate (same order as the candidates).
+    pub totals: Vec<f64>,
+    /// Candidates the gate marked saturated.
+    pub saturated: Vec<bool>,
+    /// Why.
+    pub reason: PickReason,
+}
+
+/// Combines scorer outputs into a ranking.
+#[derive(Debug)]
+pub struct Picker {
+    policy: Policy,
+    weights: Vec<f64>,
+    gate: GateConfig,
+    next: AtomicUsize,
+}
+
+impl Picker {
+    /// `weights[i]` applies to the i-th scorer's output.
+    pub fn new(policy: Policy, weights: Vec<f64>, gate: GateConfig) -> Self {
+        Self {
+            policy,
+            weights,
+            gate,
+            next: AtomicUsize::new(0),
+        }
+    }
+
+    /// The policy in force.
+    pub fn policy(&self) -> Policy {
+        self.policy
+    }
+
+    /// Whether a pod counts as saturated.
+    pub fn saturated(&self, load: &PodLoad) -> bool {
+        let g = &self.gate;
+        g.enabled
+            && ((g.stale_is_saturated && !load.fresh)
+                || load.waiting >= g.max_waiting
+                || load.kv_usage >= g.max_kv_usage
+                || load.inflight_tokens >= g.max_inflight_tokens)
+    }
+
+    /// Ranks candidates. `scores[s][i]` is scorer `s`'s score of candidate `i`; `busy[i]` is
+    /// candidate `i`'s load in [0, 1] (for least-loaded).
+    pub fn rank(
+        &self,
+        input: &ScoreInput,
+        scores: &[Vec<f64>],
+        busy: &[f64],
+        rng: &mut impl Rng,
+    ) -> Ranking {
+        let n = input.candidates.len();
+        let saturated: Vec<bool> = input
+            .candidates
+            .iter()
+            .map(|c| self.saturated(&c.load))
+            .collect();
+        let mut order: Vec<usize> = (0..n).collect();
+        // Shuffle first, then a stable sort: exact ties end up in random order.
+        order.shuffle(rng);
+        let (totals, reason) = match self.policy {
+            Policy::Weighted => {
+                let totals: Vec<f64> = (0..n)
+                    .map(|i| {
+                        scores
+                            .iter()
+                            .zip(&self.weights)
+                            .map(|(s, w)| w * s[i])
+                            .sum()
+                    })
+                    .collect();
+                let all_saturated = n > 0 && saturated.iter().all(|s| *s);
+                let gate = |i: usize| saturated[i] && !all_saturated;
+                order.sort_by(|&a, &b| gate(a).cmp(&gate(b)).then(totals[b].total_cmp(&totals[a])));
+                let reason = if all_saturated {
+                    PickReason::AllSaturated
+                } else {
+                    PickReason::Scored
+                };
+                (totals, reason)
+            }
+            Policy::Random => (vec![0.0; n], PickReason::Policy),
+            Policy::RoundRobin => {
+                let start = if n == 0 {
+                    0
+                } else {
+                    self.next.fetch_add(1, Ordering::Relaxed) % n
+                };
+                order = (0..n).map(|k| (start + k) % n).collect();
+                (vec![0.0; n], PickReason::Policy)
+            }
+            Policy::LeastLoaded => {
+                order.sort_by(|&a, &b| busy[a].total_cmp(&busy[b]));
+                ((0..n).map(|i| 1.0 - busy[i]).collect(), PickReason::Policy)
+            }
+        };
+        Ranking {
+            order,
+            totals,
+            saturated,
+            reason,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use rand::rngs::StdRng;
+    use rand::SeedableRng;
+
+    use super::*;
+    use crate::scoring::candidate;
+
+    fn input(n: usize) -> ScoreInput {
+        ScoreInput {
+            total_blocks: 4,
+            candidates: (0..n).map(|i| candidate(&format!("p:{i}"))).collect(),
+        }
+    }
+
+    #[test]
+    fn weighted_sum_orders_candidates() {
+        let p = Picker::new(Policy::Weighted, vec![3.0, 1.0], GateConfig::default());
+        let scores = vec![vec![0.5, 1.0, 0.0], vec![1.0, 0.0, 0.0]];
+        let r = p.rank(&input(3), &scores, &[0.0; 3], &mut StdRng::seed_from_u64(1));
+        assert_eq!(r.order, vec![1, 0, 2]);
+        assert_eq!(r.totals, vec![2.5, 3.0, 0.0]);
+        assert_eq!(r.reason, PickReason::Scored);
+    }
+
+    #[test]
+    fn ties_break_randomly() {
+        let p = Picker::new(Policy::Weighted, vec![1.0], GateConfig::default());
+        let scores = vec![vec![1.0; 4]];
+        let mut firsts = std::collections::HashSet::new();
+        let mut rng = StdRng::seed_from_u64(7);
+        for _ in 0..200 {
+            firsts.insert(p.rank(&input(4), &scores, &[0.0; 4], &mut rng).order[0]);
+        }
+        assert_eq!(firsts.len(), 4, "every tied pod must win sometimes");
+    }
+
+    #[test]
+    fn gate_skips_saturated_unless_all_are() {
+        let p = Picker::new(Policy::Weighted, vec![1.0], GateConfig::default());
+        let mut inp = input(2);
+        inp.candidates[0].load.waiting = 100.0;
+        let scores = vec![vec![1.0, 0.0]];
+        let r = p.rank(&inp, &scores, &[0.0; 2], &mut StdRng::seed_from_u64(1));
+        assert_eq!(r.order, vec![1, 0], "the hot pod becomes a fallback");
+        inp.candidates[1].load.fresh = false;
+        let r = p.rank(&inp, &scores, &[0.0; 2], &mut StdRng::seed_from_u64(1));
+        assert_eq!((r.order[0], r.reason), (0, PickReason::AllSaturated));
+    }
+
+    #[test]
+    fn baselines() {
+        let rr = Picker::new(Policy::RoundRobin, vec![], GateConfig::default());
+        let mut rng = StdRng::seed_from_u64(1);
+        let firsts: Vec<usize> = (0..6)
+            .map(|_| rr.rank(&input(3), &[], &[0.0; 3], &mut rng).order[0])
+            .collect();
+        assert_eq!(firsts, vec![0, 1, 2, 0, 1, 2]);
+        let ll = Picker::new(Policy::LeastLoaded, vec![], GateConfig::default());
+        assert_eq!(
+            ll.rank(&input(3), &[], &[0.5, 0.1, 0.9], &mut rng).order,
+            vec![1, 0, 2]
+        );
+        let rnd = Picker::new(Policy::Random, vec![], GateConfig::default());
+        assert_eq!(rnd.rank(&input(3), &[], &[0.0; 3], &mut rng).order.len(), 3);
+        assert!(rr.rank(&input(0), &[], &[], &mut rng).order.is_empty());
+    }
+}

@@ -1,0 +1,344 @@
+//! Pods: identities, the current set (an immutable snapshot swapped atomically), per-pod live
+//! state (health, scraped load, router in-flight accounting) and the sources that list pods.
+
+mod inflight;
+mod probe;
+mod source;
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::Arc;
+
+use ahash::AHashMap;
+use arc_swap::ArcSwap;
+use parking_lot::{Mutex, RwLock};
+use serde::Serialize;
+use tokio::time::Instant;
+
+pub use inflight::InflightGuard;
+pub use probe::{parse_vllm_metrics, Prober};
+pub use source::{DnsSource, PodSource, PodSourceError, StaticSource};
+
+/// A pod's identity: the `ip:port` Envoy knows it by.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+pub struct PodId(Arc<str>);
+
+impl PodId {
+    /// Wraps an address string.
+    pub fn new(s: impl Into<Arc<str>>) -> Self {
+        Self(s.into())
+    }
+
+    /// The `ip:port` text.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for PodId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl From<SocketAddr> for PodId {
+    fn from(addr: SocketAddr) -> Self {
+        Self::new(addr.to_string())
+    }
+}
+
+/// What a source says about a pod.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PodSpec {
+    /// Identity (`ip:port`).
+    pub id: PodId,
+    /// Socket address for probes.
+    pub addr: SocketAddr,
+    /// Configured model names; empty = learn from `/v1/models`.
+    pub models: Vec<String>,
+    /// Free-form labels.
+    pub labels: BTreeMap<String, String>,
+}
+
+/// One sample of a pod's `/metrics`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct LoadSample {
+    /// `vllm:num_requests_waiting`.
+    pub waiting: f64,
+    /// `vllm:num_requests_running`.
+    pub running: f64,
+    /// `vllm:kv_cache_usage_perc` (0..1).
+    pub kv_usage: f64,
+    /// `num_gpu_blocks` label of `vllm:cache_config_info`, when present.
+    pub num_gpu_blocks: Option<u64>,
+    /// `block_size` label of `vllm:cache_config_info`, when present.
+    pub block_size: Option<u64>,
+}
+
+/// A pod's load as the scorers see it (plain values, no clock).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct PodLoad {
+    /// Waiting requests at the pod (last scrape).
+    pub waiting: f64,
+    /// Running requests at the pod (last scrape).
+    pub running: f64,
+    /// KV-cache usage 0..1 (last scrape).
+    pub kv_usage: f64,
+    /// Requests this router sent that the pod's metrics may not show yet, or not finished.
+    pub inflight_requests: f64,
+    /// Uncached prompt tokens this router sent that are still being prefilled (estimate).
+    pub inflight_tokens: f64,
+    /// Whether the scrape is recent enough to trust.
+    pub fresh: bool,
+}
+
+/// A pod in the current set: its spec plus live state shared by probes, decisions and guards.
+#[derive(Debug)]
+pub struct Pod {
+    /// What the source said.
+    pub spec: PodSpec,
+    healthy: AtomicBool,
+    failures: AtomicU32,
+    sample: Mutex<Option<(Instant, LoadSample)>>,
+    learned_models: RwLock<Option<(Instant, Vec<String>)>>,
+    pub(crate) inflight: inflight::Inflight,
+}
+
+impl Pod {
+    /// A new pod, unhealthy until its first successful probe.
+    pub fn new(spec: PodSpec) -> Self {
+        Self {
+            spec,
+            healthy: AtomicBool::new(false),
+            failures: AtomicU32::new(0),
+            sample: Mutex::new(None),
+            learned_models: RwLock::new(None),
+            inflight: inflight::Inflight::default(),
+        }
+    }
+
+    /// Identity.
+    pub fn id(&self) -> &PodId {
+        &self.spec.id
+    }
+
+    /// Passed its last probes.
+    pub fn is_healthy(&self) -> bool {
+        self.healthy.load(Ordering::Relaxed)
+    }
+
+    /// Records a probe result; unhealthy after `unhealthy_after` consecutive failures.
+    pub fn record_probe(&self, ok: bool, unhealthy_after: u32) {
+        if ok {
+            self.failures.store(0, Ordering::Relaxed);
+            self.healthy.store(true, Ordering::Relaxed);
+        } else {
+            let n = self.failures.fetch_add(1, Ordering::Relaxed) + 1;
+            if n >= unhealthy_after {
+                self.healthy.store(false, Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// Stores a scrape taken at `started` (the time the request was sent).
+    pub fn record_sample(&self, started: Instant, sample: LoadSample) {
+        *self.sample.lock() = Some((started, sample));
+        self.inflight.observed_scrape(started);
+    }
+
+    /// Last scrape and its time.
+    pub fn last_sample(&self) -> Option<(Instant, LoadSample)> {
+        *self.sample.lock()
+    }
+
+    /// Models served: configured ones, else the last `/v1/models` answer.
+    pub fn models(&self) -> Vec<String> {
+        if !self.spec.models.is_empty() {
+            return self.spec.models.clone();
+        }
+        self.learned_models
+            .read()
+            .as_ref()
+            .map(|(_, m)| m.clone())
+            .unwrap_or_default()
+    }
+
+    /// Whether the pod serves `model` (pods with no known models accept any).
+    pub fn serves(&self, model: Option<&str>) -> bool {
+        let Some(model) = model else { return true };
+        if !self.spec.models.is_empty() {
+            return self.spec.models.iter().any(|m| m == model);
+        }
+        match &*self.learned_models.read() {
+            Some((_, models)) if !models.is_empty() => models.iter().any(|m| m == model),
+            _ => true,
+        }
+    }
+
+    /// When the models were last learned, if ever.
+    pub fn models_learned_at(&self) -> Option<Instant> {
+        self.learned_models.read().as_ref().map(|(t, _)| *t)
+    }
+
+    /// Stores models learned from `/v1/models`.
+    pub fn set_learned_models(&self, at: Instant, models: Vec<String>) {
+        *self.learned_models.write() = Some((at, models));
+    }
+
+    /// Load as the scorers see it at `now`.
+    pub fn load(&self, now: Instant, stale_after: std::time::Duration) -> PodLoad {
+        let sample = self.last_sample();
+        let (inflight_requests, inflight_tokens) = self.inflight.current(now, stale_after);
+        let (fresh, s) = match sample {
+            Some((at, s)) => (now.saturating_duration_since(at) <= stale_after, s),
+            None => (false, LoadSample::default()),
+        };
+        PodLoad {
+            waiting: s.waiting,
+            running: s.running,
+            kv_usage: s.kv_usage,
+            inflight_requests: inflight_requests as f64,
+            inflight_tokens: inflight_tokens as f64,
+            fresh,
+        }
+    }
+
+    /// Starts router-side accounting for one routed request.
+    pub fn begin_request(
+        self: &Arc<Self>,
+        uncached_tokens: u64,
+        now: Instant,
+        prefill_tokens_per_sec: f64,
+    ) -> InflightGuard {
+        InflightGuard::new(self.clone(), uncached_tokens, now, prefill_tokens_per_sec)
+    }
+
+    /// Current in-flight counters (for gauges): requests, tokens.
+    pub fn inflight_counts(&self) -> (i64, i64) {
+        self.inflight.raw()
+    }
+}
+
+/// An immutable snapshot of all pods.
+#[derive(Debug, Default)]
+pub struct PodSet {
+    pods: Vec<Arc<Pod>>,
+    by_id: AHashMap<PodId, usize>,
+}
+
+impl PodSet {
+    /// Builds a set from pods (later duplicates of an id are dropped).
+    pub fn new(pods: Vec<Arc<Pod>>) -> Self {
+        let mut by_id = AHashMap::with_capacity(pods.len());
+        let mut kept = Vec::with_capacity(pods.len());
+        for pod in pods {
+            if !by_id.contains_key(pod.id()) {
+                by_id.insert(pod.id().clone(), kept.len());
+                kept.push(pod);
+            }
+        }
+        Self { pods: kept, by_id }
+    }
+
+    /// All pods.
+    pub fn pods(&self) -> &[Arc<Pod>] {
+        &self.pods
+    }
+
+    /// A pod by id.
+    pub fn get(&self, id: &PodId) -> Option<&Arc<Pod>> {
+        self.by_id.get(id).map(|&i| &self.pods[i])
+    }
+}
+
+/// The current pod set, readable without locks.
+#[derive(Debug, Default)]
+pub struct PodRegistry {
+    set: ArcSwap<PodSet>,
+}
+
+impl PodRegistry {
+    /// Current snapshot.
+    pub fn snapshot(&self) -> Arc<PodSet> {
+        self.set.load_full()
+    }
+
+    /// Replaces the set with `specs`, keeping the live state of pods whose spec is unchanged.
+    /// Returns the ids of pods that left.
+    pub fn update(&self, specs: Vec<PodSpec>) -> Vec<PodId> {
+        let old = self.snapshot();
+        let mut pods = Vec::with_capacity(specs.len());
+        for spec in specs {
+            match old.get(&spec.id) {
+                Some(existing) if existing.spec == spec => pods.push(existing.clone()),
+                _ => pods.push(Arc::new(Pod::new(spec))),
+            }
+        }
+        let new = PodSet::new(pods);
+        let gone = old
+            .pods()
+            .iter()
+            .filter(|p| new.get(p.id()).is_none())
+            .map(|p| p.id().clone())
+            .collect();
+        self.set.store(Arc::new(new));
+        gone
+    }
+
+    /// At least one pod is healthy.
+    pub fn any_healthy(&self) -> bool {
+        self.snapshot().pods().iter().any(|p| p.is_healthy())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(addr: &str) -> PodSpec {
+        PodSpec {
+            id: PodId::new(addr),
+            addr: addr.parse().unwrap(),
+            models: vec![],
+            labels: BTreeMap::new(),
+        }
+    }
+
+    #[test]
+    fn update_keeps_state_of_unchanged_pods() {
+        let reg = PodRegistry::default();
+        reg.update(vec![spec("127.0.0.1:1"), spec("127.0.0.1:2")]);
+        reg.snapshot().pods()[0].record_probe(true, 1);
+        let gone = reg.update(vec![spec("127.0.0.1:1"), spec("127.0.0.1:3")]);
+        assert_eq!(gone, vec![PodId::new("127.0.0.1:2")]);
+        let snap = reg.snapshot();
+        assert!(snap.get(&PodId::new("127.0.0.1:1")).unwrap().is_healthy());
+        assert!(!snap.get(&PodId::new("127.0.0.1:3")).unwrap().is_healthy());
+    }
+
+    #[test]
+    fn unhealthy_after_consecutive_failures() {
+        let pod = Pod::new(spec("127.0.0.1:1"));
+        pod.record_probe(true, 2);
+        pod.record_probe(false, 2);
+        assert!(pod.is_healthy());
+        pod.record_probe(false, 2);
+        assert!(!pod.is_healthy());
+        pod.record_probe(true, 2);
+        assert!(pod.is_healthy());
+    }
+
+    #[test]
+    fn model_filtering() {
+        let mut s = spec("127.0.0.1:1");
+        s.models = vec!["a".into()];
+        let pod = Pod::new(s);
+        assert!(pod.serves(Some("a")) && !pod.serves(Some("b")) && pod.serves(None));
+        let learned = Pod::new(spec("127.0.0.1:2"));
+        assert!(learned.serves(Some("b")), "unknown models: accept");
+        learned.set_learned_models(Instant::now(), vec!["a".into()]);
+        assert!(!learned.serves(Some("b")));
+    }
+}
