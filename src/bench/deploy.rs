@@ -493,6 +493,56 @@ impl RouterProc {
         format!("http://{}", self.admin)
     }
 
+    /// `GET /debug/pods` as JSON.
+    pub async fn debug_pods(&self) -> Result<serde_json::Value> {
+        let r = http()
+            .get(format!("http://{}/debug/pods", self.admin))
+            .send()
+            .await?;
+        Ok(r.json().await?)
+    }
+
+    /// Waits until `/debug/pods` lists `n` pods that are healthy and have load metrics (so no
+    /// pod is gated as stale), or fails after `timeout` with the last answer.
+    pub async fn wait_pods_ready(&self, n: usize, timeout: Duration) -> Result<()> {
+        self.wait_pods(timeout, |pods| {
+            pods.iter()
+                .filter(|p| p["healthy"] == true && !p["metrics"].is_null())
+                .count()
+                >= n
+        })
+        .await
+    }
+
+    /// Waits until no pod in `/debug/pods` is healthy.
+    pub async fn wait_no_healthy_pod(&self, timeout: Duration) -> Result<()> {
+        self.wait_pods(timeout, |pods| pods.iter().all(|p| p["healthy"] != true))
+            .await
+    }
+
+    async fn wait_pods(
+        &self,
+        timeout: Duration,
+        ok: impl Fn(&[serde_json::Value]) -> bool,
+    ) -> Result<()> {
+        let deadline = Instant::now() + timeout;
+        let mut last = serde_json::Value::Null;
+        loop {
+            if let Ok(v) = self.debug_pods().await {
+                if let Some(pods) = v["pods"].as_array() {
+                    if ok(pods) {
+                        return Ok(());
+                    }
+                }
+                last = v;
+            }
+            if Instant::now() > deadline {
+                bail!("kv-router pods did not reach the expected state in {timeout:?}; last /debug/pods: {last}");
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
     /// Kills the router now.
     pub fn kill(&mut self) {
         self.proc.kill();
@@ -735,6 +785,11 @@ impl EnvoyProc {
             .await?
             .text()
             .await?)
+    }
+
+    /// Last lines of Envoy's stderr.
+    pub fn stderr_tail(&self, lines: usize) -> String {
+        self.proc.stderr_tail(lines)
     }
 
     /// Kills Envoy now.
