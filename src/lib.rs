@@ -16,8 +16,8 @@ pub mod picker;
 pub mod pods;
 pub mod request;
 pub mod scoring;
-pub mod telemetry;
 pub mod sim;
+pub mod telemetry;
 
 // kv-bench harness (deployments, workloads, runner, reports); not part of the router itself.
 pub mod bench;
