@@ -368,24 +368,27 @@ impl Decider {
                 vec![0.0; input.candidates.len()]
             }));
         }
-        let mut rng = rand::rng();
-        let (ranking, reason) = match (&parsed, req.body) {
-            (None, None) => (
-                self.least_loaded.rank(&input, &[], &busy, &mut rng),
-                Reason::NoBody,
-            ),
-            (None, Some(_)) => (
-                self.least_loaded.rank(&input, &[], &busy, &mut rng),
-                Reason::Unparsable,
-            ),
-            (Some(_), _) => {
-                let r = self.picker.rank(&input, &scores, &busy, &mut rng);
-                let reason = match r.reason {
-                    PickReason::Scored => Reason::Scored,
-                    PickReason::AllSaturated => Reason::AllSaturated,
-                    PickReason::Policy => Reason::Policy,
-                };
-                (r, reason)
+        // ThreadRng is not Send: keep it out of scope of the awaits below.
+        let (ranking, reason) = {
+            let mut rng = rand::rng();
+            match (&parsed, req.body) {
+                (None, None) => (
+                    self.least_loaded.rank(&input, &[], &busy, &mut rng),
+                    Reason::NoBody,
+                ),
+                (None, Some(_)) => (
+                    self.least_loaded.rank(&input, &[], &busy, &mut rng),
+                    Reason::Unparsable,
+                ),
+                (Some(_), _) => {
+                    let r = self.picker.rank(&input, &scores, &busy, &mut rng);
+                    let reason = match r.reason {
+                        PickReason::Scored => Reason::Scored,
+                        PickReason::AllSaturated => Reason::AllSaturated,
+                        PickReason::Policy => Reason::Policy,
+                    };
+                    (r, reason)
+                }
             }
         };
         let names: Vec<&'static str> = self.scorers.iter().map(|s| s.name()).collect();

@@ -8,10 +8,14 @@
 //! ```
 //! Only [`decide`] calls the stages in order; only [`app`] constructs them.
 
+pub mod admin;
+pub mod app;
 pub mod blocks;
 pub mod config;
 pub mod decide;
+pub mod extproc;
 pub mod index;
+pub mod pick_api;
 pub mod picker;
 pub mod pods;
 pub mod request;

@@ -1,1 +1,73 @@
-fn main() {}
+//! `kv-router`: serve, or check a config file. Config is validated before any port opens.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(
+    name = "kv-router",
+    version,
+    about = "KV-cache-aware endpoint picker for vLLM behind Envoy ext_proc"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the ext_proc, Pick and admin servers.
+    Serve {
+        /// Path to router.yaml (see docs/config.md).
+        #[arg(long, short)]
+        config: PathBuf,
+    },
+    /// Validate a config file and list every problem.
+    CheckConfig {
+        /// Path to router.yaml.
+        file: PathBuf,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::CheckConfig { file } => match kv_router::config::Config::load(&file) {
+            Ok(_) => {
+                println!("{}: OK", file.display());
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("{}: {e}", file.display());
+                ExitCode::from(64)
+            }
+        },
+        Command::Serve { config } => {
+            let cfg = match kv_router::config::Config::load(&config) {
+                Ok(c) => c,
+                Err(e) => {
+                    eprintln!("{}: {e}", config.display());
+                    return ExitCode::from(64);
+                }
+            };
+            kv_router::telemetry::init_logging(&cfg.log);
+            let rt = match tokio::runtime::Runtime::new() {
+                Ok(rt) => rt,
+                Err(e) => {
+                    eprintln!("cannot start the runtime: {e}");
+                    return ExitCode::FAILURE;
+                }
+            };
+            match rt.block_on(kv_router::app::run(cfg)) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    tracing::error!("{e:#}");
+                    eprintln!("kv-router: {e:#}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
+    }
+}

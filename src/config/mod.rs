@@ -155,7 +155,7 @@ pub enum IndexBackend {
 }
 
 /// Scorer weights and parameters.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
 #[serde(default, deny_unknown_fields)]
 pub struct ScorersConfig {
     /// Prefix scorer: matched consecutive blocks / total blocks.
@@ -164,16 +164,6 @@ pub struct ScorersConfig {
     pub session: SessionScorerConfig,
     /// Load.
     pub load: LoadScorerConfig,
-}
-
-impl Default for ScorersConfig {
-    fn default() -> Self {
-        Self {
-            prefix: PrefixScorerConfig::default(),
-            session: SessionScorerConfig::default(),
-            load: LoadScorerConfig::default(),
-        }
-    }
 }
 
 /// Prefix scorer.

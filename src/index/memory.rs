@@ -160,8 +160,7 @@ impl KvIndex for MemoryIndex {
     async fn set_capacity(&self, pod: &PodId, blocks: usize) -> Result<(), IndexError> {
         let mut inner = self.inner.write();
         let slot = inner.slot(pod, self.default_capacity);
-        loop {
-            let entries = inner.pods[slot as usize].as_mut().expect("live slot");
+        while let Some(entries) = inner.pods[slot as usize].as_mut() {
             if entries.lru.len() <= blocks.max(1) {
                 entries.lru.resize(cap(blocks));
                 break;
@@ -175,10 +174,7 @@ impl KvIndex for MemoryIndex {
     async fn sweep(&self, now_ms: u64) -> Result<(), IndexError> {
         let mut inner = self.inner.write();
         for slot in 0..inner.pods.len() {
-            loop {
-                let Some(entries) = inner.pods[slot].as_mut() else {
-                    break;
-                };
+            while let Some(entries) = inner.pods[slot].as_mut() {
                 match entries.lru.peek_lru() {
                     Some((_, &exp)) if exp <= now_ms => {
                         let (key, _) = entries.lru.pop_lru().expect("peeked");

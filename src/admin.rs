@@ -1,0 +1,168 @@
+//! Admin HTTP server (its own port, never the data plane): `/metrics`, `/healthz`, `/readyz`,
+//! `/debug/pods`, `POST /debug/explain`.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::extract::State;
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use prometheus_client::registry::Registry;
+use serde::Deserialize;
+use serde_json::{json, Value};
+use tokio::time::Instant;
+
+use crate::decide::{DecideRequest, Decider};
+use crate::pods::PodRegistry;
+use crate::scoring::SessionStore;
+
+/// What the admin handlers read.
+#[derive(Clone)]
+pub struct AdminState {
+    /// Metric registry.
+    pub registry: Arc<Registry>,
+    /// Pods.
+    pub pods: Arc<PodRegistry>,
+    /// Decision path (for explain).
+    pub decider: Arc<Decider>,
+    /// Sessions (sizes only).
+    pub sessions: Arc<SessionStore>,
+    /// Metrics older than this are stale.
+    pub stale_after: Duration,
+    /// Routing mode description.
+    pub mode: &'static str,
+}
+
+/// The admin router.
+pub fn router(state: AdminState) -> Router {
+    Router::new()
+        .route("/metrics", get(metrics))
+        .route("/healthz", get(|| async { "ok" }))
+        .route("/readyz", get(readyz))
+        .route("/debug/pods", get(debug_pods))
+        .route("/debug/explain", post(explain))
+        .with_state(state)
+}
+
+async fn metrics(State(s): State<AdminState>) -> Response {
+    let mut out = String::new();
+    match prometheus_client::encoding::text::encode(&mut out, &s.registry) {
+        Ok(()) => (
+            [(
+                header::CONTENT_TYPE,
+                "application/openmetrics-text; version=1.0.0; charset=utf-8",
+            )],
+            out,
+        )
+            .into_response(),
+        Err(_) => StatusCode::INTERNAL_SERVER_ERROR.into_response(),
+    }
+}
+
+async fn readyz(State(s): State<AdminState>) -> Response {
+    if s.pods.any_healthy() {
+        "ready".into_response()
+    } else {
+        (StatusCode::SERVICE_UNAVAILABLE, "no healthy pod yet").into_response()
+    }
+}
+
+async fn debug_pods(State(s): State<AdminState>) -> Json<Value> {
+    let now = Instant::now();
+    let pods: Vec<Value> = s
+        .pods
+        .snapshot()
+        .pods()
+        .iter()
+        .map(|p| {
+            let sample = p.last_sample();
+            json!({
+                "address": p.id(),
+                "healthy": p.is_healthy(),
+                "models": p.models(),
+                "labels": p.spec.labels,
+                "load": p.load(now, s.stale_after),
+                "metrics": sample.map(|(_, m)| m),
+                "metrics_age_ms": sample.map(|(t, _)| now.saturating_duration_since(t).as_millis() as u64),
+            })
+        })
+        .collect();
+    Json(json!({
+        "mode": s.mode,
+        "index": { "backend": s.decider.index().describe(), "stats": s.decider.index().stats() },
+        "sessions": s.sessions.len(),
+        "pods": pods,
+    }))
+}
+
+/// `POST /debug/explain` input: the request as Envoy would show it.
+#[derive(Debug, Deserialize)]
+pub struct ExplainInput {
+    /// Request path.
+    #[serde(default = "default_path")]
+    pub path: String,
+    /// Headers.
+    #[serde(default)]
+    pub headers: std::collections::BTreeMap<String, String>,
+    /// The body: a JSON value (sent as is) or a string (raw body text); absent = no body.
+    #[serde(default)]
+    pub body: Option<Value>,
+}
+
+fn default_path() -> String {
+    "/v1/chat/completions".into()
+}
+
+// Any content type is accepted: this is an operator's curl target.
+async fn explain(State(s): State<AdminState>, raw: axum::body::Bytes) -> Response {
+    let input: ExplainInput = match serde_json::from_slice(&raw) {
+        Ok(i) => i,
+        Err(e) => {
+            let msg = json!({"error": {"message": format!("explain input is not valid JSON: line {}, column {}", e.line(), e.column()), "type": "BadRequestError", "param": null, "code": 400}});
+            return (StatusCode::BAD_REQUEST, Json(msg)).into_response();
+        }
+    };
+    let headers: Vec<(String, String)> = input
+        .headers
+        .into_iter()
+        .map(|(k, v)| (k.to_ascii_lowercase(), v))
+        .collect();
+    let body: Option<Vec<u8>> = input.body.map(|b| match b {
+        Value::String(s) => s.into_bytes(),
+        other => other.to_string().into_bytes(),
+    });
+    let result = s
+        .decider
+        .decide(DecideRequest {
+            path: &input.path,
+            headers: &headers,
+            body: body.as_deref(),
+            subset: None,
+            dry_run: true,
+        })
+        .await;
+    match result {
+        Ok(d) => Json(json!({
+            "destination": d.destination(),
+            "reason": d.reason,
+            "model": d.model,
+            "total_blocks": d.total_blocks,
+            "ranked": d.ranked.iter().map(|r| json!({
+                "pod": r.pod,
+                "total": r.total,
+                "scores": r.scores.iter().map(|(k, v)| (k.to_string(), json!(v))).collect::<serde_json::Map<_, _>>(),
+                "matched_blocks": r.matched_blocks,
+                "saturated": r.saturated,
+            })).collect::<Vec<_>>(),
+        }))
+        .into_response(),
+        Err(e) => (
+            StatusCode::from_u16(e.status()).unwrap_or(StatusCode::SERVICE_UNAVAILABLE),
+            [(header::CONTENT_TYPE, "application/json")],
+            e.openai_body(),
+        )
+            .into_response(),
+    }
+}

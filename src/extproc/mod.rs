@@ -1,0 +1,379 @@
+//! The Envoy ext_proc service: one task per HTTP request runs a small state machine over the
+//! bidirectional stream, for BUFFERED (and STREAMED) and FULL_DUPLEX_STREAMED request bodies.
+//!
+//! BUFFERED: headers → CONTINUE (client routing headers stripped); body → decision in the body
+//! reply. FULL_DUPLEX_STREAMED (Endpoint Picker Protocol): buffer the body to end of stream,
+//! then the headers reply with the decision, then the body echoed as `streamed_response` chunks.
+
+mod reply;
+
+use std::pin::Pin;
+use std::sync::Arc;
+
+use envoy_types::pb::envoy::config::core::v3::{HeaderMap, Metadata};
+use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
+use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::ExternalProcessor;
+use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request as In;
+use envoy_types::pb::envoy::service::ext_proc::v3::{ProcessingRequest, ProcessingResponse};
+use futures::{Stream, StreamExt};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Response, Status, Streaming};
+use tracing::debug;
+
+use crate::decide::{DecideError, DecideRequest, Decider};
+use crate::pods::InflightGuard;
+use crate::telemetry::{Metrics, ModeLabels};
+
+pub use reply::{
+    DESTINATION_HEADER, DESTINATION_SERVED_HEADER, LB_NAMESPACE, OWNED_HEADERS, SUBSET_KEY,
+    SUBSET_NAMESPACE,
+};
+
+/// ext_proc service state shared by all streams.
+#[derive(Clone)]
+pub struct ExtProc {
+    decider: Arc<Decider>,
+    metrics: Arc<Metrics>,
+    body_limit: usize,
+    destination_header: bool,
+}
+
+impl ExtProc {
+    /// A service over the shared decision path.
+    pub fn new(
+        decider: Arc<Decider>,
+        metrics: Arc<Metrics>,
+        body_limit: usize,
+        destination_header: bool,
+    ) -> Self {
+        Self {
+            decider,
+            metrics,
+            body_limit,
+            destination_header,
+        }
+    }
+}
+
+type ReplyStream = Pin<Box<dyn Stream<Item = Result<ProcessingResponse, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl ExternalProcessor for ExtProc {
+    type ProcessStream = ReplyStream;
+
+    async fn process(
+        &self,
+        request: Request<Streaming<ProcessingRequest>>,
+    ) -> Result<Response<Self::ProcessStream>, Status> {
+        let inbound = request.into_inner();
+        let (tx, rx) = mpsc::channel(16);
+        let this = self.clone();
+        tokio::spawn(async move { this.run(inbound, tx).await });
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum BodyMode {
+    Buffered,
+    Streamed,
+    FullDuplex,
+}
+
+/// Per-HTTP-request state.
+struct StreamState {
+    mode: BodyMode,
+    response_full_duplex: bool,
+    headers: Vec<(String, String)>,
+    path: String,
+    subset: Option<Vec<String>>,
+    body: Vec<u8>,
+    decided: bool,
+    guard: Option<InflightGuard>,
+}
+
+type Tx = mpsc::Sender<Result<ProcessingResponse, Status>>;
+
+impl ExtProc {
+    async fn run(self, mut inbound: Streaming<ProcessingRequest>, tx: Tx) {
+        let mut st = StreamState {
+            mode: BodyMode::Buffered,
+            response_full_duplex: false,
+            headers: Vec::new(),
+            path: String::new(),
+            subset: None,
+            body: Vec::new(),
+            decided: false,
+            guard: None,
+        };
+        let mut first = true;
+        while let Some(msg) = inbound.next().await {
+            let msg = match msg {
+                Ok(m) => m,
+                // Envoy resets the side stream when the HTTP stream ends: a normal end.
+                Err(status) => {
+                    debug!(code = ?status.code(), "ext_proc stream ended by Envoy");
+                    break;
+                }
+            };
+            if first {
+                first = false;
+                if let Some(pc) = &msg.protocol_config {
+                    st.mode = match BodySendMode::try_from(pc.request_body_mode) {
+                        Ok(BodySendMode::FullDuplexStreamed) => BodyMode::FullDuplex,
+                        Ok(BodySendMode::Streamed) => BodyMode::Streamed,
+                        _ => BodyMode::Buffered,
+                    };
+                    st.response_full_duplex = BodySendMode::try_from(pc.response_body_mode)
+                        == Ok(BodySendMode::FullDuplexStreamed);
+                }
+                let mode = match st.mode {
+                    BodyMode::Buffered => "buffered",
+                    BodyMode::Streamed => "streamed",
+                    BodyMode::FullDuplex => "full_duplex",
+                };
+                self.metrics
+                    .streams
+                    .get_or_create(&ModeLabels { mode })
+                    .inc();
+            }
+            if let Some(subset) = subset_hint(msg.metadata_context.as_ref()) {
+                st.subset = Some(subset);
+            }
+            let keep_going = match msg.request {
+                Some(In::RequestHeaders(h)) => {
+                    self.on_request_headers(&mut st, h.headers.as_ref(), h.end_of_stream, &tx)
+                        .await
+                }
+                Some(In::RequestBody(b)) => {
+                    self.on_request_body(&mut st, b.body, b.end_of_stream, &tx)
+                        .await
+                }
+                Some(In::RequestTrailers(_)) => self.on_request_trailers(&mut st, &tx).await,
+                Some(In::ResponseHeaders(h)) => {
+                    if let Some(g) = st.guard.as_mut() {
+                        g.prefill_done();
+                    }
+                    if h.end_of_stream {
+                        if let Some(g) = st.guard.take() {
+                            g.complete();
+                        }
+                    }
+                    send(&tx, reply::response_headers_continue()).await
+                }
+                Some(In::ResponseBody(b)) => {
+                    let eos = b.end_of_stream;
+                    let out = if st.response_full_duplex {
+                        reply::response_body_echo(b.body, eos)
+                    } else {
+                        reply::response_body_continue()
+                    };
+                    if eos {
+                        if let Some(g) = st.guard.take() {
+                            g.complete();
+                        }
+                    }
+                    send(&tx, out).await
+                }
+                Some(In::ResponseTrailers(_)) => {
+                    if let Some(g) = st.guard.take() {
+                        g.complete();
+                    }
+                    send(&tx, reply::response_trailers_continue()).await
+                }
+                // Flow-control messages (not implemented by Envoy 1.40) and empty ones.
+                None => true,
+            };
+            if !keep_going {
+                break;
+            }
+        }
+        // Dropping the guard here accounts for resets and client disconnects too.
+        drop(st.guard.take());
+    }
+
+    async fn on_request_headers(
+        &self,
+        st: &mut StreamState,
+        headers: Option<&HeaderMap>,
+        eos: bool,
+        tx: &Tx,
+    ) -> bool {
+        st.headers = read_headers(headers);
+        st.path = st
+            .headers
+            .iter()
+            .find(|(k, _)| k == ":path")
+            .map(|(_, v)| v.clone())
+            .unwrap_or_default();
+        if eos {
+            return self.decide_and_reply(st, None, tx).await;
+        }
+        match st.mode {
+            BodyMode::FullDuplex => true,
+            BodyMode::Buffered | BodyMode::Streamed => {
+                send(tx, reply::request_headers_strip()).await
+            }
+        }
+    }
+
+    async fn on_request_body(
+        &self,
+        st: &mut StreamState,
+        chunk: Vec<u8>,
+        eos: bool,
+        tx: &Tx,
+    ) -> bool {
+        if st.decided {
+            // Body after a decision (should not happen): pass it through untouched.
+            return send(
+                tx,
+                reply::request_body_continue(st.mode == BodyMode::FullDuplex, chunk, eos),
+            )
+            .await;
+        }
+        if st.body.len() + chunk.len() > self.body_limit {
+            let err = DecideError::BodyTooLarge(self.body_limit);
+            self.metrics.error(err.kind());
+            send(tx, reply::immediate_error(&err)).await;
+            return false;
+        }
+        if st.body.is_empty() && eos {
+            st.body = chunk;
+        } else {
+            st.body.extend_from_slice(&chunk);
+        }
+        if !eos {
+            return match st.mode {
+                BodyMode::Streamed => {
+                    send(tx, reply::request_body_continue(false, Vec::new(), false)).await
+                }
+                _ => true,
+            };
+        }
+        let body = std::mem::take(&mut st.body);
+        self.decide_and_reply(st, Some(body), tx).await
+    }
+
+    async fn on_request_trailers(&self, st: &mut StreamState, tx: &Tx) -> bool {
+        if !st.decided && st.mode == BodyMode::FullDuplex {
+            // The body ended without end_of_stream (trailers follow): decide now.
+            let body = std::mem::take(&mut st.body);
+            if !self.decide_and_reply_inner(st, Some(body), tx, false).await {
+                return false;
+            }
+        }
+        send(tx, reply::request_trailers_continue()).await
+    }
+
+    async fn decide_and_reply(&self, st: &mut StreamState, body: Option<Vec<u8>>, tx: &Tx) -> bool {
+        self.decide_and_reply_inner(st, body, tx, true).await
+    }
+
+    async fn decide_and_reply_inner(
+        &self,
+        st: &mut StreamState,
+        body: Option<Vec<u8>>,
+        tx: &Tx,
+        body_eos: bool,
+    ) -> bool {
+        st.decided = true;
+        let has_body = body.is_some();
+        let result = self
+            .decider
+            .decide(DecideRequest {
+                path: &st.path,
+                headers: &st.headers,
+                body: body.as_deref(),
+                subset: st.subset.as_deref(),
+                dry_run: false,
+            })
+            .await;
+        let decision = match result {
+            Ok(d) => d,
+            Err(e) => {
+                send(tx, reply::immediate_error(&e)).await;
+                return false;
+            }
+        };
+        let destination = decision.destination();
+        st.guard = decision.guard;
+        let set_header = self.destination_header;
+        match (st.mode, has_body) {
+            // Body-less request: the headers reply carries the decision in every mode.
+            (_, false) => {
+                send(
+                    tx,
+                    reply::request_headers_decision(&destination, set_header),
+                )
+                .await
+            }
+            (BodyMode::FullDuplex, true) => {
+                if !send(
+                    tx,
+                    reply::request_headers_decision(&destination, set_header),
+                )
+                .await
+                {
+                    return false;
+                }
+                let body = body.unwrap_or_default();
+                for msg in reply::echo_body(body, body_eos) {
+                    if !send(tx, msg).await {
+                        return false;
+                    }
+                }
+                true
+            }
+            (BodyMode::Buffered | BodyMode::Streamed, true) => {
+                send(tx, reply::request_body_decision(&destination, set_header)).await
+            }
+        }
+    }
+}
+
+async fn send(tx: &Tx, msg: ProcessingResponse) -> bool {
+    tx.send(Ok(msg)).await.is_ok()
+}
+
+/// Header names lower-cased; values from `raw_value`, falling back to `value`.
+fn read_headers(map: Option<&HeaderMap>) -> Vec<(String, String)> {
+    let Some(map) = map else { return Vec::new() };
+    map.headers
+        .iter()
+        .map(|h| {
+            let value = if h.raw_value.is_empty() {
+                h.value.clone()
+            } else {
+                String::from_utf8_lossy(&h.raw_value).into_owned()
+            };
+            (h.key.to_ascii_lowercase(), value)
+        })
+        .collect()
+}
+
+/// `metadata_context["envoy.lb.subset_hint"]["x-gateway-destination-endpoint-subset"]`.
+fn subset_hint(meta: Option<&Metadata>) -> Option<Vec<String>> {
+    use envoy_types::pb::google::protobuf::value::Kind;
+    let s = meta?.filter_metadata.get(SUBSET_NAMESPACE)?;
+    let v = s.fields.get(SUBSET_KEY)?;
+    match v.kind.as_ref()? {
+        Kind::ListValue(list) => Some(
+            list.values
+                .iter()
+                .filter_map(|v| match &v.kind {
+                    Some(Kind::StringValue(s)) => Some(s.clone()),
+                    _ => None,
+                })
+                .collect(),
+        ),
+        Kind::StringValue(s) => Some(
+            s.split(',')
+                .map(|p| p.trim().to_string())
+                .filter(|p| !p.is_empty())
+                .collect(),
+        ),
+        _ => None,
+    }
+}

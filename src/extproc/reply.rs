@@ -1,0 +1,285 @@
+//! ProcessingResponse builders and the wire names we own.
+
+use envoy_types::pb::envoy::config::core::v3::header_value_option::HeaderAppendAction;
+use envoy_types::pb::envoy::config::core::v3::{HeaderValue, HeaderValueOption};
+use envoy_types::pb::envoy::r#type::v3::HttpStatus;
+use envoy_types::pb::envoy::service::ext_proc::v3::body_mutation::Mutation;
+use envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response as Out;
+use envoy_types::pb::envoy::service::ext_proc::v3::{
+    BodyMutation, BodyResponse, CommonResponse, HeaderMutation, HeadersResponse, ImmediateResponse,
+    ProcessingResponse, StreamedBodyResponse, TrailersResponse,
+};
+use envoy_types::pb::google::protobuf::{value::Kind, Struct, Value};
+
+use crate::decide::DecideError;
+
+/// Dynamic-metadata namespace override_host reads.
+pub const LB_NAMESPACE: &str = "envoy.lb";
+/// The destination key (metadata) and request header.
+pub const DESTINATION_HEADER: &str = "x-gateway-destination-endpoint";
+/// Where Envoy reports the endpoint it actually used.
+pub const DESTINATION_SERVED_HEADER: &str = "x-gateway-destination-endpoint-served";
+/// Namespace of a gateway's subset hint.
+pub const SUBSET_NAMESPACE: &str = "envoy.lb.subset_hint";
+/// Key of the subset hint.
+pub const SUBSET_KEY: &str = "x-gateway-destination-endpoint-subset";
+/// Routing headers only the router may set; a client's copies are removed.
+pub const OWNED_HEADERS: &[&str] = &[DESTINATION_HEADER, DESTINATION_SERVED_HEADER, SUBSET_KEY];
+
+// llm-d echoes at 62 000 bytes: some Envoy deployments cap a streamed chunk at 64 KiB.
+const ECHO_CHUNK: usize = 62_000;
+
+fn header(key: &str, value: &str) -> HeaderValueOption {
+    HeaderValueOption {
+        header: Some(HeaderValue {
+            key: key.to_string(),
+            // Envoy reads raw_value; a value-only header arrives empty.
+            raw_value: value.as_bytes().to_vec(),
+            ..Default::default()
+        }),
+        // Never append: an appended client value would come first.
+        append_action: HeaderAppendAction::OverwriteIfExistsOrAdd as i32,
+        ..Default::default()
+    }
+}
+
+fn strip() -> HeaderMutation {
+    HeaderMutation {
+        set_headers: vec![],
+        remove_headers: OWNED_HEADERS.iter().map(|h| h.to_string()).collect(),
+    }
+}
+
+fn decision_mutation(destination: &str, set_header: bool) -> HeaderMutation {
+    let mut m = strip();
+    if set_header {
+        // Overwritten in place instead of removed, so it cannot be lost to mutation ordering.
+        m.remove_headers.retain(|h| h != DESTINATION_HEADER);
+        m.set_headers.push(header(DESTINATION_HEADER, destination));
+    }
+    m
+}
+
+fn metadata(destination: &str) -> Struct {
+    let mut inner = Struct::default();
+    inner.fields.insert(
+        DESTINATION_HEADER.to_string(),
+        Value {
+            kind: Some(Kind::StringValue(destination.to_string())),
+        },
+    );
+    let mut outer = Struct::default();
+    outer.fields.insert(
+        LB_NAMESPACE.to_string(),
+        Value {
+            kind: Some(Kind::StructValue(inner)),
+        },
+    );
+    outer
+}
+
+fn common(mutation: Option<HeaderMutation>, clear_route_cache: bool) -> Option<CommonResponse> {
+    Some(CommonResponse {
+        header_mutation: mutation,
+        clear_route_cache,
+        ..Default::default()
+    })
+}
+
+/// BUFFERED request headers: continue, minus the client's routing headers.
+pub fn request_headers_strip() -> ProcessingResponse {
+    ProcessingResponse {
+        response: Some(Out::RequestHeaders(HeadersResponse {
+            response: common(Some(strip()), false),
+        })),
+        ..Default::default()
+    }
+}
+
+/// Headers reply carrying the decision (body-less requests, FULL_DUPLEX_STREAMED).
+pub fn request_headers_decision(destination: &str, set_header: bool) -> ProcessingResponse {
+    ProcessingResponse {
+        response: Some(Out::RequestHeaders(HeadersResponse {
+            response: common(Some(decision_mutation(destination, set_header)), true),
+        })),
+        dynamic_metadata: Some(metadata(destination)),
+        ..Default::default()
+    }
+}
+
+/// BUFFERED body reply carrying the decision (headers are still held, so the header applies).
+pub fn request_body_decision(destination: &str, set_header: bool) -> ProcessingResponse {
+    ProcessingResponse {
+        response: Some(Out::RequestBody(BodyResponse {
+            response: common(Some(decision_mutation(destination, set_header)), true),
+        })),
+        dynamic_metadata: Some(metadata(destination)),
+        ..Default::default()
+    }
+}
+
+/// A body chunk passed on unchanged (STREAMED: plain continue; FULL_DUPLEX: echoed).
+pub fn request_body_continue(full_duplex: bool, chunk: Vec<u8>, eos: bool) -> ProcessingResponse {
+    let response = if full_duplex {
+        common_streamed(chunk, eos)
+    } else {
+        common(None, false)
+    };
+    ProcessingResponse {
+        response: Some(Out::RequestBody(BodyResponse { response })),
+        ..Default::default()
+    }
+}
+
+fn common_streamed(chunk: Vec<u8>, eos: bool) -> Option<CommonResponse> {
+    Some(CommonResponse {
+        body_mutation: Some(BodyMutation {
+            mutation: Some(Mutation::StreamedResponse(StreamedBodyResponse {
+                body: chunk,
+                end_of_stream: eos,
+                ..Default::default()
+            })),
+        }),
+        ..Default::default()
+    })
+}
+
+/// FULL_DUPLEX_STREAMED: the whole request body echoed in chunks of at most 62 000 bytes.
+pub fn echo_body(body: Vec<u8>, eos: bool) -> Vec<ProcessingResponse> {
+    if body.is_empty() {
+        return vec![request_body_continue(true, Vec::new(), eos)];
+    }
+    let n = body.len().div_ceil(ECHO_CHUNK);
+    body.chunks(ECHO_CHUNK)
+        .enumerate()
+        .map(|(i, c)| request_body_continue(true, c.to_vec(), eos && i + 1 == n))
+        .collect()
+}
+
+/// Request trailers: continue.
+pub fn request_trailers_continue() -> ProcessingResponse {
+    ProcessingResponse {
+        response: Some(Out::RequestTrailers(TrailersResponse::default())),
+        ..Default::default()
+    }
+}
+
+/// Response headers: continue.
+pub fn response_headers_continue() -> ProcessingResponse {
+    ProcessingResponse {
+        response: Some(Out::ResponseHeaders(HeadersResponse {
+            response: common(None, false),
+        })),
+        ..Default::default()
+    }
+}
+
+/// Response body chunk, FULL_DUPLEX: echoed at once (SSE keeps its pace).
+pub fn response_body_echo(chunk: Vec<u8>, eos: bool) -> ProcessingResponse {
+    ProcessingResponse {
+        response: Some(Out::ResponseBody(BodyResponse {
+            response: common_streamed(chunk, eos),
+        })),
+        ..Default::default()
+    }
+}
+
+/// Response body (buffered/streamed modes): continue.
+pub fn response_body_continue() -> ProcessingResponse {
+    ProcessingResponse {
+        response: Some(Out::ResponseBody(BodyResponse {
+            response: common(None, false),
+        })),
+        ..Default::default()
+    }
+}
+
+/// Response trailers: continue.
+pub fn response_trailers_continue() -> ProcessingResponse {
+    ProcessingResponse {
+        response: Some(Out::ResponseTrailers(TrailersResponse::default())),
+        ..Default::default()
+    }
+}
+
+/// A client-visible error with an OpenAI-style JSON body.
+pub fn immediate_error(err: &DecideError) -> ProcessingResponse {
+    ProcessingResponse {
+        response: Some(Out::ImmediateResponse(ImmediateResponse {
+            status: Some(HttpStatus {
+                code: i32::from(err.status()),
+            }),
+            headers: Some(HeaderMutation {
+                set_headers: vec![header("content-type", "application/json")],
+                remove_headers: vec![],
+            }),
+            body: err.openai_body(),
+            details: format!("kv_router_{}", err.kind()),
+            ..Default::default()
+        })),
+        ..Default::default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn echo_chunks_cover_the_body_and_end_once() {
+        let body: Vec<u8> = (0..150_000u32).map(|i| i as u8).collect();
+        let msgs = echo_body(body.clone(), true);
+        assert_eq!(msgs.len(), 3);
+        let mut joined = Vec::new();
+        let mut eos_count = 0;
+        for m in msgs {
+            let Some(Out::RequestBody(b)) = m.response else {
+                panic!("body reply")
+            };
+            let Some(Mutation::StreamedResponse(s)) =
+                b.response.unwrap().body_mutation.unwrap().mutation
+            else {
+                panic!("streamed")
+            };
+            assert!(s.body.len() <= ECHO_CHUNK);
+            eos_count += usize::from(s.end_of_stream);
+            joined.extend(s.body);
+        }
+        assert_eq!((joined, eos_count), (body, 1));
+    }
+
+    #[test]
+    fn decision_overwrites_and_strips() {
+        let r = request_body_decision("10.0.0.5:8000,10.0.0.6:8000", true);
+        let Some(Out::RequestBody(b)) = r.response else {
+            panic!()
+        };
+        let m = b.response.unwrap().header_mutation.unwrap();
+        assert_eq!(
+            m.set_headers[0].header.as_ref().unwrap().raw_value,
+            b"10.0.0.5:8000,10.0.0.6:8000"
+        );
+        assert_eq!(
+            m.set_headers[0].append_action,
+            HeaderAppendAction::OverwriteIfExistsOrAdd as i32
+        );
+        assert!(m
+            .remove_headers
+            .contains(&DESTINATION_SERVED_HEADER.to_string()));
+        let md = r.dynamic_metadata.unwrap();
+        let Some(Kind::StructValue(lb)) = &md.fields[LB_NAMESPACE].kind else {
+            panic!()
+        };
+        assert!(
+            matches!(&lb.fields[DESTINATION_HEADER].kind, Some(Kind::StringValue(s)) if s.starts_with("10.0.0.5"))
+        );
+        let no_header = request_body_decision("10.0.0.5:8000", false);
+        let Some(Out::RequestBody(b)) = no_header.response else {
+            panic!()
+        };
+        let m = b.response.unwrap().header_mutation.unwrap();
+        assert!(
+            m.set_headers.is_empty() && m.remove_headers.contains(&DESTINATION_HEADER.to_string())
+        );
+    }
+}
