@@ -120,7 +120,7 @@ pub async fn demo(bins: &Binaries, opts: &DemoOptions) -> Result<Vec<RunResult>>
             .await
             .context("resetting pod caches")?;
         eprintln!(
-            "kv-bench: running {} through {label} ({url})",
+            "kv-bench: running {} requests through {label} ({url})",
             opts.workload.sessions * opts.workload.turns
         );
         let r = runner::run(

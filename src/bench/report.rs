@@ -161,8 +161,12 @@ pub fn table(runs: &[Summary], style: Style) -> String {
         (
             "requests per pod",
             Box::new(|s| {
-                s.per_pod
-                    .values()
+                // Busiest first, idle pods of the fleet as zeros: "96/0/0/0" vs "24/24/24/24".
+                let mut counts: Vec<usize> = s.per_pod.values().copied().collect();
+                counts.sort_unstable_by(|a, b| b.cmp(a));
+                counts.resize(counts.len().max(s.pods), 0);
+                counts
+                    .iter()
                     .map(|n| n.to_string())
                     .collect::<Vec<_>>()
                     .join("/")
@@ -291,6 +295,7 @@ mod tests {
         let t = table(&[s.clone(), s], Style::Markdown);
         assert!(t.contains("| prefix hit rate "));
         assert!(t.contains("50.0 %"));
+        assert!(t.contains("3/1/0/0"), "{t}");
     }
 
     #[test]
