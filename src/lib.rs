@@ -13,6 +13,7 @@ pub mod app;
 pub mod blocks;
 pub mod config;
 pub mod decide;
+pub mod events;
 pub mod extproc;
 pub mod index;
 pub mod pick_api;

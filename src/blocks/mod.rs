@@ -94,14 +94,21 @@ pub fn token_keys(seed: u64, ids: &[u32], size: usize, max_blocks: usize) -> Vec
     ids.chunks_exact(size)
         .take(max_blocks)
         .map(|block| {
-            buf.clear();
-            for id in block {
-                buf.extend_from_slice(&id.to_le_bytes());
-            }
-            prev = xxh3_64_with_seed(&buf, prev);
-            BlockKey(prev)
+            let key = chain_token_block(prev, block, &mut buf);
+            prev = key.0;
+            key
         })
         .collect()
+}
+
+/// One step of the token chain: the key of `block` after the key (or seed) `prev`.
+/// `buf` is scratch space reused across calls.
+pub fn chain_token_block(prev: u64, block: &[u32], buf: &mut Vec<u8>) -> BlockKey {
+    buf.clear();
+    for id in block {
+        buf.extend_from_slice(&id.to_le_bytes());
+    }
+    BlockKey(xxh3_64_with_seed(buf, prev))
 }
 
 /// The built-in deterministic tokenizer shared with `vllm-sim`: every 4 bytes of canonical text

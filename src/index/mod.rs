@@ -1,6 +1,7 @@
 //! The prefix index: which pods hold which block keys. A trait at the seam so the in-memory
 //! index and a networked (Redis) index serve the same scorers unchanged.
 
+mod events;
 mod memory;
 
 use async_trait::async_trait;
@@ -10,7 +11,29 @@ use thiserror::Error;
 use crate::blocks::BlockKey;
 use crate::pods::PodId;
 
+pub use events::{EventIndex, EventIndexConfig};
 pub use memory::MemoryIndex;
+
+use crate::events::KvEventBatch;
+
+/// What applying an event batch did (for metrics).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct ApplyStats {
+    /// Engine blocks stored (or gaining a tier).
+    pub stored: u64,
+    /// Engine blocks removed.
+    pub removed: u64,
+    /// `AllBlocksCleared` events.
+    pub cleared: u64,
+    /// Stores whose parent block was unknown (dropped).
+    pub unknown_parent: u64,
+    /// Hashes not known to the index (removals, placeholders).
+    pub unknown: u64,
+    /// Events not indexed (other KV-cache groups, inconsistent token counts).
+    pub ignored: u64,
+    /// A pod exceeded its block budget and was purged.
+    pub overflow: u64,
+}
 
 /// An index operation failed (only networked backends fail; callers route without it).
 #[derive(Debug, Error)]
@@ -50,6 +73,21 @@ pub trait KvIndex: Send + Sync + 'static {
     async fn set_capacity(&self, pod: &PodId, blocks: usize) -> Result<(), IndexError>;
     /// Drops entries older than the TTL.
     async fn sweep(&self, now_ms: u64) -> Result<(), IndexError>;
+    /// Applies one event batch of `pod`'s data-parallel rank `rank`, in order. `model` seeds the
+    /// keys of blocks without a LoRA name. Indexes that do not ingest events ignore it.
+    async fn apply_events(
+        &self,
+        _pod: &PodId,
+        _rank: u32,
+        _model: &str,
+        _batch: &KvEventBatch,
+    ) -> Result<ApplyStats, IndexError> {
+        Ok(ApplyStats::default())
+    }
+    /// Drops everything learned from one rank's events (sequence gap or engine restart).
+    async fn forget_rank(&self, pod: &PodId, _rank: u32) -> Result<(), IndexError> {
+        self.forget_pod(pod).await
+    }
     /// Current size.
     fn stats(&self) -> IndexStats;
     /// Backend name for `/debug/pods`.

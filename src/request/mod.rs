@@ -94,6 +94,23 @@ pub struct RoutingRequest {
     pub prompt: Prompt,
     /// Number of prompts in a batched request (completions/embeddings lists).
     pub batch: usize,
+    /// Chat requests: the structured conversation, for rendering with a chat template.
+    pub chat: Option<ChatInput>,
+}
+
+/// A chat request's structured input (what a chat template renders).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChatInput {
+    /// `messages`, as sent.
+    pub messages: Vec<Value>,
+    /// `tools`, if any.
+    pub tools: Option<Value>,
+    /// `add_generation_prompt` (vLLM default true).
+    pub add_generation_prompt: bool,
+    /// `continue_final_message` (vLLM default false).
+    pub continue_final_message: bool,
+    /// `chat_template_kwargs`.
+    pub template_kwargs: Map<String, Value>,
 }
 
 /// Why a body could not be understood. Messages never contain prompt text.
@@ -142,7 +159,7 @@ pub fn parse(path: &str, body: &[u8]) -> Result<RoutingRequest, RequestError> {
         line: e.line(),
         column: e.column(),
     })?;
-    let Value::Object(obj) = value else {
+    let Value::Object(mut obj) = value else {
         return Err(RequestError::NotAnObject);
     };
     let model = opt_string(&obj, "model")?;
@@ -188,7 +205,27 @@ pub fn parse(path: &str, body: &[u8]) -> Result<RoutingRequest, RequestError> {
         }
         Api::Other => (Prompt::Empty, 0),
     };
+    let chat = (api == Api::ChatCompletions).then(|| ChatInput {
+        messages: match obj.remove("messages") {
+            Some(Value::Array(m)) => m,
+            _ => Vec::new(),
+        },
+        tools: obj.remove("tools").filter(|t| !t.is_null()),
+        add_generation_prompt: obj
+            .get("add_generation_prompt")
+            .and_then(Value::as_bool)
+            .unwrap_or(true),
+        continue_final_message: obj
+            .get("continue_final_message")
+            .and_then(Value::as_bool)
+            .unwrap_or(false),
+        template_kwargs: match obj.remove("chat_template_kwargs") {
+            Some(Value::Object(m)) => m,
+            _ => Map::new(),
+        },
+    });
     Ok(RoutingRequest {
+        chat,
         api,
         model,
         user,
@@ -329,6 +366,16 @@ mod tests {
         let b = parse("/v1/chat/completions", t2).unwrap();
         assert!(text(&b).starts_with(text(&a)));
         assert!(text(&b).len() > text(&a).len());
+        let chat = b.chat.as_ref().unwrap();
+        assert_eq!(chat.messages.len(), 4);
+        assert!(chat.add_generation_prompt && !chat.continue_final_message);
+        assert!(
+            a.chat.is_some()
+                && parse("/v1/completions", br#"{"prompt":"x"}"#)
+                    .unwrap()
+                    .chat
+                    .is_none()
+        );
     }
 
     #[test]
