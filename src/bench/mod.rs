@@ -85,6 +85,10 @@ impl DemoFleet {
         cfg.policy = Policy::Weighted;
         cfg.log.level = "warn".into();
         let router = RouterProc::spawn(&bins.kv_router, &cfg).await?;
+        // Every pod healthy with fresh load metrics, so none is gated as stale at the start.
+        router
+            .wait_pods_ready(addrs.len(), Duration::from_secs(15))
+            .await?;
         let kv_envoy = EnvoyProc::spawn_with(
             &envoy,
             &deploy::envoy_template("override-host-buffered.yaml")?,
