@@ -14,8 +14,9 @@ use tracing::{info, warn};
 use crate::admin::{self, AdminState};
 use crate::config::{Config, IndexBackend};
 use crate::decide::Decider;
+use crate::events;
 use crate::extproc::ExtProc;
-use crate::index::{KvIndex, MemoryIndex};
+use crate::index::{EventIndex, EventIndexConfig, KvIndex, MemoryIndex};
 use crate::pick_api::proto::picker_server::PickerServer;
 use crate::pick_api::PickService;
 use crate::pods::{DnsSource, PodRegistry, PodSource, Prober, StaticSource};
@@ -30,8 +31,15 @@ pub const HEALTH_SERVICES: [&str; 3] = [
 ];
 
 /// Routing mode reported at startup and in `/debug/pods`.
-pub const MODE: &str =
-    "approximate (no tokenizer): character blocks learned from routing decisions";
+pub fn mode(cfg: &Config) -> &'static str {
+    match (cfg.kv_events.enabled, cfg.tokenizers.is_empty()) {
+        (false, _) => "approximate (no KV events): character blocks learned from routing decisions",
+        (true, true) => {
+            "events without tokenizer: approximate request keys, speculative matches only"
+        }
+        (true, false) => "precise: vLLM KV events + exact token blocks for models with a tokenizer",
+    }
+}
 
 /// Runs the router until a shutdown signal.
 pub async fn run(cfg: Config) -> anyhow::Result<()> {
@@ -39,12 +47,21 @@ pub async fn run(cfg: Config) -> anyhow::Result<()> {
     let metrics = Arc::new(Metrics::new(&mut registry));
     let registry = Arc::new(registry);
     let pods = Arc::new(PodRegistry::default());
-    let index: Arc<dyn KvIndex> = match cfg.index.backend {
-        IndexBackend::Memory => Arc::new(MemoryIndex::new(
+    let index: Arc<dyn KvIndex> = match (cfg.kv_events.enabled, cfg.index.backend) {
+        (true, IndexBackend::Memory) => Arc::new(EventIndex::new(EventIndexConfig {
+            block_tokens: cfg.kv_events.block_tokens,
+            max_blocks: cfg.blocks.max_blocks,
+            gpu_weight: cfg.kv_events.gpu_weight,
+            cpu_weight: cfg.kv_events.cpu_weight,
+            speculative_ttl_ms: cfg.kv_events.speculative_ttl_ms,
+            ..EventIndexConfig::default()
+        })),
+        (false, IndexBackend::Memory) => Arc::new(MemoryIndex::new(
             cfg.index.ttl_ms,
             cfg.index.default_capacity_blocks,
         )),
     };
+    let mode = mode(&cfg);
     let sessions = Arc::new(SessionStore::new(
         cfg.scorers.session.capacity,
         cfg.scorers.session.ttl_ms,
@@ -56,11 +73,21 @@ pub async fn run(cfg: Config) -> anyhow::Result<()> {
         sessions.clone(),
         metrics.clone(),
     ));
-    info!(
-        mode = MODE,
-        policy = cfg.policy.as_str(),
-        "kv-router starting"
-    );
+    info!(mode, policy = cfg.policy.as_str(), "kv-router starting");
+    if cfg.kv_events.enabled {
+        for model in cfg.tokenizers.iter().map(|t| t.model.as_str()) {
+            info!(model, "precise keys (tokenizer configured)");
+        }
+        if cfg.tokenizers.is_empty() {
+            warn!("KV events are on but no tokenizer is configured: request keys stay approximate and only speculative entries can match");
+        }
+        tokio::spawn(events::ingest::run(
+            cfg.kv_events.clone(),
+            pods.clone(),
+            index.clone(),
+            metrics.clone(),
+        ));
+    }
 
     // Pod discovery, health, load.
     let mut sources: Vec<Box<dyn PodSource>> = Vec::new();
@@ -162,7 +189,7 @@ pub async fn run(cfg: Config) -> anyhow::Result<()> {
         decider,
         sessions,
         stale_after: Duration::from_millis(cfg.pods.stale_after_ms),
-        mode: MODE,
+        mode,
     });
     let listener = tokio::net::TcpListener::bind(admin_addr)
         .await

@@ -12,6 +12,7 @@ use tracing::debug;
 use crate::blocks::BlockScheme;
 use crate::config::{Config, Policy};
 use crate::index::KvIndex;
+use crate::keys::Keyer;
 use crate::picker::{PickReason, Picker};
 use crate::pods::{InflightGuard, Pod, PodId, PodRegistry};
 use crate::request::{self, RequestError, RoutingRequest};
@@ -181,7 +182,7 @@ impl DecideError {
 pub struct Decider {
     strict: bool,
     fallbacks: usize,
-    scheme: BlockScheme,
+    keyer: Keyer,
     stale_after: Duration,
     prefill_tokens_per_sec: f64,
     session_headers: Vec<String>,
@@ -217,10 +218,18 @@ impl Decider {
         Self {
             strict: cfg.strict,
             fallbacks: cfg.fallbacks,
-            scheme: BlockScheme {
-                size_chars: cfg.blocks.size_chars,
-                max_blocks: cfg.blocks.max_blocks,
-            },
+            keyer: Keyer::new(
+                BlockScheme {
+                    size_chars: cfg.blocks.size_chars,
+                    max_blocks: cfg.blocks.max_blocks,
+                },
+                cfg.kv_events.block_tokens,
+                cfg.tokenizers
+                    .iter()
+                    .filter(|t| t.builtin)
+                    .map(|t| t.model.clone())
+                    .collect(),
+            ),
             stale_after: Duration::from_millis(cfg.pods.stale_after_ms),
             prefill_tokens_per_sec: s.load.prefill_tokens_per_sec,
             session_headers: s.session.headers.clone(),
@@ -316,17 +325,18 @@ impl Decider {
             return Err(DecideError::ModelNotFound(model.unwrap_or_default()));
         }
 
-        let keys = parsed
+        let keyed = parsed
             .as_ref()
-            .map(|r| self.scheme.keys(r))
+            .map(|r| self.keyer.keys(r))
             .unwrap_or_default();
+        let keys = &keyed.keys;
         let ids: Vec<PodId> = pods.iter().map(|p| p.id().clone()).collect();
         let now_ms = self.now_ms();
         let matched = if keys.is_empty() {
             vec![0.0; ids.len()]
         } else {
             self.index
-                .lookup(&keys, &ids, now_ms)
+                .lookup(keys, &ids, now_ms)
                 .await
                 .unwrap_or_else(|e| {
                     debug!(error = %e, "index lookup failed; scoring without it");
@@ -413,15 +423,15 @@ impl Decider {
             None
         } else {
             let primary = pods[primary_idx];
-            let prompt_tokens = parsed.as_ref().map_or(0, |r| r.prompt.approx_tokens());
-            let cached = (matched[primary_idx] * self.scheme.size_tokens() as f64) as u64;
+            let prompt_tokens = keyed.prompt_tokens;
+            let cached = (matched[primary_idx] * keyed.tokens_per_block as f64) as u64;
             let guard = primary.begin_request(
                 prompt_tokens.saturating_sub(cached),
                 now,
                 self.prefill_tokens_per_sec,
             );
             if !keys.is_empty() {
-                if let Err(e) = self.index.record(primary.id(), &keys, now_ms).await {
+                if let Err(e) = self.index.record(primary.id(), keys, now_ms).await {
                     debug!(error = %e, "index record failed");
                     self.metrics.error("index");
                 }
@@ -471,6 +481,8 @@ mod tests {
                 address: format!("127.0.0.1:{}", 8000 + i),
                 models: vec!["m".into()],
                 labels: Default::default(),
+                kv_events_endpoint: None,
+                kv_events_replay_endpoint: None,
             })
             .collect();
         cfg_edit(&mut cfg);

@@ -16,6 +16,7 @@ pub mod decide;
 pub mod events;
 pub mod extproc;
 pub mod index;
+pub mod keys;
 pub mod pick_api;
 pub mod picker;
 pub mod pods;

@@ -34,8 +34,72 @@ pub struct Config {
     pub gate: GateConfig,
     /// Where pods come from and how they are watched.
     pub pods: PodsConfig,
+    /// vLLM KV-event ingestion (precise mode).
+    pub kv_events: KvEventsConfig,
+    /// Tokenizers per model (precise mode); models without one use approximate text blocks.
+    pub tokenizers: Vec<TokenizerConfig>,
     /// Logging.
     pub log: LogConfig,
+}
+
+/// vLLM KV-event ingestion.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct KvEventsConfig {
+    /// Subscribe to every pod's KV-event publisher and index its blocks exactly.
+    pub enabled: bool,
+    /// PUB endpoint template; `{ip}` and `{port}` (the pod's HTTP port) are substituted.
+    pub endpoint: String,
+    /// Replay (ROUTER) endpoint template; empty = pods run no replay socket.
+    pub replay_endpoint: String,
+    /// Topic prefix subscribed to (`""` = all messages).
+    pub topic: String,
+    /// Data-parallel ranks per pod; rank r publishes on the endpoint's port + r.
+    pub data_parallel_size: u32,
+    /// Router block size in tokens (need not equal the engine's).
+    pub block_tokens: usize,
+    /// Speculative entries (the chosen pod, right after a decision) live this long.
+    pub speculative_ttl_ms: u64,
+    /// Weight of GPU-resident blocks in the kv-cache score.
+    pub gpu_weight: f64,
+    /// Weight of CPU-offloaded blocks.
+    pub cpu_weight: f64,
+}
+
+impl Default for KvEventsConfig {
+    fn default() -> Self {
+        Self {
+            enabled: false,
+            endpoint: "tcp://{ip}:5557".into(),
+            replay_endpoint: String::new(),
+            topic: String::new(),
+            data_parallel_size: 1,
+            block_tokens: 16,
+            speculative_ttl_ms: 2_000,
+            gpu_weight: 1.0,
+            cpu_weight: 0.8,
+        }
+    }
+}
+
+/// A model's tokenizer.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct TokenizerConfig {
+    /// Model name as requests send it (LoRA adapters: their base model's tokenizer applies).
+    pub model: String,
+    /// HuggingFace `tokenizer.json` (never fetched from a hub).
+    #[serde(default)]
+    pub tokenizer_json: Option<std::path::PathBuf>,
+    /// `tokenizer_config.json` with the chat template and special tokens.
+    #[serde(default)]
+    pub tokenizer_config: Option<std::path::PathBuf>,
+    /// A standalone Jinja chat template overriding the one in `tokenizer_config`.
+    #[serde(default)]
+    pub chat_template: Option<std::path::PathBuf>,
+    /// Use the built-in pseudo tokenizer that `vllm-sim` uses (4 bytes of canonical prompt per token).
+    #[serde(default)]
+    pub builtin: bool,
 }
 
 impl Default for Config {
@@ -52,6 +116,8 @@ impl Default for Config {
             scorers: ScorersConfig::default(),
             gate: GateConfig::default(),
             pods: PodsConfig::default(),
+            kv_events: KvEventsConfig::default(),
+            tokenizers: Vec::new(),
             log: LogConfig::default(),
         }
     }
@@ -324,6 +390,12 @@ pub struct StaticPod {
     /// Free-form labels shown in /debug/pods.
     #[serde(default)]
     pub labels: BTreeMap<String, String>,
+    /// KV-event PUB endpoint of this pod (overrides `kv_events.endpoint`).
+    #[serde(default)]
+    pub kv_events_endpoint: Option<String>,
+    /// KV-event replay endpoint of this pod (overrides `kv_events.replay_endpoint`).
+    #[serde(default)]
+    pub kv_events_replay_endpoint: Option<String>,
 }
 
 /// A DNS source (Kubernetes headless Service).
@@ -541,6 +613,35 @@ impl Config {
         ] {
             if v == 0 {
                 bad(key, "must be positive");
+            }
+        }
+        let ev = &self.kv_events;
+        if ev.endpoint.is_empty() {
+            bad("kv_events.endpoint", "must not be empty");
+        }
+        if ev.data_parallel_size == 0 || ev.data_parallel_size > 1024 {
+            bad("kv_events.data_parallel_size", "must be in 1..=1024");
+        }
+        if ev.block_tokens == 0 {
+            bad("kv_events.block_tokens", "must be positive");
+        }
+        for (key, w) in [
+            ("kv_events.gpu_weight", ev.gpu_weight),
+            ("kv_events.cpu_weight", ev.cpu_weight),
+        ] {
+            if !(w >= 0.0 && w.is_finite()) {
+                bad(key, "must be a finite number >= 0");
+            }
+        }
+        for (i, t) in self.tokenizers.iter().enumerate() {
+            if t.model.is_empty() {
+                bad(&format!("tokenizers[{i}].model"), "must not be empty");
+            }
+            if t.builtin == t.tokenizer_json.is_some() {
+                bad(
+                    &format!("tokenizers[{i}]"),
+                    "set exactly one of tokenizer_json and builtin: true",
+                );
             }
         }
         if self.pods.unhealthy_after == 0 {

@@ -263,3 +263,95 @@ fn negative_int64_hashes_are_reinterpreted() {
         }]
     );
 }
+
+mod roundtrip {
+    use proptest::prelude::*;
+
+    use super::super::*;
+
+    fn hash() -> impl Strategy<Value = BlockHash> {
+        prop_oneof![
+            any::<u64>().prop_map(BlockHash::Int),
+            prop::collection::vec(any::<u8>(), 1..33).prop_map(BlockHash::Bytes),
+        ]
+    }
+
+    fn extra() -> impl Strategy<Value = Option<Vec<ExtraKey>>> {
+        prop::option::of(prop::collection::vec(
+            prop_oneof![
+                "[a-z-]{0,12}".prop_map(ExtraKey::Str),
+                any::<i64>().prop_map(ExtraKey::Int)
+            ],
+            0..3,
+        ))
+    }
+
+    fn event() -> impl Strategy<Value = KvEvent> {
+        let stored = (
+            prop::collection::vec(hash(), 0..4),
+            prop::option::of(hash()),
+            prop::collection::vec(any::<u32>(), 0..40),
+            any::<u32>(),
+            prop::option::of(any::<i64>()),
+            prop::option::of(prop_oneof![
+                Just("GPU".to_string()),
+                Just("CPU".to_string())
+            ]),
+            prop::option::of("[a-z]{1,8}"),
+            prop::option::of(prop::collection::vec(extra(), 0..3)),
+            prop::option::of(any::<u32>()),
+            prop::option::of(Just("full_attention".to_string())),
+            prop::option::of(any::<u32>()),
+        )
+            .prop_map(
+                |(h, p, t, bs, lid, m, ln, ek, g, kind, sw)| KvEvent::BlockStored {
+                    block_hashes: h,
+                    parent_block_hash: p,
+                    token_ids: t,
+                    block_size: bs,
+                    lora_id: lid,
+                    medium: m,
+                    lora_name: ln,
+                    extra_keys: ek,
+                    group_idx: g,
+                    kv_cache_spec_kind: kind,
+                    kv_cache_spec_sliding_window: sw,
+                },
+            );
+        let removed = (
+            prop::collection::vec(hash(), 0..4),
+            prop::option::of(Just("GPU".to_string())),
+            prop::option::of(any::<u32>()),
+        )
+            .prop_map(|(h, m, g)| KvEvent::BlockRemoved {
+                block_hashes: h,
+                medium: m,
+                group_idx: g,
+            });
+        prop_oneof![stored, removed, Just(KvEvent::AllBlocksCleared)]
+    }
+
+    proptest! {
+        #[test]
+        fn decode_inverts_encode(events in prop::collection::vec(event(), 0..6), ts in 0.0f64..2e9, rank in prop::option::of(0i64..8)) {
+            let batch = KvEventBatch { ts, events, data_parallel_rank: rank };
+            prop_assert_eq!(decode_batch(&encode_batch(&batch)).unwrap(), batch);
+        }
+
+        #[test]
+        fn arbitrary_bytes_never_panic(bytes in prop::collection::vec(any::<u8>(), 0..600)) {
+            let _ = decode_batch(&bytes);
+        }
+
+        #[test]
+        fn mutated_real_payloads_never_panic(idx in 0usize..1000, byte in any::<u8>(), cut in 0usize..1000) {
+            let mut p = payload("08_mixed_batch");
+            let i = idx % p.len();
+            p[i] = byte;
+            p.truncate(p.len() - cut % p.len());
+            let _ = decode_batch(&p);
+        }
+    }
+
+    use super::payload;
+}

@@ -53,9 +53,12 @@ fn strip() -> HeaderMutation {
 fn decision_mutation(destination: &str, set_header: bool) -> HeaderMutation {
     let mut m = strip();
     if set_header {
+        // The header names the primary only: ORIGINAL_DST clusters reject a list (503), while
+        // override_host reads the full retry list from the metadata.
+        let primary = destination.split(',').next().unwrap_or(destination);
         // Overwritten in place instead of removed, so it cannot be lost to mutation ordering.
         m.remove_headers.retain(|h| h != DESTINATION_HEADER);
-        m.set_headers.push(header(DESTINATION_HEADER, destination));
+        m.set_headers.push(header(DESTINATION_HEADER, primary));
     }
     m
 }
@@ -257,7 +260,8 @@ mod tests {
         let m = b.response.unwrap().header_mutation.unwrap();
         assert_eq!(
             m.set_headers[0].header.as_ref().unwrap().raw_value,
-            b"10.0.0.5:8000,10.0.0.6:8000"
+            b"10.0.0.5:8000",
+            "the header names the primary only"
         );
         assert_eq!(
             m.set_headers[0].append_action,
@@ -271,7 +275,7 @@ mod tests {
             panic!()
         };
         assert!(
-            matches!(&lb.fields[DESTINATION_HEADER].kind, Some(Kind::StringValue(s)) if s.starts_with("10.0.0.5"))
+            matches!(&lb.fields[DESTINATION_HEADER].kind, Some(Kind::StringValue(s)) if s == "10.0.0.5:8000,10.0.0.6:8000")
         );
         let no_header = request_body_decision("10.0.0.5:8000", false);
         let Some(Out::RequestBody(b)) = no_header.response else {

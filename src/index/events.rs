@@ -583,7 +583,10 @@ mod tests {
             ],
         )
         .await;
-        assert_eq!(idx.lookup(&k, std::slice::from_ref(&a), 0).await.unwrap(), vec![4.0]);
+        assert_eq!(
+            idx.lookup(&k, std::slice::from_ref(&a), 0).await.unwrap(),
+            vec![4.0]
+        );
         apply(&idx, &a, &["06_block_removed"]).await;
         assert_eq!(
             idx.lookup(&k, std::slice::from_ref(&a), 0).await.unwrap(),
@@ -591,7 +594,10 @@ mod tests {
             "blocks 0-2 remain"
         );
         apply(&idx, &a, &["07_all_blocks_cleared"]).await;
-        assert_eq!(idx.lookup(&k, std::slice::from_ref(&a), 0).await.unwrap(), vec![0.0]);
+        assert_eq!(
+            idx.lookup(&k, std::slice::from_ref(&a), 0).await.unwrap(),
+            vec![0.0]
+        );
         assert_eq!(idx.stats(), IndexStats::default());
     }
 
@@ -602,7 +608,10 @@ mod tests {
         apply(&idx, &a, &["01_block_stored_root_int", "08_mixed_batch"]).await;
         // GPU {block 0 of tokens 100..115}, CPU {same hash}; the clear dropped tokens 0..31.
         let k = keys(MODEL, None, 100..148, 16);
-        assert_eq!(idx.lookup(&k, std::slice::from_ref(&a), 0).await.unwrap(), vec![1.0]);
+        assert_eq!(
+            idx.lookup(&k, std::slice::from_ref(&a), 0).await.unwrap(),
+            vec![1.0]
+        );
         assert_eq!(
             idx.lookup(&keys(MODEL, None, 0..32, 16), std::slice::from_ref(&a), 0)
                 .await
@@ -621,7 +630,10 @@ mod tests {
             data_parallel_rank: Some(0),
         };
         idx.apply_events(&a, 0, MODEL, &rm).await.unwrap();
-        assert_eq!(idx.lookup(&k, std::slice::from_ref(&a), 0).await.unwrap(), vec![0.8]);
+        assert_eq!(
+            idx.lookup(&k, std::slice::from_ref(&a), 0).await.unwrap(),
+            vec![0.8]
+        );
     }
 
     #[tokio::test]
@@ -652,10 +664,17 @@ mod tests {
         )
         .await;
         let lora = keys("sql-lora", Some("tenant-a"), 0..32, 16);
-        assert_eq!(idx.lookup(&lora, std::slice::from_ref(&a), 0).await.unwrap(), vec![2.0]);
+        assert_eq!(
+            idx.lookup(&lora, std::slice::from_ref(&a), 0)
+                .await
+                .unwrap(),
+            vec![2.0]
+        );
         let salted = keys(MODEL, Some("tenant-a"), 0..32, 16);
         assert_eq!(
-            idx.lookup(&salted, std::slice::from_ref(&a), 0).await.unwrap(),
+            idx.lookup(&salted, std::slice::from_ref(&a), 0)
+                .await
+                .unwrap(),
             vec![2.0]
         );
         let plain = keys(MODEL, None, 0..32, 16);
@@ -732,8 +751,18 @@ mod tests {
         let a = pod("10.0.0.5:8000");
         let k = keys(MODEL, None, 0..64, 16);
         idx.record(&a, &k, 1000).await.unwrap();
-        assert_eq!(idx.lookup(&k, std::slice::from_ref(&a), 2999).await.unwrap(), vec![4.0]);
-        assert_eq!(idx.lookup(&k, std::slice::from_ref(&a), 3000).await.unwrap(), vec![0.0]);
+        assert_eq!(
+            idx.lookup(&k, std::slice::from_ref(&a), 2999)
+                .await
+                .unwrap(),
+            vec![4.0]
+        );
+        assert_eq!(
+            idx.lookup(&k, std::slice::from_ref(&a), 3000)
+                .await
+                .unwrap(),
+            vec![0.0]
+        );
         idx.record(&a, &k, 5000).await.unwrap();
         apply(&idx, &a, &["01_block_stored_root_int"]).await;
         idx.sweep(10_000).await.unwrap();

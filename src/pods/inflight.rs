@@ -167,6 +167,8 @@ mod tests {
             addr: "127.0.0.1:1".parse().unwrap(),
             models: vec![],
             labels: Default::default(),
+            kv_events_endpoint: None,
+            kv_events_replay_endpoint: None,
         }))
     }
 

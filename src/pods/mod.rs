@@ -60,6 +60,10 @@ pub struct PodSpec {
     pub models: Vec<String>,
     /// Free-form labels.
     pub labels: BTreeMap<String, String>,
+    /// KV-event PUB endpoint override (else the config template).
+    pub kv_events_endpoint: Option<String>,
+    /// KV-event replay endpoint override.
+    pub kv_events_replay_endpoint: Option<String>,
 }
 
 /// One sample of a pod's `/metrics`.
@@ -303,6 +307,8 @@ mod tests {
             addr: addr.parse().unwrap(),
             models: vec![],
             labels: BTreeMap::new(),
+            kv_events_endpoint: None,
+            kv_events_replay_endpoint: None,
         }
     }
 

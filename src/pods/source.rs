@@ -49,6 +49,8 @@ impl StaticSource {
                     addr,
                     models: p.models.clone(),
                     labels: p.labels.clone(),
+                    kv_events_endpoint: p.kv_events_endpoint.clone(),
+                    kv_events_replay_endpoint: p.kv_events_replay_endpoint.clone(),
                 })
             })
             .collect();
@@ -106,6 +108,8 @@ impl PodSource for DnsSource {
                 addr,
                 models: self.models.clone(),
                 labels: labels.clone(),
+                kv_events_endpoint: None,
+                kv_events_replay_endpoint: None,
             })
             .collect())
     }

@@ -42,10 +42,11 @@ pub struct EngineHandle {
 }
 
 /// Starts the actor on the current tokio runtime. Cache events (vLLM KV events) are sent to
-/// `cache_events` when given, and dropped otherwise.
+/// `cache_events` when given, and dropped otherwise: one `Vec` per engine step (actor wake-up)
+/// that changed the cache, like vLLM's one `KVEventBatch` per scheduler step.
 pub fn spawn(
     engine: Engine,
-    cache_events: Option<mpsc::UnboundedSender<CacheEvent>>,
+    cache_events: Option<mpsc::UnboundedSender<Vec<CacheEvent>>>,
 ) -> EngineHandle {
     let (tx, rx) = mpsc::unbounded_channel();
     tokio::spawn(run(engine, rx, cache_events));
@@ -119,7 +120,7 @@ fn micros(start: Instant) -> u64 {
 async fn run(
     mut engine: Engine,
     mut rx: mpsc::UnboundedReceiver<Command>,
-    cache_events: Option<mpsc::UnboundedSender<CacheEvent>>,
+    cache_events: Option<mpsc::UnboundedSender<Vec<CacheEvent>>>,
 ) {
     let start = Instant::now();
     let mut owners: std::collections::HashMap<RequestId, mpsc::UnboundedSender<RequestEvent>> =
@@ -142,9 +143,10 @@ async fn run(
                 engine.cancel(now, id);
             }
         }
-        for ev in engine.drain_cache_events() {
+        let step_events = engine.drain_cache_events();
+        if !step_events.is_empty() {
             if let Some(tx) = &cache_events {
-                let _ = tx.send(ev);
+                let _ = tx.send(step_events);
             }
         }
         let deadline = engine

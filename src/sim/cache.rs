@@ -20,6 +20,8 @@ use lru::LruCache;
 
 use crate::blocks::BlockKey;
 
+use super::vllm_hash::BlockDigest;
+
 /// One change to the cache, in vLLM KV-event form.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum CacheEvent {
@@ -35,6 +37,8 @@ pub enum CacheEvent {
         token_ids: Vec<u32>,
         /// Tokens per block.
         block_size: usize,
+        /// vLLM identity of the stored blocks, when the engine knows it (KV events enabled).
+        vllm: Option<VllmStored>,
     },
     /// Blocks were evicted.
     BlockRemoved {
@@ -43,6 +47,20 @@ pub enum CacheEvent {
     },
     /// The whole cache was cleared (`/reset_prefix_cache`).
     AllBlocksCleared,
+}
+
+/// What vLLM would publish about a run of stored blocks (filled in by the engine from the
+/// request's [`super::engine::VllmInfo`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VllmStored {
+    /// vLLM block digests, one per stored block.
+    pub hashes: Vec<BlockDigest>,
+    /// Digest of the block before the first one (`None` = the run starts at block 0).
+    pub parent: Option<BlockDigest>,
+    /// Published (untagged) extra keys, one entry per stored block.
+    pub extra_keys: Vec<Option<Vec<String>>>,
+    /// LoRA adapter `(name, id)` of the request.
+    pub lora: Option<(String, i64)>,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -218,6 +236,7 @@ impl PrefixCache {
                 },
                 token_ids: token_ids[first * bs..(last + 1) * bs].to_vec(),
                 block_size: bs,
+                vllm: None,
             });
             run_start = end;
         }
@@ -297,6 +316,7 @@ mod tests {
                 parent_block_hash: None,
                 token_ids: tokens(4, 2),
                 block_size: 2,
+                vllm: None,
             }]
         );
         assert_eq!(c.lookup(&k), 4);
@@ -350,6 +370,7 @@ mod tests {
                 parent_block_hash: Some(BlockKey(1)),
                 token_ids: vec![8, 9],
                 block_size: 1,
+                vllm: None,
             }]
         );
         c.release(&p);

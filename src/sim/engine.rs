@@ -22,7 +22,8 @@ use std::collections::{BTreeSet, HashMap, VecDeque};
 
 use crate::blocks::{token_keys, BlockKey};
 
-use super::cache::{CacheEvent, PrefixCache};
+use super::cache::{CacheEvent, PrefixCache, VllmStored};
+use super::vllm_hash::{BlockDigest, HashExtras};
 
 /// Identifies a submitted request; chosen by the caller, unique per engine.
 pub type RequestId = u64;
@@ -69,6 +70,37 @@ pub struct Submission {
     pub keys: Vec<BlockKey>,
     /// Tokens to generate (at least 1 is generated).
     pub max_tokens: u32,
+    /// vLLM block hashes of the prompt (only when KV events are published).
+    pub vllm: Option<VllmInfo>,
+}
+
+/// A prompt's vLLM identity: what KV events say about its blocks.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VllmInfo {
+    /// vLLM digests of the full prompt blocks (parallel to [`Submission::keys`]).
+    pub digests: Vec<BlockDigest>,
+    /// LoRA adapter and cache salt (published extra keys).
+    pub extras: HashExtras,
+    /// LoRA adapter id (`lora_id` in events).
+    pub lora_id: Option<i64>,
+}
+
+impl VllmInfo {
+    /// What vLLM publishes for the blocks `first..first + n` of this prompt.
+    pub fn stored(&self, first: usize, n: usize) -> VllmStored {
+        VllmStored {
+            hashes: self.digests[first..first + n].to_vec(),
+            parent: first.checked_sub(1).map(|i| self.digests[i]),
+            extra_keys: (first..first + n)
+                .map(|i| self.extras.published(i))
+                .collect(),
+            lora: self
+                .extras
+                .lora
+                .as_ref()
+                .map(|(name, _)| (name.clone(), self.lora_id.unwrap_or(0))),
+        }
+    }
 }
 
 impl Submission {
@@ -79,6 +111,7 @@ impl Submission {
             tokens,
             keys,
             max_tokens,
+            vllm: None,
         }
     }
 }
@@ -395,7 +428,11 @@ impl Engine {
         let keys = &req.sub.keys[hit..];
         let tokens = &req.sub.tokens[hit * bs..];
         let parent = hit.checked_sub(1).map(|i| req.sub.keys[i]);
+        let start = self.events.len();
         let pinned = self.cache.insert(parent, keys, tokens, &mut self.events);
+        if let Some(info) = &req.sub.vllm {
+            annotate(&mut self.events[start..], &req.sub.keys, hit, info);
+        }
         req.held.extend(pinned);
         self.stats.prompt_tokens += req.prompt_len() as u64;
         req.phase = Phase::Decoding;
@@ -453,6 +490,32 @@ impl Engine {
         self.cache.release(&req.held);
         self.cache
             .set_reserved(self.private_blocks, &mut self.events);
+    }
+}
+
+/// Fills in the vLLM identity of the `BlockStored` events the cache just emitted for a prompt
+/// with `keys`, stored from block `from` on. Runs come in prompt order, so one forward scan
+/// finds each run's first block.
+fn annotate(events: &mut [CacheEvent], keys: &[BlockKey], from: usize, info: &VllmInfo) {
+    let mut cursor = from;
+    for ev in events {
+        if let CacheEvent::BlockStored {
+            block_hashes, vllm, ..
+        } = ev
+        {
+            let Some(first) = block_hashes.first() else {
+                continue;
+            };
+            let Some(pos) = keys[cursor..].iter().position(|k| k == first) else {
+                continue;
+            };
+            let idx = cursor + pos;
+            let n = block_hashes.len();
+            if idx + n <= info.digests.len() {
+                *vllm = Some(info.stored(idx, n));
+            }
+            cursor = idx + n;
+        }
     }
 }
 

@@ -21,8 +21,9 @@ use crate::blocks::{namespace_seed, pseudo_tokens};
 use crate::request::{self, Api, Prompt};
 
 use super::actor::{EngineHandle, RequestEvent, RequestStream};
-use super::engine::{Submission, Usage};
+use super::engine::{Submission, Usage, VllmInfo};
 use super::metrics::{self, MetricsInfo};
+use super::vllm_hash::{chain, BlockDigest, HashExtras};
 
 /// Header naming the pod that served a response.
 pub const POD_HEADER: &str = "x-vllm-sim-pod";
@@ -53,6 +54,17 @@ pub struct AppState {
     pub started: u64,
     /// Response id counter.
     pub counter: AtomicU64,
+    /// vLLM block hashing for KV events (`None` when events are off).
+    pub vllm_hashing: Option<VllmHashing>,
+}
+
+/// What the HTTP layer needs to compute vLLM block hashes of a prompt.
+#[derive(Debug, Clone, Default)]
+pub struct VllmHashing {
+    /// `NONE_HASH`, the parent of block 0.
+    pub none_hash: BlockDigest,
+    /// LoRA adapters by served name: `(path, lora_id)`.
+    pub loras: std::collections::HashMap<String, (String, i64)>,
 }
 
 /// The application router.
@@ -353,6 +365,20 @@ fn parse_job(state: &AppState, api: Api, body: &[u8]) -> Result<Job, ApiError> {
     }
     let text_seed = hasher.digest();
     let seed = namespace_seed(&model, req.cache_salt.as_deref());
+    let vllm = state.vllm_hashing.as_ref().map(|h| {
+        let lora = h.loras.get(&model);
+        let extras = HashExtras {
+            lora: lora.map(|(path, _)| (model.clone(), path.clone())),
+            cache_salt: req.cache_salt.clone(),
+        };
+        VllmInfo {
+            digests: chain(&h.none_hash, &tokens, state.block_size, &extras),
+            extras,
+            lora_id: lora.map(|(_, id)| *id),
+        }
+    });
+    let mut submission = Submission::new(seed, tokens, max_tokens, state.block_size);
+    submission.vllm = vllm;
     Ok(Job {
         api,
         model,
@@ -360,7 +386,7 @@ fn parse_job(state: &AppState, api: Api, body: &[u8]) -> Result<Job, ApiError> {
         include_usage,
         max_tokens,
         text_seed,
-        submission: Submission::new(seed, tokens, max_tokens, state.block_size),
+        submission,
     })
 }
 

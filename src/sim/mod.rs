@@ -11,7 +11,9 @@ pub mod actor;
 pub mod cache;
 pub mod engine;
 pub mod http;
+pub mod kv_events;
 pub mod metrics;
+pub mod vllm_hash;
 
 use std::io::Write;
 use std::net::SocketAddr;
@@ -72,6 +74,37 @@ pub struct Args {
     /// Seed for response ids and generated text.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// LoRA adapters served as extra models, `name=path` (repeatable, or several per flag).
+    #[arg(long = "lora-modules", num_args = 1.., value_parser = parse_lora)]
+    pub lora_modules: Vec<(String, String)>,
+    /// Publish vLLM KV-cache events on this ZMQ PUB endpoint (binds if it contains `*` or
+    /// `::` or is `ipc://`, else connects). `tcp://*:0` binds an ephemeral port on 127.0.0.1.
+    #[arg(long)]
+    pub kv_events_endpoint: Option<String>,
+    /// Topic (first frame) of every KV-event message.
+    #[arg(long, default_value = "")]
+    pub kv_events_topic: String,
+    /// ZMQ ROUTER endpoint of the replay service (always binds; needs `--kv-events-endpoint`).
+    #[arg(long)]
+    pub kv_events_replay_endpoint: Option<String>,
+    /// Batches kept for replay.
+    #[arg(long, default_value_t = 10_000)]
+    pub kv_events_buffer_steps: usize,
+    /// Publish block hashes as 32-byte digests (`VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0`).
+    #[arg(long)]
+    pub kv_events_bytes_hashes: bool,
+    /// Data-parallel rank: offsets tcp KV-event ports and is stamped into every batch.
+    #[arg(long, default_value_t = 0)]
+    pub data_parallel_rank: i64,
+}
+
+fn parse_lora(s: &str) -> Result<(String, String), String> {
+    match s.split_once('=') {
+        Some((name, path)) if !name.is_empty() && !path.is_empty() => {
+            Ok((name.to_string(), path.to_string()))
+        }
+        _ => Err(format!("expected name=path, got {s:?}")),
+    }
 }
 
 impl Args {
@@ -94,10 +127,49 @@ impl Args {
 pub async fn run(args: Args) -> anyhow::Result<()> {
     let listener = tokio::net::TcpListener::bind((args.host.as_str(), args.port)).await?;
     let addr: SocketAddr = listener.local_addr()?;
-    let engine = actor::spawn(Engine::new(args.engine_config()), None);
+    let mut lines = vec![format!("vllm-sim listening on {addr}")];
+    let (events_tx, vllm_hashing) = match &args.kv_events_endpoint {
+        Some(endpoint) => {
+            let (tx, eps) = kv_events::start(kv_events::KvEventsConfig {
+                endpoint: endpoint.clone(),
+                topic: args.kv_events_topic.clone(),
+                replay_endpoint: args.kv_events_replay_endpoint.clone(),
+                buffer_steps: args.kv_events_buffer_steps,
+                data_parallel_rank: args.data_parallel_rank,
+                bytes_hashes: args.kv_events_bytes_hashes,
+            })
+            .await?;
+            lines.push(format!("vllm-sim kv-events on {}", eps.publisher));
+            if let Some(replay) = &eps.replay {
+                lines.push(format!("vllm-sim kv-events replay on {replay}"));
+            }
+            let hashing = http::VllmHashing {
+                none_hash: vllm_hash::none_hash(vllm_hash::DEFAULT_SEED),
+                loras: args
+                    .lora_modules
+                    .iter()
+                    .enumerate()
+                    .map(|(i, (name, path))| (name.clone(), (path.clone(), i as i64 + 1)))
+                    .collect(),
+            };
+            (Some(tx), Some(hashing))
+        }
+        None => {
+            if args.kv_events_replay_endpoint.is_some() {
+                anyhow::bail!("--kv-events-replay-endpoint needs --kv-events-endpoint");
+            }
+            (None, None)
+        }
+    };
+    let engine = actor::spawn(Engine::new(args.engine_config()), events_tx);
     let mut models = args.models.clone();
     if models.is_empty() {
         models.push("sim-model".into());
+    }
+    for (name, _) in &args.lora_modules {
+        if !models.contains(name) {
+            models.push(name.clone());
+        }
     }
     let state = Arc::new(http::AppState {
         models,
@@ -112,10 +184,13 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             .map(|d| d.as_secs())
             .unwrap_or(0),
         counter: AtomicU64::new(0),
+        vllm_hashing,
     });
     {
         let mut out = std::io::stdout().lock();
-        writeln!(out, "vllm-sim listening on {addr}")?;
+        for line in &lines {
+            writeln!(out, "{line}")?;
+        }
         out.flush()?;
     }
     tracing::info!(%addr, pod = %state.pod_name, "vllm-sim started");

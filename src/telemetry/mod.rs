@@ -41,6 +41,15 @@ pub struct ModeLabels {
     pub mode: &'static str,
 }
 
+/// A pod and an event type.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PodTypeLabels {
+    /// `ip:port`.
+    pub pod: String,
+    /// Closed set: event type, purge reason, replay outcome or decode-error kind.
+    pub r#type: &'static str,
+}
+
 /// Every metric the router exports.
 pub struct Metrics {
     /// `kv_router_decisions_total{reason,pod}`.
@@ -71,6 +80,18 @@ pub struct Metrics {
     pub index_keys: Gauge,
     /// `kv_router_sessions`.
     pub sessions: Gauge,
+    /// `kv_router_kv_events_applied_total{pod,type}`.
+    pub events_applied: Family<PodTypeLabels, Counter>,
+    /// `kv_router_kv_event_gaps_total{pod}`.
+    pub event_gaps: Family<PodLabels, Counter>,
+    /// `kv_router_kv_event_replays_total{pod,type=complete|failed}`.
+    pub event_replays: Family<PodTypeLabels, Counter>,
+    /// `kv_router_kv_event_purges_total{pod,type=gap|restart|cleared}`.
+    pub event_purges: Family<PodTypeLabels, Counter>,
+    /// `kv_router_kv_event_decode_errors_total{pod,type}`.
+    pub event_decode_errors: Family<PodTypeLabels, Counter>,
+    /// `kv_router_kv_event_lag_seconds`: publish time to application.
+    pub event_lag: Histogram,
 }
 
 impl Metrics {
@@ -91,6 +112,12 @@ impl Metrics {
             index_entries: Gauge::default(),
             index_keys: Gauge::default(),
             sessions: Gauge::default(),
+            events_applied: Family::default(),
+            event_gaps: Family::default(),
+            event_replays: Family::default(),
+            event_purges: Family::default(),
+            event_decode_errors: Family::default(),
+            event_lag: Histogram::new(exponential_buckets(1e-4, 2.0, 18)),
         };
         let r = registry.sub_registry_with_prefix("kv_router");
         r.register(
@@ -155,6 +182,36 @@ impl Metrics {
             m.index_keys.clone(),
         );
         r.register("sessions", "Sessions remembered", m.sessions.clone());
+        r.register(
+            "kv_events_applied",
+            "vLLM KV events applied, by pod and type",
+            m.events_applied.clone(),
+        );
+        r.register(
+            "kv_event_gaps",
+            "Sequence gaps in a pod's KV-event stream",
+            m.event_gaps.clone(),
+        );
+        r.register(
+            "kv_event_replays",
+            "Replay requests by outcome",
+            m.event_replays.clone(),
+        );
+        r.register(
+            "kv_event_purges",
+            "Pod index purges by reason",
+            m.event_purges.clone(),
+        );
+        r.register(
+            "kv_event_decode_errors",
+            "Undecodable KV-event messages by kind",
+            m.event_decode_errors.clone(),
+        );
+        r.register(
+            "kv_event_lag_seconds",
+            "Time from publication to application of a KV-event batch",
+            m.event_lag.clone(),
+        );
         m
     }
 

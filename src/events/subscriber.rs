@@ -1,0 +1,504 @@
+//! ZMQ subscriber for one (pod, DP rank): a SUB socket on the pod's KV-event publisher and,
+//! when configured, a DEALER on its replay socket. Runs on its own thread (libzmq sockets are
+//! blocking) and hands ordered deliveries to the async side over a channel.
+//!
+//! Uses the `zmq` crate (libzmq 4.3, built from source by `zmq-sys`): libzmq reconnects on its
+//! own and tolerates publisher restarts; the pure-Rust `zeromq` 0.4 SUB socket neither
+//! reconnects nor survives a peer disconnect without hitting a `todo!()` panic.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio::sync::mpsc;
+use tracing::{debug, warn};
+
+use super::sequence::{SeqTracker, Verdict};
+
+/// Where to subscribe.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct SubscriptionSpec {
+    /// PUB endpoint, e.g. `tcp://10.0.0.5:5557` (the subscriber connects).
+    pub endpoint: String,
+    /// ROUTER replay endpoint, if the pod runs one.
+    pub replay_endpoint: Option<String>,
+    /// Topic prefix to subscribe to (`""` = everything).
+    pub topic: String,
+}
+
+/// Why a pod's state was purged.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PurgeReason {
+    /// Messages were lost and could not be replayed.
+    Gap,
+    /// The engine restarted (sequence went back).
+    Restart,
+}
+
+impl PurgeReason {
+    /// Metric label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PurgeReason::Gap => "gap",
+            PurgeReason::Restart => "restart",
+        }
+    }
+}
+
+/// What the subscriber thread hands over, in order.
+#[derive(Debug)]
+pub enum Delivery {
+    /// A payload to decode and apply.
+    Batch {
+        /// Its sequence number.
+        seq: u64,
+        /// The msgpack payload.
+        payload: Vec<u8>,
+        /// Whether it came from the replay socket.
+        replayed: bool,
+    },
+    /// Drop everything known about this (pod, rank) before what follows.
+    Purge(PurgeReason),
+    /// A sequence gap was seen (counted whether or not replay healed it).
+    GapSeen,
+    /// A replay was attempted.
+    Replay {
+        /// It returned every missing message.
+        complete: bool,
+    },
+    /// A message did not have the 3-frame shape.
+    BadFrames,
+}
+
+/// Handle that stops the thread when dropped.
+#[derive(Debug)]
+pub struct SubscriberHandle {
+    stop: Arc<AtomicBool>,
+}
+
+impl Drop for SubscriberHandle {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+    }
+}
+
+/// Starts the subscriber thread; deliveries arrive on the returned channel.
+pub fn spawn(
+    spec: SubscriptionSpec,
+    name: String,
+) -> std::io::Result<(SubscriberHandle, mpsc::Receiver<Delivery>)> {
+    let (tx, rx) = mpsc::channel(1024);
+    let stop = Arc::new(AtomicBool::new(false));
+    let thread_stop = stop.clone();
+    std::thread::Builder::new()
+        .name(format!("kv-events {name}"))
+        .spawn(move || run(spec, tx, thread_stop))?;
+    Ok((SubscriberHandle { stop }, rx))
+}
+
+fn context() -> &'static zmq::Context {
+    static CTX: std::sync::OnceLock<zmq::Context> = std::sync::OnceLock::new();
+    CTX.get_or_init(zmq::Context::new)
+}
+
+fn run(spec: SubscriptionSpec, tx: mpsc::Sender<Delivery>, stop: Arc<AtomicBool>) {
+    let socket = match sub_socket(&spec) {
+        Ok(s) => s,
+        Err(e) => {
+            warn!(endpoint = %spec.endpoint, error = %e, "cannot create KV-event subscriber");
+            return;
+        }
+    };
+    let mut tracker = SeqTracker::default();
+    let send = |d: Delivery| tx.blocking_send(d).is_ok();
+    while !stop.load(Ordering::Relaxed) {
+        let frames = match socket.recv_multipart(0) {
+            Ok(f) => f,
+            Err(zmq::Error::EAGAIN) => continue,
+            Err(e) => {
+                debug!(error = %e, "KV-event receive failed");
+                std::thread::sleep(Duration::from_millis(100));
+                continue;
+            }
+        };
+        let Some(seq) = frame_seq(&frames) else {
+            if !send(Delivery::BadFrames) {
+                return;
+            }
+            continue;
+        };
+        let payload = frames.into_iter().nth(2).expect("3 frames");
+        let ok = match tracker.observe(seq) {
+            Verdict::Apply => true,
+            Verdict::Joined { to } => replay_into(&spec, 0, to, &send, false),
+            Verdict::Gap { from, to } => {
+                send(Delivery::GapSeen) && replay_into(&spec, from, to, &send, true)
+            }
+            Verdict::Restarted { to } => {
+                send(Delivery::Purge(PurgeReason::Restart))
+                    && replay_into(&spec, 0, to, &send, false)
+            }
+        };
+        if !ok
+            || !send(Delivery::Batch {
+                seq,
+                payload,
+                replayed: false,
+            })
+        {
+            return;
+        }
+    }
+}
+
+fn sub_socket(spec: &SubscriptionSpec) -> zmq::Result<zmq::Socket> {
+    let s = context().socket(zmq::SUB)?;
+    s.set_rcvtimeo(250)?;
+    s.set_reconnect_ivl(200)?;
+    s.set_reconnect_ivl_max(2_000)?;
+    s.set_rcvhwm(100_000)?;
+    s.set_subscribe(spec.topic.as_bytes())?;
+    s.connect(&spec.endpoint)?;
+    Ok(s)
+}
+
+/// `[topic, seq (8 bytes BE), payload]` → seq.
+fn frame_seq(frames: &[Vec<u8>]) -> Option<u64> {
+    if frames.len() != 3 {
+        return None;
+    }
+    Some(u64::from_be_bytes(frames[1].as_slice().try_into().ok()?))
+}
+
+/// Replays `from..to` into the channel. When it cannot (no replay socket, timeout, buffer no
+/// longer reaching back far enough) and `purge_on_failure`, a purge is delivered instead.
+/// Returns false when the receiver is gone.
+fn replay_into(
+    spec: &SubscriptionSpec,
+    from: u64,
+    to: u64,
+    send: &impl Fn(Delivery) -> bool,
+    purge_on_failure: bool,
+) -> bool {
+    if from >= to {
+        return true;
+    }
+    let replayed = spec
+        .replay_endpoint
+        .as_deref()
+        .and_then(|ep| match replay(ep, from, to) {
+            Ok(batches) => Some(batches),
+            Err(e) => {
+                debug!(endpoint = ep, error = %e, "replay failed");
+                None
+            }
+        });
+    let complete = replayed.is_some();
+    if spec.replay_endpoint.is_some() && !send(Delivery::Replay { complete }) {
+        return false;
+    }
+    match replayed {
+        Some(batches) => batches.into_iter().all(|(seq, payload)| {
+            send(Delivery::Batch {
+                seq,
+                payload,
+                replayed: true,
+            })
+        }),
+        None if purge_on_failure => send(Delivery::Purge(PurgeReason::Gap)),
+        None => true,
+    }
+}
+
+/// Why a replay did not return everything.
+#[derive(Debug, thiserror::Error)]
+pub enum ReplayError {
+    /// Socket error.
+    #[error("zmq: {0}")]
+    Zmq(#[from] zmq::Error),
+    /// No end marker in time.
+    #[error("no end marker before the deadline")]
+    Timeout,
+    /// The buffer no longer holds the first missing message.
+    #[error("replay starts at {got}, needed {wanted}")]
+    TooOld {
+        /// First sequence number replayed.
+        got: u64,
+        /// First sequence number needed.
+        wanted: u64,
+    },
+    /// A reply did not have either known layout.
+    #[error("malformed replay reply")]
+    Malformed,
+}
+
+const END_SEQ: [u8; 8] = [0xff; 8];
+
+/// Asks a vLLM replay (ROUTER) socket for messages `from..to`; accepts both reply layouts
+/// (with the topic frame, vLLM ≥ 0.26, and without).
+pub fn replay(endpoint: &str, from: u64, to: u64) -> Result<Vec<(u64, Vec<u8>)>, ReplayError> {
+    let s = context().socket(zmq::DEALER)?;
+    s.set_linger(0)?;
+    s.set_rcvtimeo(200)?;
+    s.connect(endpoint)?;
+    s.send_multipart([Vec::new(), from.to_be_bytes().to_vec()], 0)?;
+    let deadline = Instant::now() + Duration::from_secs(2);
+    let mut out = Vec::new();
+    let mut first = None;
+    loop {
+        if Instant::now() > deadline {
+            return Err(ReplayError::Timeout);
+        }
+        let frames = match s.recv_multipart(0) {
+            Ok(f) => f,
+            Err(zmq::Error::EAGAIN) => continue,
+            Err(e) => return Err(e.into()),
+        };
+        // [b"", topic, seq, payload] (≥ 0.26) or [b"", seq, payload] (≤ 0.25).
+        let (seq, payload) = match frames.len() {
+            4 if frames[2].len() == 8 => (&frames[2], &frames[3]),
+            3 if frames[1].len() == 8 => (&frames[1], &frames[2]),
+            _ => return Err(ReplayError::Malformed),
+        };
+        if seq.as_slice() == END_SEQ {
+            break;
+        }
+        let seq = u64::from_be_bytes(seq.as_slice().try_into().expect("8 bytes"));
+        first.get_or_insert(seq);
+        if seq >= from && seq < to {
+            out.push((seq, payload.clone()));
+        }
+    }
+    match first {
+        Some(got) if got > from => Err(ReplayError::TooOld { got, wanted: from }),
+        None if to > from => Err(ReplayError::TooOld {
+            got: u64::MAX,
+            wanted: from,
+        }),
+        _ if out.len() as u64 != to - from => Err(ReplayError::TooOld {
+            got: first.unwrap_or(0),
+            wanted: from,
+        }),
+        _ => Ok(out),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn free_port() -> u16 {
+        std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port()
+    }
+
+    /// A real libzmq publisher + replay ROUTER answering like vLLM 0.33.
+    struct FakeEngine {
+        publ: zmq::Socket,
+        router: zmq::Socket,
+        sent: Vec<(u64, Vec<u8>)>,
+    }
+
+    impl FakeEngine {
+        fn new(pub_port: u16, replay_port: u16) -> Self {
+            let publ = context().socket(zmq::PUB).unwrap();
+            publ.bind(&format!("tcp://127.0.0.1:{pub_port}")).unwrap();
+            let router = context().socket(zmq::ROUTER).unwrap();
+            router.set_rcvtimeo(10).unwrap();
+            router
+                .bind(&format!("tcp://127.0.0.1:{replay_port}"))
+                .unwrap();
+            Self {
+                publ,
+                router,
+                sent: Vec::new(),
+            }
+        }
+        fn publish(&mut self, seq: u64, payload: &[u8], live: bool) {
+            self.sent.push((seq, payload.to_vec()));
+            if live {
+                self.publ
+                    .send_multipart(
+                        [
+                            b"kv@t".to_vec(),
+                            seq.to_be_bytes().to_vec(),
+                            payload.to_vec(),
+                        ],
+                        0,
+                    )
+                    .unwrap();
+            }
+        }
+        fn serve_replay(&self) {
+            if let Ok(frames) = self.router.recv_multipart(0) {
+                let [id, empty, start] = frames.as_slice() else {
+                    return;
+                };
+                assert!(empty.is_empty());
+                let start = u64::from_be_bytes(start.as_slice().try_into().unwrap());
+                for (seq, p) in self.sent.iter().filter(|(s, _)| *s >= start) {
+                    self.router
+                        .send_multipart(
+                            [
+                                id.clone(),
+                                vec![],
+                                b"kv@t".to_vec(),
+                                seq.to_be_bytes().to_vec(),
+                                p.clone(),
+                            ],
+                            0,
+                        )
+                        .unwrap();
+                }
+                self.router
+                    .send_multipart([id.clone(), vec![], vec![], END_SEQ.to_vec(), vec![]], 0)
+                    .unwrap();
+            }
+        }
+    }
+
+    fn next(rx: &mut mpsc::Receiver<Delivery>, engine: &FakeEngine) -> Delivery {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            engine.serve_replay();
+            if let Ok(d) = rx.try_recv() {
+                return d;
+            }
+            assert!(Instant::now() < deadline, "no delivery");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    #[test]
+    fn gaps_are_replayed_and_restarts_purge() {
+        let (pp, rp) = (free_port(), free_port());
+        let mut engine = FakeEngine::new(pp, rp);
+        let spec = SubscriptionSpec {
+            endpoint: format!("tcp://127.0.0.1:{pp}"),
+            replay_endpoint: Some(format!("tcp://127.0.0.1:{rp}")),
+            topic: "kv@".into(),
+        };
+        let (_h, mut rx) = spawn(spec, "test".into()).unwrap();
+        // Slow joiner: publish seq 0 until the subscriber sees it.
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            engine
+                .publ
+                .send_multipart(
+                    [
+                        b"kv@t".to_vec(),
+                        0u64.to_be_bytes().to_vec(),
+                        b"p0".to_vec(),
+                    ],
+                    0,
+                )
+                .unwrap();
+            std::thread::sleep(Duration::from_millis(20));
+            if let Ok(d) = rx.try_recv() {
+                assert!(matches!(
+                    d,
+                    Delivery::Batch {
+                        seq: 0,
+                        replayed: false,
+                        ..
+                    }
+                ));
+                break;
+            }
+            assert!(Instant::now() < deadline, "subscriber never joined");
+        }
+        engine.sent.push((0, b"p0".to_vec()));
+        // Seq 1 and 2 are lost on the wire; 3 arrives: 1 and 2 come back through replay.
+        engine.publish(1, b"p1", false);
+        engine.publish(2, b"p2", false);
+        engine.publish(3, b"p3", true);
+        assert!(matches!(next(&mut rx, &engine), Delivery::GapSeen));
+        assert!(matches!(
+            next(&mut rx, &engine),
+            Delivery::Replay { complete: true }
+        ));
+        for want in [1u64, 2] {
+            match next(&mut rx, &engine) {
+                Delivery::Batch {
+                    seq,
+                    replayed: true,
+                    payload,
+                } => {
+                    assert_eq!(seq, want);
+                    assert_eq!(payload, format!("p{want}").into_bytes());
+                }
+                other => panic!("expected replayed batch {want}, got {other:?}"),
+            }
+        }
+        assert!(matches!(
+            next(&mut rx, &engine),
+            Delivery::Batch {
+                seq: 3,
+                replayed: false,
+                ..
+            }
+        ));
+        // The engine restarts: sequence back to 0 → purge first.
+        engine.sent.clear();
+        engine.publish(0, b"r0", true);
+        assert!(matches!(
+            next(&mut rx, &engine),
+            Delivery::Purge(PurgeReason::Restart)
+        ));
+        assert!(matches!(
+            next(&mut rx, &engine),
+            Delivery::Batch { seq: 0, .. }
+        ));
+        // A gap the replay buffer no longer covers → purge.
+        engine.sent.clear();
+        engine.publish(9, b"r9", true);
+        assert!(matches!(next(&mut rx, &engine), Delivery::GapSeen));
+        assert!(matches!(
+            next(&mut rx, &engine),
+            Delivery::Replay { complete: false }
+        ));
+        assert!(matches!(
+            next(&mut rx, &engine),
+            Delivery::Purge(PurgeReason::Gap)
+        ));
+        assert!(matches!(
+            next(&mut rx, &engine),
+            Delivery::Batch { seq: 9, .. }
+        ));
+    }
+
+    #[test]
+    fn replay_accepts_the_old_layout_and_times_out_cleanly() {
+        let rp = free_port();
+        let router = context().socket(zmq::ROUTER).unwrap();
+        router.bind(&format!("tcp://127.0.0.1:{rp}")).unwrap();
+        let t = std::thread::spawn(move || {
+            let frames = router.recv_multipart(0).unwrap();
+            let id = frames[0].clone();
+            // ≤ 0.25 layout: no topic frame.
+            router
+                .send_multipart(
+                    [
+                        id.clone(),
+                        vec![],
+                        4u64.to_be_bytes().to_vec(),
+                        b"x".to_vec(),
+                    ],
+                    0,
+                )
+                .unwrap();
+            router
+                .send_multipart([id, vec![], END_SEQ.to_vec(), vec![]], 0)
+                .unwrap();
+        });
+        let got = replay(&format!("tcp://127.0.0.1:{rp}"), 4, 5).unwrap();
+        assert_eq!(got, vec![(4, b"x".to_vec())]);
+        t.join().unwrap();
+        // Nobody answering: a timeout error, not a hang.
+        let silent = free_port();
+        assert!(replay(&format!("tcp://127.0.0.1:{silent}"), 0, 1).is_err());
+    }
+}

@@ -1,0 +1,521 @@
+//! vLLM 0.33-compatible KV-event publisher for the simulator.
+//!
+//! * PUB socket: one 3-frame message `[topic, seq (8 bytes BE, from 0), msgpack batch]` per
+//!   engine step that changed the cache. Binds when the endpoint contains `*` or `::` or is
+//!   `ipc://`, otherwise connects (vLLM's rule), so a router can bind one SUB for many pods.
+//! * Replay ROUTER (optional, always binds): keeps the last `buffer_steps` batches; a DEALER
+//!   request `["", seq8]` gets `["", topic, seq8, payload]` for every buffered batch with
+//!   `seq >= start`, then `["", "", ff×8, ""]` (vLLM ≥ 0.26 layout). Malformed requests are
+//!   ignored.
+//!
+//! Cache events name blocks by the simulator's internal [`BlockKey`]; the [`Translator`] turns
+//! them into vLLM events with vLLM `sha256_cbor` block hashes and remembers which hash each
+//! cached key has, so evictions are reported under the hash the store announced.
+
+use std::collections::{HashMap, VecDeque};
+
+use anyhow::{bail, Context};
+use bytes::Bytes;
+use tokio::sync::{mpsc, oneshot};
+use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
+
+use crate::blocks::BlockKey;
+use crate::events::{encode_batch, BlockHash, ExtraKey, KvEvent, KvEventBatch};
+
+use super::cache::CacheEvent;
+use super::vllm_hash::{digest_u64, BlockDigest};
+
+/// Publisher settings (from the `--kv-events-*` flags).
+#[derive(Debug, Clone, PartialEq)]
+pub struct KvEventsConfig {
+    /// PUB endpoint as given (before the DP-rank offset).
+    pub endpoint: String,
+    /// First frame of every message.
+    pub topic: String,
+    /// Replay ROUTER endpoint as given, if any.
+    pub replay_endpoint: Option<String>,
+    /// Batches kept for replay.
+    pub buffer_steps: usize,
+    /// Data-parallel rank: offsets tcp ports, stamped into every batch.
+    pub data_parallel_rank: i64,
+    /// Publish hashes as 32-byte digests instead of u64.
+    pub bytes_hashes: bool,
+}
+
+/// Where the sockets ended up (printed by the binary).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KvEventsEndpoints {
+    /// PUB endpoint (bound address, or the address dialled in connect mode).
+    pub publisher: String,
+    /// Whether the PUB socket binds (`false` = connects).
+    pub binds: bool,
+    /// Bound replay endpoint.
+    pub replay: Option<String>,
+}
+
+/// vLLM's bind-or-connect rule for the PUB endpoint.
+pub fn is_bind_endpoint(endpoint: &str) -> bool {
+    endpoint.contains('*')
+        || endpoint.contains("::")
+        || endpoint.starts_with("ipc://")
+        || endpoint.starts_with("inproc://")
+}
+
+/// Applies the data-parallel rank offset like vLLM: tcp port + rank (port 0 left alone);
+/// other schemes are only allowed for rank 0 (inproc is not supported by the zeromq crate).
+pub fn offset_endpoint(endpoint: &str, rank: i64) -> anyhow::Result<String> {
+    if rank == 0 {
+        return Ok(endpoint.to_string());
+    }
+    if rank < 0 {
+        bail!("data parallel rank must be >= 0, got {rank}");
+    }
+    let Some(rest) = endpoint.strip_prefix("tcp://") else {
+        bail!("endpoint {endpoint}: only tcp:// endpoints can be offset by a data parallel rank");
+    };
+    let (host, port) = rest
+        .rsplit_once(':')
+        .with_context(|| format!("endpoint {endpoint} has no port"))?;
+    let port: u16 = port
+        .parse()
+        .with_context(|| format!("endpoint {endpoint}: bad port"))?;
+    if port == 0 {
+        return Ok(endpoint.to_string());
+    }
+    let port = u16::try_from(i64::from(port) + rank)
+        .with_context(|| format!("endpoint {endpoint}: port + rank {rank} overflows"))?;
+    Ok(format!("tcp://{host}:{port}"))
+}
+
+/// Rewrites ZMQ's wildcard host for the zeromq crate: `*` = all interfaces (`0.0.0.0`), except
+/// with port 0, which binds an ephemeral port on `127.0.0.1`; `[::]`/`::` = all IPv6 interfaces.
+fn socket_address(endpoint: &str) -> String {
+    let Some(rest) = endpoint.strip_prefix("tcp://") else {
+        return endpoint.to_string();
+    };
+    let Some((host, port)) = rest.rsplit_once(':') else {
+        return endpoint.to_string();
+    };
+    let host = match host {
+        "*" if port == "0" => "127.0.0.1",
+        "*" => "0.0.0.0",
+        "::" | "[::]" => "[::]",
+        h => h,
+    };
+    format!("tcp://{host}:{port}")
+}
+
+/// Turns the simulator's cache events into vLLM events.
+#[derive(Debug, Default)]
+pub struct Translator {
+    bytes_hashes: bool,
+    /// vLLM digest of every cached key that was announced.
+    by_key: HashMap<BlockKey, BlockDigest>,
+    /// How many cached keys share a digest (model aliases hash alike); a hash is announced
+    /// when its count leaves 0 and removed when it returns to 0.
+    refs: HashMap<BlockDigest, u32>,
+}
+
+impl Translator {
+    /// A translator publishing u64 hashes (`bytes_hashes = false`) or 32-byte digests.
+    pub fn new(bytes_hashes: bool) -> Self {
+        Self {
+            bytes_hashes,
+            ..Self::default()
+        }
+    }
+
+    fn hash(&self, d: &BlockDigest) -> BlockHash {
+        if self.bytes_hashes {
+            BlockHash::Bytes(d.to_vec())
+        } else {
+            BlockHash::Int(digest_u64(d))
+        }
+    }
+
+    /// The vLLM events for one engine step's cache events, in order.
+    pub fn translate(&mut self, events: Vec<CacheEvent>) -> Vec<KvEvent> {
+        let mut out = Vec::new();
+        for ev in events {
+            match ev {
+                CacheEvent::BlockStored {
+                    block_hashes,
+                    token_ids,
+                    block_size,
+                    vllm,
+                    ..
+                } => {
+                    let Some(v) = vllm else {
+                        // Engine without hashing info: nothing vLLM-like to say.
+                        continue;
+                    };
+                    // Blocks whose digest is newly cached, in runs of consecutive blocks.
+                    let mut run: Option<(usize, usize)> = None;
+                    let mut runs = Vec::new();
+                    for (i, (key, digest)) in block_hashes.iter().zip(&v.hashes).enumerate() {
+                        self.by_key.insert(*key, *digest);
+                        let count = self.refs.entry(*digest).or_insert(0);
+                        *count += 1;
+                        if *count == 1 {
+                            run = match run {
+                                Some((s, e)) if e == i => Some((s, i + 1)),
+                                Some(r) => {
+                                    runs.push(r);
+                                    Some((i, i + 1))
+                                }
+                                None => Some((i, i + 1)),
+                            };
+                        }
+                    }
+                    runs.extend(run);
+                    for (s, e) in runs {
+                        let parent = if s == 0 {
+                            v.parent
+                        } else {
+                            Some(v.hashes[s - 1])
+                        };
+                        out.push(KvEvent::BlockStored {
+                            block_hashes: v.hashes[s..e].iter().map(|d| self.hash(d)).collect(),
+                            parent_block_hash: parent.map(|d| self.hash(&d)),
+                            token_ids: token_ids[s * block_size..e * block_size].to_vec(),
+                            block_size: block_size as u32,
+                            lora_id: v.lora.as_ref().map(|(_, id)| *id),
+                            medium: Some("GPU".into()),
+                            lora_name: v.lora.as_ref().map(|(name, _)| name.clone()),
+                            extra_keys: Some(
+                                v.extra_keys[s..e]
+                                    .iter()
+                                    .map(|k| {
+                                        k.as_ref().map(|ks| {
+                                            ks.iter().map(|s| ExtraKey::Str(s.clone())).collect()
+                                        })
+                                    })
+                                    .collect(),
+                            ),
+                            group_idx: Some(0),
+                            kv_cache_spec_kind: Some("full_attention".into()),
+                            kv_cache_spec_sliding_window: None,
+                        });
+                    }
+                }
+                CacheEvent::BlockRemoved { block_hashes } => {
+                    for key in block_hashes {
+                        let Some(digest) = self.by_key.remove(&key) else {
+                            continue;
+                        };
+                        let gone = match self.refs.get_mut(&digest) {
+                            Some(c) if *c > 1 => {
+                                *c -= 1;
+                                false
+                            }
+                            _ => {
+                                self.refs.remove(&digest);
+                                true
+                            }
+                        };
+                        if gone {
+                            // vLLM emits one BlockRemoved per evicted hash.
+                            out.push(KvEvent::BlockRemoved {
+                                block_hashes: vec![self.hash(&digest)],
+                                medium: Some("GPU".into()),
+                                group_idx: Some(0),
+                            });
+                        }
+                    }
+                }
+                CacheEvent::AllBlocksCleared => {
+                    self.by_key.clear();
+                    self.refs.clear();
+                    out.push(KvEvent::AllBlocksCleared);
+                }
+            }
+        }
+        out
+    }
+}
+
+fn wall_clock() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs_f64())
+        .unwrap_or(0.0)
+}
+
+/// End-of-replay sequence number (`-1` as 8 signed big-endian bytes).
+pub const END_SEQ: [u8; 8] = [0xff; 8];
+
+fn message(frames: Vec<Bytes>) -> ZmqMessage {
+    ZmqMessage::try_from(frames).expect("at least one frame")
+}
+
+/// Binds/connects the sockets and spawns the publisher task. Send one `Vec<CacheEvent>` per
+/// engine step to the returned sender (see [`super::actor::spawn`]).
+pub async fn start(
+    cfg: KvEventsConfig,
+) -> anyhow::Result<(mpsc::UnboundedSender<Vec<CacheEvent>>, KvEventsEndpoints)> {
+    let rank = cfg.data_parallel_rank;
+    let endpoint = offset_endpoint(&cfg.endpoint, rank)?;
+    if endpoint.starts_with("inproc://") {
+        bail!("inproc:// endpoints are not supported by vllm-sim (use tcp:// or ipc://)");
+    }
+    let binds = is_bind_endpoint(&endpoint);
+    let address = socket_address(&endpoint);
+    let mut pending: Option<oneshot::Receiver<zeromq::PubSocket>> = None;
+    let mut publisher = None;
+    let shown = if binds {
+        let mut s = zeromq::PubSocket::new();
+        let ep = s
+            .bind(&address)
+            .await
+            .with_context(|| format!("binding KV-event PUB socket on {endpoint}"))?;
+        publisher = Some(s);
+        ep.to_string()
+    } else {
+        // The zeromq crate's connect waits until the peer accepts; connect in the background
+        // and drop live messages until then (they stay available for replay), like a ZMQ PUB
+        // without subscribers.
+        let (tx, rx) = oneshot::channel();
+        let target = address.clone();
+        tokio::spawn(async move {
+            let mut s = zeromq::PubSocket::new();
+            match s.connect(&target).await {
+                Ok(()) => {
+                    let _ = tx.send(s);
+                }
+                Err(e) => {
+                    tracing::error!(endpoint = %target, error = %e, "KV-event PUB connect failed")
+                }
+            }
+        });
+        pending = Some(rx);
+        address
+    };
+    let mut replay = None;
+    let replay_shown = match &cfg.replay_endpoint {
+        Some(ep) => {
+            let ep = offset_endpoint(ep, rank)?;
+            let mut s = zeromq::RouterSocket::new();
+            let bound = s
+                .bind(&socket_address(&ep))
+                .await
+                .with_context(|| format!("binding KV-event replay socket on {ep}"))?;
+            replay = Some(s);
+            Some(bound.to_string())
+        }
+        None => None,
+    };
+    let (tx, rx) = mpsc::unbounded_channel();
+    let task = Publisher {
+        topic: Bytes::from(cfg.topic.clone().into_bytes()),
+        rank,
+        translator: Translator::new(cfg.bytes_hashes),
+        seq: 0,
+        buffer: VecDeque::new(),
+        buffer_steps: cfg.buffer_steps,
+    };
+    tokio::spawn(task.run(rx, publisher, pending, replay));
+    Ok((
+        tx,
+        KvEventsEndpoints {
+            publisher: shown,
+            binds,
+            replay: replay_shown,
+        },
+    ))
+}
+
+struct Publisher {
+    topic: Bytes,
+    rank: i64,
+    translator: Translator,
+    seq: u64,
+    buffer: VecDeque<(u64, Bytes)>,
+    buffer_steps: usize,
+}
+
+impl Publisher {
+    async fn run(
+        mut self,
+        mut rx: mpsc::UnboundedReceiver<Vec<CacheEvent>>,
+        mut publisher: Option<zeromq::PubSocket>,
+        mut pending: Option<oneshot::Receiver<zeromq::PubSocket>>,
+        mut replay: Option<zeromq::RouterSocket>,
+    ) {
+        loop {
+            tokio::select! {
+                step = rx.recv() => {
+                    let Some(step) = step else { return };
+                    let events = self.translator.translate(step);
+                    if events.is_empty() {
+                        continue;
+                    }
+                    let batch = KvEventBatch {
+                        ts: wall_clock(),
+                        events,
+                        data_parallel_rank: Some(self.rank),
+                    };
+                    let payload = Bytes::from(encode_batch(&batch));
+                    let seq = self.seq;
+                    self.seq += 1;
+                    if let Some(p) = publisher.as_mut() {
+                        let msg = message(vec![
+                            self.topic.clone(),
+                            Bytes::copy_from_slice(&seq.to_be_bytes()),
+                            payload.clone(),
+                        ]);
+                        if let Err(e) = p.send(msg).await {
+                            tracing::warn!(error = %e, "KV-event publish failed");
+                        }
+                    }
+                    if self.buffer_steps > 0 {
+                        if self.buffer.len() == self.buffer_steps {
+                            self.buffer.pop_front();
+                        }
+                        self.buffer.push_back((seq, payload));
+                    }
+                }
+                sock = async { pending.as_mut().expect("guarded").await }, if pending.is_some() => {
+                    pending = None;
+                    if let Ok(s) = sock {
+                        publisher = Some(s);
+                    }
+                }
+                req = async { replay.as_mut().expect("guarded").recv().await }, if replay.is_some() => {
+                    match req {
+                        Ok(req) => {
+                            let router = replay.as_mut().expect("guarded");
+                            self.serve_replay(router, req).await;
+                        }
+                        Err(e) => tracing::warn!(error = %e, "KV-event replay receive failed"),
+                    }
+                }
+            }
+        }
+    }
+
+    async fn serve_replay(&self, router: &mut zeromq::RouterSocket, req: ZmqMessage) {
+        let frames = req.into_vec();
+        // [identity, empty delimiter, 8-byte start seq]; anything else is ignored (no reply).
+        let [identity, delim, start] = frames.as_slice() else {
+            tracing::warn!(
+                frames = frames.len(),
+                "malformed KV-event replay request ignored"
+            );
+            return;
+        };
+        let Ok(start) = <[u8; 8]>::try_from(start.as_ref()) else {
+            tracing::warn!("KV-event replay request without an 8-byte sequence ignored");
+            return;
+        };
+        if !delim.is_empty() {
+            tracing::warn!("KV-event replay request without empty delimiter ignored");
+            return;
+        }
+        let start = u64::from_be_bytes(start);
+        for (seq, payload) in self.buffer.iter().filter(|(s, _)| *s >= start) {
+            let msg = message(vec![
+                identity.clone(),
+                Bytes::new(),
+                self.topic.clone(),
+                Bytes::copy_from_slice(&seq.to_be_bytes()),
+                payload.clone(),
+            ]);
+            if let Err(e) = router.send(msg).await {
+                tracing::warn!(error = %e, "KV-event replay send failed");
+                return;
+            }
+        }
+        let end = message(vec![
+            identity.clone(),
+            Bytes::new(),
+            Bytes::new(),
+            Bytes::copy_from_slice(&END_SEQ),
+            Bytes::new(),
+        ]);
+        if let Err(e) = router.send(end).await {
+            tracing::warn!(error = %e, "KV-event replay send failed");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sim::cache::VllmStored;
+
+    #[test]
+    fn bind_rule_and_rank_offsets() {
+        assert!(is_bind_endpoint("tcp://*:5557"));
+        assert!(is_bind_endpoint("tcp://:::5557"));
+        assert!(is_bind_endpoint("ipc:///tmp/x"));
+        assert!(!is_bind_endpoint("tcp://10.0.0.1:5557"));
+        assert_eq!(offset_endpoint("tcp://*:5557", 2).unwrap(), "tcp://*:5559");
+        assert_eq!(offset_endpoint("tcp://*:0", 2).unwrap(), "tcp://*:0");
+        assert_eq!(offset_endpoint("ipc:///x", 0).unwrap(), "ipc:///x");
+        assert!(offset_endpoint("ipc:///x", 1).is_err());
+        assert_eq!(socket_address("tcp://*:0"), "tcp://127.0.0.1:0");
+        assert_eq!(socket_address("tcp://*:5557"), "tcp://0.0.0.0:5557");
+        assert_eq!(
+            socket_address("tcp://127.0.0.1:5557"),
+            "tcp://127.0.0.1:5557"
+        );
+    }
+
+    fn stored(keys: &[u64], digests: &[u8], parent: Option<u8>) -> CacheEvent {
+        CacheEvent::BlockStored {
+            block_hashes: keys.iter().map(|&k| BlockKey(k)).collect(),
+            parent_block_hash: None,
+            token_ids: (0..keys.len() as u32 * 2).collect(),
+            block_size: 2,
+            vllm: Some(VllmStored {
+                hashes: digests.iter().map(|&d| [d; 32]).collect(),
+                parent: parent.map(|p| [p; 32]),
+                extra_keys: vec![None; keys.len()],
+                lora: None,
+            }),
+        }
+    }
+
+    #[test]
+    fn shared_digests_are_announced_once_and_removed_last() {
+        let mut t = Translator::new(false);
+        let h = |d: u8| BlockHash::Int(digest_u64(&[d; 32]));
+        let out = t.translate(vec![stored(&[1, 2], &[1, 2], None)]);
+        assert_eq!(out.len(), 1);
+        // Another model alias: same digests 1, 2 plus a new 3 → only 3, parent 2.
+        let out = t.translate(vec![stored(&[11, 12, 13], &[1, 2, 3], None)]);
+        match &out[..] {
+            [KvEvent::BlockStored {
+                block_hashes,
+                parent_block_hash,
+                token_ids,
+                ..
+            }] => {
+                assert_eq!(block_hashes, &vec![h(3)]);
+                assert_eq!(parent_block_hash, &Some(h(2)));
+                assert_eq!(token_ids, &vec![4, 5]);
+            }
+            other => panic!("{other:?}"),
+        }
+        let out = t.translate(vec![CacheEvent::BlockRemoved {
+            block_hashes: vec![BlockKey(2), BlockKey(13), BlockKey(99)],
+        }]);
+        assert_eq!(
+            out,
+            vec![KvEvent::BlockRemoved {
+                block_hashes: vec![h(3)],
+                medium: Some("GPU".into()),
+                group_idx: Some(0),
+            }]
+        );
+        let out = t.translate(vec![CacheEvent::BlockRemoved {
+            block_hashes: vec![BlockKey(12)],
+        }]);
+        assert_eq!(out.len(), 1);
+        assert_eq!(
+            t.translate(vec![CacheEvent::AllBlocksCleared]),
+            vec![KvEvent::AllBlocksCleared]
+        );
+        assert!(t.by_key.is_empty() && t.refs.is_empty());
+    }
+}

@@ -1,0 +1,421 @@
+//! The ext_proc protocol without Envoy: a real tonic server with the router's service, driven by
+//! envoy-types' client, message by message as Envoy 1.40 sends them.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue};
+use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
+use envoy_types::pb::envoy::service::ext_proc::v3::body_mutation::Mutation;
+use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
+use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::ExternalProcessorServer;
+use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request as In;
+use envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response as Out;
+use envoy_types::pb::envoy::service::ext_proc::v3::{
+    HttpBody, HttpHeaders, HttpTrailers, ProcessingRequest, ProcessingResponse,
+    ProtocolConfiguration,
+};
+use envoy_types::pb::google::protobuf::value::Kind;
+use kv_router::config::{Config, StaticPod};
+use kv_router::decide::Decider;
+use kv_router::extproc::{ExtProc, DESTINATION_HEADER};
+use kv_router::index::MemoryIndex;
+use kv_router::pods::{LoadSample, PodRegistry, PodSource, StaticSource};
+use kv_router::scoring::SessionStore;
+use kv_router::telemetry::Metrics;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_stream::StreamExt;
+use tonic::Streaming;
+
+struct Harness {
+    client: ExternalProcessorClient<tonic::transport::Channel>,
+    pods: Arc<PodRegistry>,
+}
+
+async fn harness(limit: usize) -> Harness {
+    let mut cfg = Config::default();
+    cfg.pods.static_pods = (0..3)
+        .map(|i| StaticPod {
+            address: format!("10.1.0.{i}:8000"),
+            models: vec!["m".into()],
+            labels: Default::default(),
+            kv_events_endpoint: None,
+            kv_events_replay_endpoint: None,
+        })
+        .collect();
+    let pods = Arc::new(PodRegistry::default());
+    pods.update(
+        StaticSource::new(&cfg.pods.static_pods)
+            .pods()
+            .await
+            .unwrap(),
+    );
+    for p in pods.snapshot().pods() {
+        p.record_probe(true, 1);
+        p.record_sample(tokio::time::Instant::now(), LoadSample::default());
+    }
+    let metrics = Arc::new(Metrics::new(
+        &mut prometheus_client::registry::Registry::default(),
+    ));
+    let decider = Arc::new(Decider::new(
+        &cfg,
+        pods.clone(),
+        Arc::new(MemoryIndex::new(60_000, 10_000)),
+        Arc::new(SessionStore::new(100, 60_000)),
+        metrics.clone(),
+    ));
+    let svc = ExtProc::new(decider, metrics, limit, true);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(
+                ExternalProcessorServer::new(svc).max_decoding_message_size(limit + (1 << 20)),
+            )
+            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+    );
+    let client = ExternalProcessorClient::connect(format!("http://{addr}"))
+        .await
+        .unwrap()
+        .max_encoding_message_size(usize::MAX)
+        .max_decoding_message_size(usize::MAX);
+    Harness { client, pods }
+}
+
+struct Stream {
+    tx: mpsc::Sender<ProcessingRequest>,
+    rx: Streaming<ProcessingResponse>,
+}
+
+impl Stream {
+    async fn open(h: &mut Harness) -> Self {
+        let (tx, rx) = mpsc::channel(64);
+        let rx = h
+            .client
+            .process(ReceiverStream::new(rx))
+            .await
+            .unwrap()
+            .into_inner();
+        Self { tx, rx }
+    }
+    async fn send(&self, r: In, mode: Option<BodySendMode>) {
+        let protocol_config = mode.map(|m| ProtocolConfiguration {
+            request_body_mode: m as i32,
+            response_body_mode: m as i32,
+            ..Default::default()
+        });
+        self.tx
+            .send(ProcessingRequest {
+                request: Some(r),
+                protocol_config,
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+    }
+    async fn next(&mut self) -> ProcessingResponse {
+        tokio::time::timeout(Duration::from_secs(5), self.rx.next())
+            .await
+            .expect("a reply in time")
+            .expect("stream open")
+            .expect("ok status")
+    }
+}
+
+fn headers(path: &str, extra: &[(&str, &str)], eos: bool) -> In {
+    let mut hs = vec![
+        (":path", path),
+        (":method", "POST"),
+        ("content-type", "application/json"),
+    ];
+    hs.extend_from_slice(extra);
+    In::RequestHeaders(HttpHeaders {
+        headers: Some(HeaderMap {
+            headers: hs
+                .into_iter()
+                .map(|(k, v)| HeaderValue {
+                    key: k.into(),
+                    raw_value: v.as_bytes().to_vec(),
+                    ..Default::default()
+                })
+                .collect(),
+        }),
+        end_of_stream: eos,
+        ..Default::default()
+    })
+}
+
+fn body(bytes: &[u8], eos: bool) -> In {
+    In::RequestBody(HttpBody {
+        body: bytes.to_vec(),
+        end_of_stream: eos,
+        ..Default::default()
+    })
+}
+
+fn completion(prompt: &str) -> Vec<u8> {
+    serde_json::to_vec(&serde_json::json!({"model": "m", "prompt": prompt})).unwrap()
+}
+
+fn destination(r: &ProcessingResponse) -> String {
+    let md = r.dynamic_metadata.as_ref().expect("dynamic metadata");
+    let Some(Kind::StructValue(lb)) = &md.fields["envoy.lb"].kind else {
+        panic!("envoy.lb struct")
+    };
+    match &lb.fields[DESTINATION_HEADER].kind {
+        Some(Kind::StringValue(s)) => s.clone(),
+        other => panic!("destination string, got {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn buffered_strips_then_decides_in_the_body_reply() {
+    let mut h = harness(1 << 20).await;
+    let mut s = Stream::open(&mut h).await;
+    s.send(
+        headers(
+            "/v1/completions",
+            &[(DESTINATION_HEADER, "10.9.9.9:1")],
+            false,
+        ),
+        Some(BodySendMode::Buffered),
+    )
+    .await;
+    let r = s.next().await;
+    let Some(Out::RequestHeaders(hr)) = r.response else {
+        panic!("headers reply first")
+    };
+    let m = hr.response.unwrap().header_mutation.unwrap();
+    assert!(
+        m.remove_headers.contains(&DESTINATION_HEADER.to_string()),
+        "client copy stripped"
+    );
+    assert!(r.dynamic_metadata.is_none());
+    s.send(body(&completion(&"x".repeat(500)), true), None)
+        .await;
+    let r = s.next().await;
+    let dest = destination(&r);
+    let primary = dest.split(',').next().unwrap();
+    assert!(primary.starts_with("10.1.0."), "a pool member: {dest}");
+    assert_eq!(dest.split(',').count(), 3, "primary + 2 fallbacks");
+    let Some(Out::RequestBody(br)) = r.response else {
+        panic!("body reply")
+    };
+    let set = &br.response.unwrap().header_mutation.unwrap().set_headers[0];
+    assert_eq!(set.header.as_ref().unwrap().raw_value, primary.as_bytes());
+}
+
+#[tokio::test]
+async fn full_duplex_buffers_decides_then_echoes_the_whole_body() {
+    let mut h = harness(1 << 20).await;
+    let mut s = Stream::open(&mut h).await;
+    s.send(
+        headers("/v1/completions", &[], false),
+        Some(BodySendMode::FullDuplexStreamed),
+    )
+    .await;
+    let payload = completion(&"y".repeat(150_000));
+    let (a, b) = payload.split_at(70_000);
+    s.send(body(a, false), None).await;
+    s.send(body(b, true), None).await;
+    let r = s.next().await;
+    let dest = destination(&r);
+    let Some(Out::RequestHeaders(hr)) = r.response else {
+        panic!("headers reply carries the decision")
+    };
+    let common = hr.response.unwrap();
+    assert!(common.clear_route_cache);
+    assert!(!common.header_mutation.unwrap().set_headers.is_empty());
+    assert!(dest.starts_with("10.1.0."));
+    let mut echoed = Vec::new();
+    loop {
+        let r = s.next().await;
+        let Some(Out::RequestBody(br)) = r.response else {
+            panic!("body echo")
+        };
+        let Some(Mutation::StreamedResponse(sr)) =
+            br.response.unwrap().body_mutation.unwrap().mutation
+        else {
+            panic!("streamed_response")
+        };
+        assert!(sr.body.len() <= 62_000);
+        echoed.extend(sr.body);
+        if sr.end_of_stream {
+            break;
+        }
+    }
+    assert_eq!(echoed, payload, "every byte echoed, in order");
+}
+
+#[tokio::test]
+async fn full_duplex_with_trailers_and_response_path() {
+    let mut h = harness(1 << 20).await;
+    let mut s = Stream::open(&mut h).await;
+    s.send(
+        headers("/v1/completions", &[], false),
+        Some(BodySendMode::FullDuplexStreamed),
+    )
+    .await;
+    let payload = completion("hello");
+    s.send(body(&payload, false), None).await;
+    s.send(In::RequestTrailers(HttpTrailers::default()), None)
+        .await;
+    assert!(matches!(
+        s.next().await.response,
+        Some(Out::RequestHeaders(_))
+    ));
+    let r = s.next().await;
+    let Some(Out::RequestBody(br)) = r.response else {
+        panic!()
+    };
+    let Some(Mutation::StreamedResponse(sr)) = br.response.unwrap().body_mutation.unwrap().mutation
+    else {
+        panic!()
+    };
+    assert_eq!(
+        (sr.body, sr.end_of_stream),
+        (payload, false),
+        "trailers follow: no end of stream on the body"
+    );
+    assert!(matches!(
+        s.next().await.response,
+        Some(Out::RequestTrailers(_))
+    ));
+    // Response side: headers continue, body chunks echoed at once.
+    s.send(In::ResponseHeaders(HttpHeaders::default()), None)
+        .await;
+    assert!(matches!(
+        s.next().await.response,
+        Some(Out::ResponseHeaders(_))
+    ));
+    s.send(
+        In::ResponseBody(HttpBody {
+            body: b"data: 1\n\n".to_vec(),
+            end_of_stream: false,
+            ..Default::default()
+        }),
+        None,
+    )
+    .await;
+    let r = s.next().await;
+    let Some(Out::ResponseBody(br)) = r.response else {
+        panic!()
+    };
+    let Some(Mutation::StreamedResponse(sr)) = br.response.unwrap().body_mutation.unwrap().mutation
+    else {
+        panic!()
+    };
+    assert_eq!(sr.body, b"data: 1\n\n");
+}
+
+#[tokio::test]
+async fn body_less_request_is_decided_in_the_headers_reply() {
+    let mut h = harness(1 << 20).await;
+    let mut s = Stream::open(&mut h).await;
+    s.send(
+        headers("/v1/models", &[], true),
+        Some(BodySendMode::Buffered),
+    )
+    .await;
+    let r = s.next().await;
+    assert!(destination(&r).starts_with("10.1.0."));
+    assert!(matches!(r.response, Some(Out::RequestHeaders(_))));
+}
+
+#[tokio::test]
+async fn oversized_body_gets_413_json() {
+    let mut h = harness(10_000).await;
+    let mut s = Stream::open(&mut h).await;
+    s.send(
+        headers("/v1/completions", &[], false),
+        Some(BodySendMode::FullDuplexStreamed),
+    )
+    .await;
+    s.send(body(&vec![b'a'; 6_000], false), None).await;
+    s.send(body(&vec![b'a'; 6_000], false), None).await;
+    let r = s.next().await;
+    let Some(Out::ImmediateResponse(ir)) = r.response else {
+        panic!("immediate response")
+    };
+    assert_eq!(ir.status.unwrap().code, 413);
+    let v: serde_json::Value = serde_json::from_slice(&ir.body).unwrap();
+    assert!(v["error"]["message"].as_str().unwrap().contains("limit"));
+}
+
+#[tokio::test]
+async fn no_healthy_pod_gets_503_json() {
+    let mut h = harness(1 << 20).await;
+    for p in h.pods.snapshot().pods() {
+        p.record_probe(false, 1);
+    }
+    let mut s = Stream::open(&mut h).await;
+    s.send(
+        headers("/v1/completions", &[], false),
+        Some(BodySendMode::Buffered),
+    )
+    .await;
+    let _ = s.next().await;
+    s.send(body(&completion("x"), true), None).await;
+    let r = s.next().await;
+    let Some(Out::ImmediateResponse(ir)) = r.response else {
+        panic!("immediate response")
+    };
+    assert_eq!(ir.status.unwrap().code, 503);
+    let ct = &ir.headers.unwrap().set_headers[0];
+    assert_eq!(ct.header.as_ref().unwrap().raw_value, b"application/json");
+    let v: serde_json::Value = serde_json::from_slice(&ir.body).unwrap();
+    assert_eq!(v["error"]["code"], "no_healthy_upstream");
+}
+
+#[tokio::test]
+async fn malformed_json_is_routed_by_load() {
+    let mut h = harness(1 << 20).await;
+    let mut s = Stream::open(&mut h).await;
+    s.send(
+        headers("/v1/completions", &[], false),
+        Some(BodySendMode::Buffered),
+    )
+    .await;
+    let _ = s.next().await;
+    s.send(body(b"{not json", true), None).await;
+    assert!(destination(&s.next().await).starts_with("10.1.0."));
+}
+
+#[tokio::test]
+async fn reset_stream_releases_in_flight_load() {
+    let mut h = harness(1 << 20).await;
+    let mut s = Stream::open(&mut h).await;
+    s.send(
+        headers("/v1/completions", &[], false),
+        Some(BodySendMode::FullDuplexStreamed),
+    )
+    .await;
+    s.send(body(&completion(&"z".repeat(4000)), true), None)
+        .await;
+    let dest = destination(&s.next().await);
+    let primary = dest.split(',').next().unwrap().to_string();
+    let pod = h
+        .pods
+        .snapshot()
+        .pods()
+        .iter()
+        .find(|p| p.id().as_str() == primary)
+        .unwrap()
+        .clone();
+    assert_eq!(
+        pod.inflight_counts().0,
+        1,
+        "counted while the request is open"
+    );
+    // Envoy resets the stream (client gone): the guard is released.
+    drop(s);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    while pod.inflight_counts().0 != 0 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "in-flight count never released"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
