@@ -392,12 +392,12 @@ pub fn local_router_config(pods: &[SocketAddr]) -> Result<Config> {
     cfg.listen.admin = free_addr()?.to_string();
     cfg.pods.static_pods = pods
         .iter()
-        .map(|a| StaticPod {
-            address: a.to_string(),
-            models: Vec::new(),
-            labels: Default::default(),
+        // Through serde so fields added later with defaults need no change here.
+        .map(|a| {
+            serde_json::from_value::<StaticPod>(serde_json::json!({ "address": a.to_string() }))
         })
-        .collect();
+        .collect::<Result<_, _>>()
+        .context("building pods.static")?;
     cfg.pods.health_interval_ms = 250;
     Ok(cfg)
 }
