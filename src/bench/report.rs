@@ -1,0 +1,309 @@
+//! Summaries of runs: prefix hit rate, latency percentiles, pod spread; side-by-side tables.
+
+use std::collections::BTreeMap;
+
+use serde::Serialize;
+
+use super::runner::RunResult;
+
+/// Summary of one run.
+#[derive(Debug, Clone, Serialize)]
+pub struct Summary {
+    /// Run label.
+    pub label: String,
+    /// Workload name.
+    pub workload: String,
+    /// Requests sent.
+    pub requests: usize,
+    /// Requests that failed (transport, non-2xx, incomplete stream).
+    pub errors: usize,
+    /// Σ prompt tokens over requests that reported usage.
+    pub prompt_tokens: u64,
+    /// Σ cached prompt tokens.
+    pub cached_tokens: u64,
+    /// cached_tokens / prompt_tokens.
+    pub hit_rate: f64,
+    /// Time to first token percentiles, ms.
+    pub ttft_p50_ms: f64,
+    /// p95 TTFT, ms.
+    pub ttft_p95_ms: f64,
+    /// p99 TTFT, ms.
+    pub ttft_p99_ms: f64,
+    /// End-to-end latency p50, ms.
+    pub e2e_p50_ms: f64,
+    /// End-to-end latency p99, ms.
+    pub e2e_p99_ms: f64,
+    /// Requests per serving pod (`?` = unknown).
+    pub per_pod: BTreeMap<String, usize>,
+    /// Pods the share is computed over.
+    pub pods: usize,
+    /// Busiest pod's share of requests × pod count (1.0 = perfectly even).
+    pub hotspot: f64,
+    /// Wall time, seconds.
+    pub duration_s: f64,
+    /// Completed requests per second.
+    pub throughput_rps: f64,
+}
+
+/// Nearest-rank percentile of `v` (sorted in place); NaN when empty.
+pub fn percentile(v: &mut [f64], p: f64) -> f64 {
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v.sort_by(f64::total_cmp);
+    let rank = ((p / 100.0) * v.len() as f64).ceil() as usize;
+    v[rank.clamp(1, v.len()) - 1]
+}
+
+impl Summary {
+    /// Summarises `run`; `pods` is the fleet size (None: the pods seen in responses).
+    pub fn of(run: &RunResult, pods: Option<usize>) -> Self {
+        let ok: Vec<_> = run.records.iter().filter(|r| r.error.is_none()).collect();
+        let mut ttft: Vec<f64> = ok.iter().filter_map(|r| r.ttft_ms).collect();
+        let mut e2e: Vec<f64> = ok.iter().map(|r| r.e2e_ms).collect();
+        let prompt_tokens: u64 = ok.iter().filter_map(|r| r.prompt_tokens).sum();
+        let cached_tokens: u64 = ok
+            .iter()
+            .filter(|r| r.prompt_tokens.is_some())
+            .filter_map(|r| r.cached_tokens)
+            .sum();
+        let mut per_pod = BTreeMap::new();
+        for r in &ok {
+            *per_pod
+                .entry(r.pod.clone().unwrap_or_else(|| "?".into()))
+                .or_insert(0usize) += 1;
+        }
+        let pods = pods.unwrap_or(per_pod.len()).max(1);
+        let busiest = per_pod.values().copied().max().unwrap_or(0);
+        let hotspot = if ok.is_empty() {
+            f64::NAN
+        } else {
+            busiest as f64 / ok.len() as f64 * pods as f64
+        };
+        Self {
+            label: run.label.clone(),
+            workload: run.workload.clone(),
+            requests: run.records.len(),
+            errors: run.records.len() - ok.len(),
+            prompt_tokens,
+            cached_tokens,
+            hit_rate: if prompt_tokens > 0 {
+                cached_tokens as f64 / prompt_tokens as f64
+            } else {
+                f64::NAN
+            },
+            ttft_p50_ms: percentile(&mut ttft, 50.0),
+            ttft_p95_ms: percentile(&mut ttft, 95.0),
+            ttft_p99_ms: percentile(&mut ttft, 99.0),
+            e2e_p50_ms: percentile(&mut e2e, 50.0),
+            e2e_p99_ms: percentile(&mut e2e, 99.0),
+            per_pod,
+            pods,
+            hotspot,
+            duration_s: run.duration_s,
+            throughput_rps: if run.duration_s > 0.0 {
+                ok.len() as f64 / run.duration_s
+            } else {
+                0.0
+            },
+        }
+    }
+}
+
+/// Output style of [`table`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Style {
+    /// Aligned plain text.
+    Plain,
+    /// GitHub-flavoured markdown.
+    Markdown,
+}
+
+fn ms(v: f64) -> String {
+    if v.is_nan() {
+        "-".into()
+    } else {
+        format!("{v:.1} ms")
+    }
+}
+
+/// Metrics as rows, runs as columns.
+pub fn table(runs: &[Summary], style: Style) -> String {
+    type Cell = Box<dyn Fn(&Summary) -> String>;
+    let rows: Vec<(&str, Cell)> = vec![
+        ("requests", Box::new(|s| s.requests.to_string())),
+        ("errors", Box::new(|s| s.errors.to_string())),
+        (
+            "prefix hit rate",
+            Box::new(|s| {
+                if s.hit_rate.is_nan() {
+                    "-".into()
+                } else {
+                    format!("{:.1} %", s.hit_rate * 100.0)
+                }
+            }),
+        ),
+        ("TTFT p50", Box::new(|s| ms(s.ttft_p50_ms))),
+        ("TTFT p95", Box::new(|s| ms(s.ttft_p95_ms))),
+        ("TTFT p99", Box::new(|s| ms(s.ttft_p99_ms))),
+        ("E2E p50", Box::new(|s| ms(s.e2e_p50_ms))),
+        ("E2E p99", Box::new(|s| ms(s.e2e_p99_ms))),
+        (
+            "hotspot factor",
+            Box::new(|s| {
+                if s.hotspot.is_nan() {
+                    "-".into()
+                } else {
+                    format!("{:.2}", s.hotspot)
+                }
+            }),
+        ),
+        (
+            "requests per pod",
+            Box::new(|s| {
+                // Busiest first, idle pods of the fleet as zeros: "96/0/0/0" vs "24/24/24/24".
+                let mut counts: Vec<usize> = s.per_pod.values().copied().collect();
+                counts.sort_unstable_by(|a, b| b.cmp(a));
+                counts.resize(counts.len().max(s.pods), 0);
+                counts
+                    .iter()
+                    .map(|n| n.to_string())
+                    .collect::<Vec<_>>()
+                    .join("/")
+            }),
+        ),
+        (
+            "throughput",
+            Box::new(|s| format!("{:.1} req/s", s.throughput_rps)),
+        ),
+        ("wall time", Box::new(|s| format!("{:.1} s", s.duration_s))),
+    ];
+    let mut grid: Vec<Vec<String>> = Vec::new();
+    let mut header = vec!["metric".to_string()];
+    header.extend(runs.iter().map(|r| r.label.clone()));
+    grid.push(header);
+    for (name, f) in &rows {
+        let mut line = vec![name.to_string()];
+        line.extend(runs.iter().map(f));
+        grid.push(line);
+    }
+    let cols = grid[0].len();
+    let width: Vec<usize> = (0..cols)
+        .map(|c| grid.iter().map(|r| r[c].chars().count()).max().unwrap_or(0))
+        .collect();
+    let pad = |s: &str, w: usize, left: bool| {
+        let n = w.saturating_sub(s.chars().count());
+        if left {
+            format!("{s}{}", " ".repeat(n))
+        } else {
+            format!("{}{s}", " ".repeat(n))
+        }
+    };
+    let mut out = String::new();
+    for (i, row) in grid.iter().enumerate() {
+        let cells: Vec<String> = row
+            .iter()
+            .enumerate()
+            .map(|(c, s)| pad(s, width[c], c == 0))
+            .collect();
+        match style {
+            Style::Plain => {
+                out.push_str(cells.join("   ").trim_end());
+                out.push('\n');
+                if i == 0 {
+                    let total = width.iter().sum::<usize>() + 3 * (cols - 1);
+                    out.push_str(&"-".repeat(total));
+                    out.push('\n');
+                }
+            }
+            Style::Markdown => {
+                out.push_str(&format!("| {} |\n", cells.join(" | ")));
+                if i == 0 {
+                    let seps: Vec<String> = width
+                        .iter()
+                        .enumerate()
+                        .map(|(c, w)| {
+                            if c == 0 {
+                                "-".repeat(*w)
+                            } else {
+                                format!("{}:", "-".repeat(w.saturating_sub(1)))
+                            }
+                        })
+                        .collect();
+                    out.push_str(&format!("| {} |\n", seps.join(" | ")));
+                }
+            }
+        }
+    }
+    out
+}
+
+/// JSON document written by `--json`: summaries plus every request record.
+#[derive(Debug, Serialize)]
+pub struct JsonReport<'a> {
+    /// One summary per run.
+    pub summaries: &'a [Summary],
+    /// The raw runs.
+    pub runs: &'a [RunResult],
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::bench::runner::RequestRecord;
+
+    fn rec(pod: &str, prompt: u64, cached: u64, ttft: f64, err: bool) -> RequestRecord {
+        RequestRecord {
+            session: "s".into(),
+            turn: 0,
+            start_ms: 0.0,
+            ttft_ms: Some(ttft),
+            e2e_ms: ttft * 2.0,
+            status: Some(if err { 500 } else { 200 }),
+            error: err.then(|| "HTTP 500".into()),
+            prompt_tokens: Some(prompt),
+            cached_tokens: Some(cached),
+            completion_tokens: Some(4),
+            pod: Some(pod.into()),
+        }
+    }
+
+    #[test]
+    fn summary_numbers() {
+        let run = RunResult {
+            label: "x".into(),
+            workload: "multiturn".into(),
+            description: String::new(),
+            target: String::new(),
+            duration_s: 2.0,
+            records: vec![
+                rec("a", 100, 50, 10.0, false),
+                rec("a", 100, 100, 20.0, false),
+                rec("a", 100, 0, 30.0, false),
+                rec("b", 100, 50, 40.0, false),
+                rec("b", 100, 0, 99.0, true),
+            ],
+        };
+        let s = Summary::of(&run, Some(4));
+        assert_eq!(s.requests, 5);
+        assert_eq!(s.errors, 1);
+        assert!((s.hit_rate - 0.5).abs() < 1e-9);
+        assert_eq!(s.ttft_p50_ms, 20.0);
+        assert_eq!(s.ttft_p99_ms, 40.0);
+        assert_eq!(s.per_pod["a"], 3);
+        assert!((s.hotspot - 3.0).abs() < 1e-9); // 3/4 of requests x 4 pods
+        let t = table(&[s.clone(), s], Style::Markdown);
+        assert!(t.contains("| prefix hit rate "));
+        assert!(t.contains("50.0 %"));
+        assert!(t.contains("3/1/0/0"), "{t}");
+    }
+
+    #[test]
+    fn percentile_nearest_rank() {
+        let mut v: Vec<f64> = (1..=100).map(f64::from).collect();
+        assert_eq!(percentile(&mut v, 50.0), 50.0);
+        assert_eq!(percentile(&mut v, 95.0), 95.0);
+        assert_eq!(percentile(&mut v, 100.0), 100.0);
+        assert!(percentile(&mut [], 50.0).is_nan());
+    }
+}

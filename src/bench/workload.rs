@@ -1,0 +1,558 @@
+//! Workloads: deterministic (under a seed) scripts of OpenAI requests.
+//!
+//! A workload is a set of [`Session`]s. The runner drives sessions concurrently and the requests
+//! of one session one after the other; a session sees the previous answer before it builds its
+//! next request (multi-turn chat feeds the real assistant reply back into the history). Open-loop
+//! workloads (trace replay) use single-request sessions with [`PlannedRequest::not_before`].
+
+use std::time::Duration;
+
+use serde::Serialize;
+use serde_json::{json, Value};
+
+/// OpenAI endpoint a request goes to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Api {
+    /// `POST /v1/chat/completions`.
+    Chat,
+    /// `POST /v1/completions`.
+    Completions,
+}
+
+impl Api {
+    /// Request path.
+    pub fn path(self) -> &'static str {
+        match self {
+            Api::Chat => "/v1/chat/completions",
+            Api::Completions => "/v1/completions",
+        }
+    }
+}
+
+/// One request a session wants to send.
+#[derive(Debug, Clone)]
+pub struct PlannedRequest {
+    /// Endpoint.
+    pub api: Api,
+    /// JSON body (streaming fields included).
+    pub body: Value,
+    /// Extra request headers (lower-case names).
+    pub headers: Vec<(String, String)>,
+    /// Position of the request within its session (0-based).
+    pub turn: usize,
+    /// Open loop: do not send before this offset from the start of the run.
+    pub not_before: Option<Duration>,
+}
+
+/// What a session learns about its previous request.
+#[derive(Debug, Clone, Copy)]
+pub struct Previous<'a> {
+    /// The request succeeded (HTTP 2xx and a complete stream).
+    pub ok: bool,
+    /// Generated text (possibly empty).
+    pub text: &'a str,
+}
+
+/// A sequence of dependent requests.
+pub trait Session: Send {
+    /// Stable id, also sent as `x-session-id` where the workload has sessions.
+    fn id(&self) -> &str;
+    /// The next request, or `None` when the session is over.
+    fn next_request(&mut self, previous: Option<Previous<'_>>) -> Option<PlannedRequest>;
+}
+
+/// A runnable workload.
+pub struct Workload {
+    /// Short name for reports (`multiturn`, …).
+    pub name: String,
+    /// Human-readable parameters for reports.
+    pub description: String,
+    /// The sessions (each driven sequentially, all concurrently up to the runner's cap).
+    pub sessions: Vec<Box<dyn Session>>,
+}
+
+impl std::fmt::Debug for Workload {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Workload")
+            .field("name", &self.name)
+            .field("description", &self.description)
+            .field("sessions", &self.sessions.len())
+            .finish()
+    }
+}
+
+/// Which workload to build (the CLI's `--workload`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum WorkloadKind {
+    /// N sessions × T turns sharing one system prompt; history grows turn by turn.
+    Multiturn,
+}
+
+// ------------------------------------------------------------------------------------------------
+// Deterministic text
+
+/// SplitMix64: tiny, portable, and stable across crate versions (unlike `StdRng`).
+#[derive(Debug, Clone)]
+pub struct SplitMix64(u64);
+
+impl SplitMix64 {
+    /// A generator seeded with `seed`.
+    pub fn new(seed: u64) -> Self {
+        Self(seed)
+    }
+
+    /// A generator for a named sub-stream of `seed` (independent of call order elsewhere).
+    pub fn derive(seed: u64, stream: &str, index: u64) -> Self {
+        let mut h = seed ^ 0x5851_F42D_4C95_7F2D;
+        for b in stream.bytes() {
+            h = splitmix64(h ^ u64::from(b));
+        }
+        Self(splitmix64(h ^ index.wrapping_mul(0x9E37_79B9_7F4A_7C15)))
+    }
+
+    /// Next 64 random bits.
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform integer in `lo..=hi`.
+    pub fn range(&mut self, lo: usize, hi: usize) -> usize {
+        debug_assert!(lo <= hi);
+        lo + (self.next_u64() % (hi - lo + 1) as u64) as usize
+    }
+}
+
+fn splitmix64(x: u64) -> u64 {
+    SplitMix64::new(x).next_u64()
+}
+
+/// Common English words; prose is assembled from these.
+const WORDS: &[&str] = &[
+    "the",
+    "and",
+    "that",
+    "for",
+    "you",
+    "with",
+    "this",
+    "have",
+    "from",
+    "they",
+    "will",
+    "would",
+    "there",
+    "their",
+    "what",
+    "about",
+    "which",
+    "when",
+    "make",
+    "can",
+    "like",
+    "time",
+    "just",
+    "know",
+    "take",
+    "people",
+    "into",
+    "year",
+    "your",
+    "good",
+    "some",
+    "could",
+    "them",
+    "see",
+    "other",
+    "than",
+    "then",
+    "now",
+    "look",
+    "only",
+    "come",
+    "its",
+    "over",
+    "think",
+    "also",
+    "back",
+    "after",
+    "use",
+    "two",
+    "how",
+    "our",
+    "work",
+    "first",
+    "well",
+    "way",
+    "even",
+    "new",
+    "want",
+    "because",
+    "any",
+    "these",
+    "give",
+    "day",
+    "most",
+    "system",
+    "model",
+    "cache",
+    "request",
+    "server",
+    "memory",
+    "token",
+    "prompt",
+    "answer",
+    "question",
+    "value",
+    "number",
+    "program",
+    "example",
+    "result",
+    "process",
+    "method",
+    "change",
+    "point",
+    "problem",
+    "place",
+    "world",
+    "country",
+    "water",
+    "house",
+    "market",
+    "simple",
+    "clear",
+    "small",
+    "large",
+    "early",
+    "young",
+    "important",
+    "public",
+    "private",
+    "common",
+    "general",
+    "careful",
+    "quiet",
+    "rapid",
+    "steady",
+    "bright",
+    "ancient",
+    "modern",
+    "local",
+    "global",
+    "ready",
+    "latency",
+    "network",
+    "cluster",
+    "router",
+    "policy",
+    "pattern",
+    "record",
+    "signal",
+    "budget",
+    "design",
+    "engine",
+    "garden",
+    "river",
+    "mountain",
+    "forest",
+    "window",
+    "letter",
+    "story",
+    "history",
+    "science",
+    "picture",
+    "message",
+    "language",
+    "reason",
+    "season",
+    "summer",
+    "winter",
+    "morning",
+    "evening",
+    "always",
+    "often",
+    "never",
+    "rarely",
+    "between",
+    "through",
+    "during",
+    "before",
+    "under",
+    "against",
+    "without",
+    "within",
+    "across",
+    "toward",
+    "explain",
+    "describe",
+    "consider",
+    "compare",
+    "measure",
+    "improve",
+    "reduce",
+    "increase",
+    "follow",
+    "remember",
+    "believe",
+    "provide",
+    "include",
+    "continue",
+    "develop",
+    "support",
+    "require",
+    "suggest",
+    "allow",
+    "expect",
+    "build",
+    "keep",
+    "hold",
+    "bring",
+    "write",
+    "read",
+    "learn",
+    "teach",
+    "travel",
+    "carry",
+    "gather",
+    "balance",
+    "detail",
+    "feature",
+    "layer",
+    "stream",
+    "batch",
+    "queue",
+    "worker",
+    "schedule",
+    "policy",
+    "option",
+    "setting",
+    "default",
+    "limit",
+    "window",
+];
+
+/// Appends English-like prose of about `bytes` bytes (never less) to `out`.
+pub fn prose(rng: &mut SplitMix64, bytes: usize, out: &mut String) {
+    let target = out.len() + bytes;
+    let mut sentence_left = 0;
+    while out.len() < target {
+        if sentence_left == 0 {
+            if !out.is_empty() && !out.ends_with(' ') {
+                out.push_str(". ");
+            }
+            sentence_left = rng.range(6, 16);
+            let w = WORDS[rng.range(0, WORDS.len() - 1)];
+            let mut c = w.chars();
+            if let Some(f) = c.next() {
+                out.extend(f.to_uppercase());
+                out.push_str(c.as_str());
+            }
+        } else {
+            out.push(' ');
+            out.push_str(WORDS[rng.range(0, WORDS.len() - 1)]);
+        }
+        sentence_left -= 1;
+    }
+    out.push('.');
+}
+
+// ------------------------------------------------------------------------------------------------
+// Multi-turn chat
+
+/// Parameters of the multi-turn workload (workloads.md §3.2).
+#[derive(Debug, Clone, Serialize)]
+pub struct MultiturnSpec {
+    /// Concurrent conversations.
+    pub sessions: usize,
+    /// Turns (requests) per conversation.
+    pub turns: usize,
+    /// Size of the shared system prompt in bytes.
+    pub system_bytes: usize,
+    /// Question size range in bytes.
+    pub question_bytes: (usize, usize),
+    /// `max_tokens` of each request.
+    pub max_tokens: u32,
+    /// `model` field.
+    pub model: String,
+    /// Seed for every generated text.
+    pub seed: u64,
+}
+
+impl Default for MultiturnSpec {
+    fn default() -> Self {
+        Self {
+            sessions: 16,
+            turns: 6,
+            system_bytes: 6 * 1024,
+            question_bytes: (200, 400),
+            max_tokens: 32,
+            model: "sim-model".into(),
+            seed: 1,
+        }
+    }
+}
+
+impl MultiturnSpec {
+    /// The shared system prompt.
+    pub fn system_prompt(&self) -> String {
+        let mut rng = SplitMix64::derive(self.seed, "system", 0);
+        let mut s = String::from("You are a careful assistant. ");
+        let rest = self.system_bytes.saturating_sub(s.len());
+        prose(&mut rng, rest, &mut s);
+        s
+    }
+
+    /// Builds the sessions.
+    pub fn build(&self) -> Workload {
+        let system = self.system_prompt();
+        let sessions = (0..self.sessions)
+            .map(|i| {
+                Box::new(MultiturnSession {
+                    id: format!("mt-{}-{i}", self.seed),
+                    index: i,
+                    spec: self.clone(),
+                    rng: SplitMix64::derive(self.seed, "session", i as u64),
+                    messages: vec![json!({"role": "system", "content": system})],
+                    turn: 0,
+                }) as Box<dyn Session>
+            })
+            .collect();
+        Workload {
+            name: "multiturn".into(),
+            description: format!(
+                "{} sessions x {} turns, system {} B, questions {}-{} B, max_tokens {}, seed {}",
+                self.sessions,
+                self.turns,
+                self.system_bytes,
+                self.question_bytes.0,
+                self.question_bytes.1,
+                self.max_tokens,
+                self.seed
+            ),
+            sessions,
+        }
+    }
+}
+
+struct MultiturnSession {
+    id: String,
+    index: usize,
+    spec: MultiturnSpec,
+    rng: SplitMix64,
+    messages: Vec<Value>,
+    turn: usize,
+}
+
+impl Session for MultiturnSession {
+    fn id(&self) -> &str {
+        &self.id
+    }
+
+    fn next_request(&mut self, previous: Option<Previous<'_>>) -> Option<PlannedRequest> {
+        if let Some(p) = previous {
+            self.messages
+                .push(json!({"role": "assistant", "content": p.text}));
+        }
+        if self.turn >= self.spec.turns {
+            return None;
+        }
+        let (lo, hi) = self.spec.question_bytes;
+        let len = self.rng.range(lo.min(hi), hi.max(lo));
+        let mut q = format!("Session {} turn {}: ", self.index, self.turn);
+        prose(&mut self.rng, len.saturating_sub(q.len()), &mut q);
+        q.pop();
+        q.push('?');
+        self.messages.push(json!({"role": "user", "content": q}));
+        let body = json!({
+            "model": self.spec.model,
+            "messages": self.messages,
+            "stream": true,
+            "stream_options": {"include_usage": true},
+            "max_tokens": self.spec.max_tokens,
+        });
+        let req = PlannedRequest {
+            api: Api::Chat,
+            body,
+            headers: vec![("x-session-id".into(), self.id.clone())],
+            turn: self.turn,
+            not_before: None,
+        };
+        self.turn += 1;
+        Some(req)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn drive(w: &mut Workload) -> Vec<Vec<PlannedRequest>> {
+        w.sessions
+            .iter_mut()
+            .map(|s| {
+                let mut out = Vec::new();
+                let mut prev_text = String::new();
+                let mut prev = None;
+                while let Some(r) = s.next_request(prev) {
+                    prev_text = format!("answer {}", r.turn);
+                    out.push(r);
+                    prev = Some(Previous {
+                        ok: true,
+                        text: &prev_text,
+                    });
+                }
+                let _ = &prev_text;
+                out
+            })
+            .collect()
+    }
+
+    #[test]
+    fn splitmix_matches_reference_value() {
+        // workloads.md §2.1: splitmix64(0) = 16294208416658607535.
+        assert_eq!(splitmix64(0), 16_294_208_416_658_607_535);
+    }
+
+    #[test]
+    fn multiturn_is_deterministic_and_shaped() {
+        let spec = MultiturnSpec {
+            sessions: 3,
+            turns: 4,
+            ..Default::default()
+        };
+        let a = drive(&mut spec.build());
+        let b = drive(&mut spec.build());
+        assert_eq!(a.len(), 3);
+        for (sa, sb) in a.iter().zip(&b) {
+            assert_eq!(sa.len(), 4);
+            for (ra, rb) in sa.iter().zip(sb) {
+                assert_eq!(ra.body, rb.body);
+            }
+        }
+        let sys = spec.system_prompt();
+        assert!((6000..6300).contains(&sys.len()), "{}", sys.len());
+        // Turn t has system + t (question, answer) pairs + the new question.
+        let last = &a[1][3].body["messages"];
+        let msgs = last.as_array().unwrap();
+        assert_eq!(msgs.len(), 1 + 2 * 3 + 1);
+        assert_eq!(msgs[0]["content"], sys);
+        assert_eq!(msgs[2]["content"], "answer 0");
+        let q = msgs[7]["content"].as_str().unwrap();
+        assert!((200..=420).contains(&q.len()), "{}", q.len());
+        // Sessions differ after the system prompt; the header carries the session id.
+        assert_ne!(a[0][0].body["messages"][1], a[1][0].body["messages"][1]);
+        assert_eq!(a[2][0].headers[0].0, "x-session-id");
+        assert_eq!(a[0][0].body["stream"], true);
+        // Another seed gives another system prompt.
+        let other = MultiturnSpec {
+            seed: 2,
+            ..spec.clone()
+        };
+        assert_ne!(other.system_prompt(), sys);
+    }
+}
