@@ -8,11 +8,9 @@
 //! ```
 //! Only [`decide`] calls the stages in order; only [`app`] constructs them.
 
-
-// kv-bench harness (deployments, workloads, runner, reports); not part of the router itself.
-
 pub mod admin;
 pub mod app;
+/// kv-bench harness (deployments, workloads, runner, reports); not part of the router itself.
 pub mod bench;
 pub mod blocks;
 pub mod config;
