@@ -2,8 +2,8 @@
 //! block hashes against vLLM's vectors, and the live ZMQ publisher / replay service of the
 //! real binary.
 //!
-//! Fixtures are read from `$KV_EVENTS_FIXTURES` (default `/work/shared/fixtures/vllm-kv-events`);
-//! fixture-based tests are skipped with a message when the directory is missing.
+//! Fixtures are read from `$KV_ROUTER_SHARED/fixtures/vllm-kv-events` (default: the `shared/`
+//! folder beside the repository); a missing fixture directory fails the tests.
 
 use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
@@ -18,15 +18,16 @@ use serde_json::{json, Value};
 use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
 
 fn fixtures() -> Option<PathBuf> {
-    let dir = std::env::var_os("KV_EVENTS_FIXTURES")
+    let dir = std::env::var_os("KV_ROUTER_SHARED")
         .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from("/work/shared/fixtures/vllm-kv-events"));
-    if dir.join("index.json").exists() {
-        Some(dir)
-    } else {
-        eprintln!("skipping: no fixtures at {}", dir.display());
-        None
-    }
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared"))
+        .join("fixtures/vllm-kv-events");
+    assert!(
+        dir.join("index.json").exists(),
+        "vLLM KV-event fixtures not found at {} (set KV_ROUTER_SHARED to the shared/ folder)",
+        dir.display()
+    );
+    Some(dir)
 }
 
 fn unhex(s: &str) -> Vec<u8> {

@@ -37,7 +37,7 @@ struct WorkloadArgs {
     #[arg(long, default_value_t = 16)]
     sessions: usize,
     /// Turns per conversation.
-    #[arg(long, default_value_t = 6)]
+    #[arg(long, default_value_t = 8)]
     turns: usize,
     /// Seed of every generated text.
     #[arg(long, default_value_t = 1)]
@@ -46,7 +46,7 @@ struct WorkloadArgs {
     #[arg(long, default_value_t = 6144)]
     system_bytes: usize,
     /// max_tokens per request.
-    #[arg(long, default_value_t = 32)]
+    #[arg(long, default_value_t = 256)]
     max_tokens: u32,
     /// Model name sent in requests.
     #[arg(long, default_value = "sim-model")]
