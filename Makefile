@@ -41,8 +41,8 @@ test: check-redis $(VENV)/bin/envoy ## run all tests (release; needs redis-serve
 demo: build $(VENV)/bin/envoy ## run the kv-bench demo (kv-router vs round robin, simulated vLLM)
 	./target/release/kv-bench demo --envoy $(ENVOY)
 
-bench: build $(VENV)/bin/envoy ## run the kv-bench benchmark
-	./target/release/kv-bench bench --envoy $(ENVOY)
+bench: ## criterion benchmarks (index, tokenization); figures go to docs/results.md
+	$(CARGO) bench --bench index --bench tokenize
 
 fmt: ## format the code (cargo fmt --all)
 	$(CARGO) fmt --all
