@@ -17,6 +17,7 @@ use crate::decide::Decider;
 use crate::events;
 use crate::extproc::ExtProc;
 use crate::index::{EventIndex, EventIndexConfig, KvIndex, MemoryIndex};
+use crate::keys::load_tokenizers;
 use crate::pick_api::proto::picker_server::PickerServer;
 use crate::pick_api::PickService;
 use crate::pods::{DnsSource, PodRegistry, PodSource, Prober, StaticSource};
@@ -66,13 +67,17 @@ pub async fn run(cfg: Config) -> anyhow::Result<()> {
         cfg.scorers.session.capacity,
         cfg.scorers.session.ttl_ms,
     ));
-    let decider = Arc::new(Decider::new(
-        &cfg,
-        pods.clone(),
-        index.clone(),
-        sessions.clone(),
-        metrics.clone(),
-    ));
+    let tokenizers = Arc::new(load_tokenizers(&cfg.tokenizers).context("loading tokenizers")?);
+    let decider = Arc::new(
+        Decider::new(
+            &cfg,
+            pods.clone(),
+            index.clone(),
+            sessions.clone(),
+            metrics.clone(),
+        )
+        .with_tokenizers(tokenizers),
+    );
     info!(mode, policy = cfg.policy.as_str(), "kv-router starting");
     if cfg.kv_events.enabled {
         for model in cfg.tokenizers.iter().map(|t| t.model.as_str()) {

@@ -183,6 +183,9 @@ pub struct Decider {
     strict: bool,
     fallbacks: usize,
     keyer: Keyer,
+    block_chars: usize,
+    max_blocks: usize,
+    block_tokens: usize,
     stale_after: Duration,
     prefill_tokens_per_sec: f64,
     session_headers: Vec<String>,
@@ -224,12 +227,11 @@ impl Decider {
                     max_blocks: cfg.blocks.max_blocks,
                 },
                 cfg.kv_events.block_tokens,
-                cfg.tokenizers
-                    .iter()
-                    .filter(|t| t.builtin)
-                    .map(|t| t.model.clone())
-                    .collect(),
+                Arc::new(builtin_tokenizers(cfg)),
             ),
+            block_chars: cfg.blocks.size_chars,
+            max_blocks: cfg.blocks.max_blocks,
+            block_tokens: cfg.kv_events.block_tokens,
             stale_after: Duration::from_millis(cfg.pods.stale_after_ms),
             prefill_tokens_per_sec: s.load.prefill_tokens_per_sec,
             session_headers: s.session.headers.clone(),
@@ -244,6 +246,19 @@ impl Decider {
             metrics,
             epoch: Instant::now(),
         }
+    }
+
+    /// Replaces the tokenizers (built with [`crate::keys::load_tokenizers`], which reads files).
+    pub fn with_tokenizers(mut self, tokenizers: Arc<crate::tokenize::TokenizerRegistry>) -> Self {
+        self.keyer = Keyer::new(
+            BlockScheme {
+                size_chars: self.block_chars,
+                max_blocks: self.max_blocks,
+            },
+            self.block_tokens,
+            tokenizers,
+        );
+        self
     }
 
     /// Milliseconds on the router's monotonic clock (the index's time base).
@@ -329,6 +344,10 @@ impl Decider {
             .as_ref()
             .map(|r| self.keyer.keys(r))
             .unwrap_or_default();
+        if let Some(kind) = keyed.tokenize_error {
+            debug!(kind, "tokenization failed; approximate keys");
+            self.metrics.error("tokenize");
+        }
         let keys = &keyed.keys;
         let ids: Vec<PodId> = pods.iter().map(|p| p.id().clone()).collect();
         let now_ms = self.now_ms();
@@ -463,6 +482,17 @@ fn in_subset(pod: &PodId, subset: &[String]) -> bool {
             || s.trim_start_matches('[').trim_end_matches(']')
                 == ip.trim_start_matches('[').trim_end_matches(']')
     })
+}
+
+/// Built-in (pseudo) tokenizers from the config; file-backed ones need [`Decider::with_tokenizers`].
+fn builtin_tokenizers(cfg: &Config) -> crate::tokenize::TokenizerRegistry {
+    let builtin: Vec<_> = cfg
+        .tokenizers
+        .iter()
+        .filter(|t| t.builtin)
+        .cloned()
+        .collect();
+    crate::keys::load_tokenizers(&builtin).unwrap_or_default()
 }
 
 #[cfg(test)]

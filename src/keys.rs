@@ -1,10 +1,12 @@
 //! From a parsed request to block keys: exact token blocks when the model has a tokenizer
 //! (precise mode, matching the keys computed from vLLM's KV events), else approximate text blocks.
 
-use std::collections::HashSet;
+use std::sync::Arc;
 
-use crate::blocks::{namespace_seed, pseudo_tokens, token_keys, BlockKey, BlockScheme};
-use crate::request::{Prompt, RoutingRequest};
+use crate::blocks::{namespace_seed, token_keys, BlockKey, BlockScheme};
+use crate::config::TokenizerConfig;
+use crate::request::RoutingRequest;
+use crate::tokenize::{TokenizeError, TokenizerRegistry, TokenizerSpec};
 
 /// A request's keys and what they stand for.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -17,53 +19,121 @@ pub struct Keys {
     pub prompt_tokens: u64,
     /// Whether the keys are exact token blocks.
     pub precise: bool,
+    /// Tokenization failed (closed kind); the keys fell back to text blocks.
+    pub tokenize_error: Option<&'static str>,
 }
 
 /// Turns requests into keys.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct Keyer {
     scheme: BlockScheme,
     block_tokens: usize,
-    builtin: HashSet<String>,
+    tokenizers: Arc<TokenizerRegistry>,
+}
+
+/// Builds the tokenizer registry a config asks for (files are read now; errors name the model).
+pub fn load_tokenizers(specs: &[TokenizerConfig]) -> Result<TokenizerRegistry, TokenizeError> {
+    let specs: Vec<(String, TokenizerSpec)> = specs
+        .iter()
+        .map(|t| {
+            let spec = match &t.tokenizer_json {
+                Some(json) if !t.builtin => TokenizerSpec::Files {
+                    tokenizer_json: json.clone(),
+                    tokenizer_config: t.tokenizer_config.clone(),
+                    chat_template: t.chat_template.clone(),
+                },
+                _ => TokenizerSpec::Builtin,
+            };
+            (t.model.clone(), spec)
+        })
+        .collect();
+    TokenizerRegistry::from_specs(specs.iter().map(|(m, s)| (m.as_str(), s)), None)
 }
 
 impl Keyer {
-    /// `builtin`: models tokenized with the simulator's pseudo tokenizer.
-    pub fn new(scheme: BlockScheme, block_tokens: usize, builtin: HashSet<String>) -> Self {
+    /// A keyer over a tokenizer registry (empty = approximate keys for every model).
+    pub fn new(
+        scheme: BlockScheme,
+        block_tokens: usize,
+        tokenizers: Arc<TokenizerRegistry>,
+    ) -> Self {
         Self {
             scheme,
             block_tokens: block_tokens.max(1),
-            builtin,
+            tokenizers,
         }
     }
 
     /// Whether requests for `model` get exact token keys.
     pub fn is_precise(&self, model: &str) -> bool {
-        self.builtin.contains(model)
+        self.tokenizers.get(model).is_some()
     }
 
     /// Keys of a request.
     pub fn keys(&self, req: &RoutingRequest) -> Keys {
         let model = req.model.as_deref().unwrap_or("");
-        if self.is_precise(model) {
-            let seed = namespace_seed(model, req.cache_salt.as_deref());
-            let tokens = match &req.prompt {
-                Prompt::Text(t) => pseudo_tokens(t.as_bytes()),
-                Prompt::Tokens(ids) => ids.clone(),
-                Prompt::Empty => Vec::new(),
-            };
-            return Keys {
-                keys: token_keys(seed, &tokens, self.block_tokens, self.scheme.max_blocks),
-                tokens_per_block: self.block_tokens,
-                prompt_tokens: tokens.len() as u64,
-                precise: true,
-            };
+        let mut tokenize_error = None;
+        if let Some(tokenizer) = self.tokenizers.get(model) {
+            match tokenizer.request_tokens(req) {
+                Ok(tokens) => {
+                    let seed = namespace_seed(model, req.cache_salt.as_deref());
+                    return Keys {
+                        keys: token_keys(seed, &tokens, self.block_tokens, self.scheme.max_blocks),
+                        tokens_per_block: self.block_tokens,
+                        prompt_tokens: tokens.len() as u64,
+                        precise: true,
+                        tokenize_error: None,
+                    };
+                }
+                Err(e) => tokenize_error = Some(e.kind()),
+            }
         }
         Keys {
             keys: self.scheme.keys(req),
             tokens_per_block: self.scheme.size_tokens(),
             prompt_tokens: req.prompt.approx_tokens(),
             precise: false,
+            tokenize_error,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::blocks::pseudo_tokens;
+    use crate::request::parse;
+
+    #[test]
+    fn builtin_models_get_token_keys_matching_the_sim() {
+        let reg = load_tokenizers(&[TokenizerConfig {
+            model: "sim-model".into(),
+            tokenizer_json: None,
+            tokenizer_config: None,
+            chat_template: None,
+            builtin: true,
+        }])
+        .unwrap();
+        let keyer = Keyer::new(BlockScheme::default(), 16, Arc::new(reg));
+        let text = "x".repeat(200);
+        let req = parse(
+            "/v1/completions",
+            format!(r#"{{"model":"sim-model","prompt":"{text}"}}"#).as_bytes(),
+        )
+        .unwrap();
+        let k = keyer.keys(&req);
+        assert!(k.precise);
+        let want = token_keys(
+            namespace_seed("sim-model", None),
+            &pseudo_tokens(text.as_bytes()),
+            16,
+            4096,
+        );
+        assert_eq!(k.keys, want);
+        let other = parse("/v1/completions", br#"{"model":"other","prompt":"hello"}"#).unwrap();
+        assert!(
+            !keyer.keys(&other).precise,
+            "models without a tokenizer stay approximate"
+        );
     }
 }

@@ -35,10 +35,17 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
         Command::CheckConfig { file } => match kv_router::config::Config::load(&file) {
-            Ok(_) => {
-                println!("{}: OK", file.display());
-                ExitCode::SUCCESS
-            }
+            // Tokenizer files are read too: a missing or broken one is a config error.
+            Ok(cfg) => match kv_router::keys::load_tokenizers(&cfg.tokenizers) {
+                Ok(_) => {
+                    println!("{}: OK", file.display());
+                    ExitCode::SUCCESS
+                }
+                Err(e) => {
+                    eprintln!("{}: tokenizers: {e}", file.display());
+                    ExitCode::from(64)
+                }
+            },
             Err(e) => {
                 eprintln!("{}: {e}", file.display());
                 ExitCode::from(64)
