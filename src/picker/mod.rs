@@ -217,7 +217,11 @@ mod tests {
 
     #[test]
     fn hot_pod_spills_to_idle_ones() {
-        let p = Picker::new(Policy::Weighted, vec![3.0], GateConfig::default());
+        let gate = GateConfig {
+            hot_abs: 4.0,
+            ..GateConfig::default()
+        };
+        let p = Picker::new(Policy::Weighted, vec![3.0], gate);
         let mut inp = input(3);
         inp.candidates[0].load.running = 5.0;
         inp.candidates[1].load.running = 1.0;
