@@ -1,0 +1,606 @@
+//! End-to-end tests of PRECISE mode (`kv_events.enabled`): real vllm-sim pods publishing vLLM KV
+//! events over ZMQ, the real kv-router subscribing to them, and (where a request goes through the
+//! proxy) the real Envoy 1.40. Prompts are warmed by sending them DIRECTLY to a pod, so the
+//! router can only learn about them from the pod's events.
+//!
+//! Assertions poll `POST /debug/explain` (a dry run: it records nothing) and `/metrics` with
+//! deadlines; there are no fixed long sleeps.
+//!
+//! Run: `KV_ROUTER_ENVOY=/path/to/envoy cargo test --release --test e2e_precise`
+
+mod common;
+
+use std::net::SocketAddr;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::{bins, completion, envoy_bin, post_to, served_by, text, FAST_SIM};
+use kv_router::bench::deploy::{self, free_port, EnvoyProc, RouterProc, SimPod};
+use kv_router::bench::runner;
+use kv_router::config::{Config, TokenizerConfig};
+use serde_json::{json, Value};
+
+const BUFFERED: &str = "override-host-buffered.yaml";
+/// How long any polled condition may take on a loaded CI machine.
+const POLL: Duration = Duration::from_secs(10);
+
+/// A vllm-sim started on a FIXED http port (for restarts: [`SimPod::spawn`] always asks for
+/// port 0). Killed on drop.
+struct RawSim {
+    child: Child,
+    stderr: tempfile::NamedTempFile,
+}
+
+impl Drop for RawSim {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// One pod of a precise deployment: its fixed ports and its process.
+struct Pod {
+    addr: SocketAddr,
+    events_port: u16,
+    replay_port: u16,
+    args: Vec<String>,
+    sim: Option<SimPod>,
+    raw: Option<RawSim>,
+}
+
+impl Pod {
+    fn name(&self) -> String {
+        self.addr.to_string()
+    }
+
+    fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    fn kill(&mut self) {
+        if let Some(s) = self.sim.as_mut() {
+            s.kill();
+        }
+        self.sim = None;
+        self.raw = None;
+    }
+}
+
+/// vllm-sim arguments: fast timings, KV events on fixed ports, plus `extra`.
+fn sim_args(events_port: u16, replay_port: u16, extra: &[&str]) -> Vec<String> {
+    let mut a: Vec<String> = FAST_SIM.iter().map(|s| s.to_string()).collect();
+    a.extend([
+        "--kv-events-endpoint".to_string(),
+        format!("tcp://*:{events_port}"),
+        "--kv-events-replay-endpoint".to_string(),
+        format!("tcp://*:{replay_port}"),
+    ]);
+    a.extend(extra.iter().map(|s| s.to_string()));
+    a
+}
+
+/// Starts a pod on a free http port and fixed (free) event ports; retries with fresh ports if
+/// one was taken in the meantime.
+fn spawn_pod(extra: &[&str]) -> Pod {
+    let b = bins();
+    let mut last = String::new();
+    for _ in 0..4 {
+        let (ep, rp) = (free_port().unwrap(), free_port().unwrap());
+        if ep == rp {
+            continue;
+        }
+        let args = sim_args(ep, rp, extra);
+        match SimPod::spawn(&b.vllm_sim, &args) {
+            Ok(sim) => {
+                return Pod {
+                    addr: sim.addr,
+                    events_port: ep,
+                    replay_port: rp,
+                    args,
+                    sim: Some(sim),
+                    raw: None,
+                }
+            }
+            Err(e) => last = format!("{e:#}"),
+        }
+    }
+    panic!("cannot start vllm-sim with KV events: {last}");
+}
+
+/// Restarts a killed pod on the SAME http port and the same event ports (a restarted engine:
+/// its event sequence starts again at 0). Retries while a port is still held by the old process.
+async fn restart_pod(pod: &mut Pod) {
+    pod.kill();
+    let b = bins();
+    let client = runner::client();
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let mut last = String::new();
+    while Instant::now() < deadline {
+        let stderr = tempfile::NamedTempFile::new().expect("temp file");
+        let mut cmd = Command::new(&b.vllm_sim);
+        cmd.args([
+            "--host",
+            "127.0.0.1",
+            "--port",
+            &pod.addr.port().to_string(),
+        ])
+        .args(&pod.args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(stderr.reopen().expect("reopen temp file"));
+        let child = cmd.spawn().expect("spawn vllm-sim");
+        let mut raw = RawSim { child, stderr };
+        loop {
+            if let Ok(Some(status)) = raw.child.try_wait() {
+                last = format!(
+                    "exited with {status}: {}",
+                    std::fs::read_to_string(raw.stderr.path()).unwrap_or_default()
+                );
+                break;
+            }
+            if let Ok(r) = client.get(format!("{}/health", pod.url())).send().await {
+                if r.status().is_success() {
+                    pod.raw = Some(raw);
+                    return;
+                }
+            }
+            if Instant::now() > deadline {
+                last = "never answered /health".into();
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    panic!("cannot restart vllm-sim on {}: {last}", pod.addr);
+}
+
+/// A precise-mode deployment: pods with KV events, kv-router subscribed to them, optionally Envoy.
+struct Precise {
+    pods: Vec<Pod>,
+    router: RouterProc,
+    envoy: Option<EnvoyProc>,
+    client: reqwest::Client,
+}
+
+impl Precise {
+    /// `extra[i]` are pod `i`'s extra sim flags.
+    async fn start(extra: &[&[&str]], with_envoy: bool, tweak: impl FnOnce(&mut Config)) -> Self {
+        let envoy_path = with_envoy.then(envoy_bin);
+        let pods: Vec<Pod> = extra.iter().map(|e| spawn_pod(e)).collect();
+        let addrs: Vec<SocketAddr> = pods.iter().map(|p| p.addr).collect();
+        let mut cfg = deploy::local_router_config(&addrs).expect("router config");
+        cfg.kv_events.enabled = true;
+        cfg.kv_events.block_tokens = 16;
+        cfg.kv_events.speculative_ttl_ms = 2000;
+        for (sp, p) in cfg.pods.static_pods.iter_mut().zip(&pods) {
+            sp.kv_events_endpoint = Some(format!("tcp://127.0.0.1:{}", p.events_port));
+            sp.kv_events_replay_endpoint = Some(format!("tcp://127.0.0.1:{}", p.replay_port));
+        }
+        let tok: TokenizerConfig =
+            serde_json::from_value(json!({"model": "sim-model", "builtin": true})).unwrap();
+        cfg.tokenizers = vec![tok];
+        tweak(&mut cfg);
+        let b = bins();
+        let router = RouterProc::spawn(&b.kv_router, &cfg)
+            .await
+            .expect("start kv-router");
+        router
+            .wait_pods_ready(addrs.len(), Duration::from_secs(15))
+            .await
+            .unwrap_or_else(|e| panic!("{e:#}\nrouter stderr:\n{}", router.stderr_tail(40)));
+        let envoy = match envoy_path {
+            Some(path) => {
+                let t = deploy::envoy_template(BUFFERED).expect("template");
+                Some(
+                    EnvoyProc::spawn(&path, &t, Some(router.grpc), &addrs)
+                        .await
+                        .unwrap_or_else(|e| panic!("start Envoy: {e:#}")),
+                )
+            }
+            None => None,
+        };
+        let d = Self {
+            pods,
+            router,
+            envoy,
+            client: runner::client(),
+        };
+        for i in 0..d.pods.len() {
+            d.wait_subscribed(i).await;
+        }
+        d
+    }
+
+    fn diag(&self) -> String {
+        let mut s = format!(
+            "\n--- kv-router stderr (tail) ---\n{}",
+            self.router.stderr_tail(40)
+        );
+        if let Some(e) = &self.envoy {
+            s.push_str(&format!(
+                "\n--- envoy stderr (tail) ---\n{}",
+                e.stderr_tail(20)
+            ));
+        }
+        s
+    }
+
+    /// Sends `prompt` directly to pod `i` (bypassing the router) and returns the serving pod.
+    async fn direct(&self, i: usize, prompt: &str) -> String {
+        let o = post_to(
+            &self.client,
+            &self.pods[i].url(),
+            "/v1/completions",
+            &completion(prompt, 4),
+            &[],
+        )
+        .await;
+        served_by(&o, &self.diag())
+    }
+
+    /// Sends `prompt` through Envoy and returns the serving pod.
+    async fn via_envoy(&self, prompt: &str) -> String {
+        let e = self.envoy.as_ref().expect("deployment without Envoy");
+        let o = post_to(
+            &self.client,
+            &e.url(),
+            "/v1/completions",
+            &completion(prompt, 4),
+            &[],
+        )
+        .await;
+        served_by(&o, &self.diag())
+    }
+
+    /// `POST /debug/explain` for a completion of `prompt`.
+    async fn explain(&self, prompt: &str) -> Value {
+        let r = self
+            .client
+            .post(format!("{}/debug/explain", self.router.admin_url()))
+            .json(&json!({"path": "/v1/completions", "body": completion(prompt, 4)}))
+            .send()
+            .await
+            .expect("explain request");
+        r.json().await.expect("explain JSON")
+    }
+
+    /// Polls explain for `prompt` until `ok(explain)` holds; panics after [`POLL`].
+    async fn poll_explain(&self, prompt: &str, what: &str, ok: impl Fn(&Value) -> bool) -> Value {
+        let deadline = Instant::now() + POLL;
+        loop {
+            let v = self.explain(prompt).await;
+            if ok(&v) {
+                return v;
+            }
+            if Instant::now() > deadline {
+                panic!(
+                    "timed out waiting for {what}; last explain: {v:#}\nmetrics:\n{}{}",
+                    kv_metrics(&self.metrics().await),
+                    self.diag()
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// `GET /metrics` text.
+    async fn metrics(&self) -> String {
+        self.client
+            .get(format!("{}/metrics", self.router.admin_url()))
+            .send()
+            .await
+            .expect("metrics request")
+            .text()
+            .await
+            .expect("metrics text")
+    }
+
+    /// ZMQ slow joiner: sends fresh short prompts directly to pod `i` until the router has
+    /// learned one of them from pod `i`'s events (its subscription is live).
+    async fn wait_subscribed(&self, i: usize) {
+        let pod = self.pods[i].name();
+        let deadline = Instant::now() + Duration::from_secs(15);
+        let mut n = 0u64;
+        loop {
+            n += 1;
+            let p = format!("warm-up {pod} #{n}: {}", text(9_000 + n, 256));
+            self.direct(i, &p).await;
+            let until = Instant::now() + Duration::from_millis(1000);
+            while Instant::now() < until {
+                if matched(&self.explain(&p).await, &pod) > 0 {
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(25)).await;
+            }
+            if Instant::now() > deadline {
+                panic!(
+                    "kv-router never learned pod {pod}'s events; metrics:\n{}{}",
+                    kv_metrics(&self.metrics().await),
+                    self.diag()
+                );
+            }
+        }
+    }
+}
+
+/// `matched_blocks` of `pod` in an explain answer (0 when it is not ranked). The router reports
+/// it as a number that may be fractional (CPU-offloaded blocks weigh less), so it is read as f64
+/// and rounded down.
+fn matched(v: &Value, pod: &str) -> u64 {
+    v["ranked"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|r| r["pod"] == pod)
+        .and_then(|r| r["matched_blocks"].as_f64())
+        .map_or(0, |m| m.max(0.0) as u64)
+}
+
+/// The first-ranked pod of an explain answer.
+fn first(v: &Value) -> String {
+    v["ranked"][0]["pod"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string()
+}
+
+/// Sum of the samples of metric `name` whose labels include every `labels` pair.
+fn metric(text: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter(|l| {
+            l.strip_prefix(name)
+                .is_some_and(|r| r.starts_with('{') || r.starts_with(' '))
+        })
+        .filter(|l| {
+            labels
+                .iter()
+                .all(|(k, v)| l.contains(&format!("{k}=\"{v}\"")))
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// The KV-event lines of a metrics text (for failure messages).
+fn kv_metrics(text: &str) -> String {
+    text.lines()
+        .filter(|l| l.starts_with("kv_router_kv_event"))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// A ~4 KB prompt (64 blocks of 64 bytes) deterministic in `seed`.
+fn long_prompt(seed: u64) -> String {
+    text(seed, 4096)
+}
+
+#[tokio::test]
+async fn events_make_router_prefer_the_pod_holding_the_prefix() {
+    let d = Precise::start(&[&[], &[], &[]], true, |_| {}).await;
+    let b = d.pods[1].name();
+    let p = long_prompt(101);
+    assert_eq!(d.direct(1, &p).await, b);
+    let probe = format!("{p} And a new question: {}", text(102, 100));
+    d.poll_explain(&probe, "pod B to hold > 50 blocks and rank first", |v| {
+        matched(v, &b) > 50 && first(v) == b
+    })
+    .await;
+    let q = format!("{p} Yet another question: {}", text(103, 100));
+    assert_eq!(
+        d.via_envoy(&q).await,
+        b,
+        "the prefix is on {b} (learned from its events) but Envoy's request went elsewhere{}",
+        d.diag()
+    );
+}
+
+#[tokio::test]
+async fn eviction_stops_preference() {
+    // Pod A's cache holds 80 blocks: a 64-block prefix plus one more such prompt overflow it.
+    let d = Precise::start(&[&["--num-gpu-blocks", "80"], &[]], false, |_| {}).await;
+    let a = d.pods[0].name();
+    let p = long_prompt(201);
+    d.direct(0, &p).await;
+    let v = d
+        .poll_explain(&p, "pod A to hold P and rank first", |v| {
+            matched(v, &a) > 50 && first(v) == a
+        })
+        .await;
+    let before = matched(&v, &a);
+    // Unrelated prompts directly to A until the router has seen P's blocks removed.
+    let deadline = Instant::now() + POLL;
+    let mut n = 0u64;
+    loop {
+        n += 1;
+        d.direct(0, &long_prompt(210 + n)).await;
+        let until = Instant::now() + Duration::from_millis(1000);
+        let mut now = before;
+        while Instant::now() < until {
+            now = matched(&d.explain(&p).await, &a);
+            if now == 0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+        if now == 0 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "after {n} unrelated prompts on a 80-block pod the router still matches {now} of P's \
+             blocks on {a}; metrics:\n{}{}",
+            kv_metrics(&d.metrics().await),
+            d.diag()
+        );
+    }
+    assert!(
+        n <= 4,
+        "P should be evicted by at most a few prompts, took {n}"
+    );
+    let m = d.metrics().await;
+    assert!(
+        metric(
+            &m,
+            "kv_router_kv_events_applied_total",
+            &[("pod", &a), ("type", "BlockRemoved")]
+        ) > 0.0
+            || metric(&m, "kv_router_kv_events_applied_total", &[("pod", &a)]) > 0.0,
+        "no applied events for {a}:\n{}",
+        kv_metrics(&m)
+    );
+    let v = d.explain(&p).await;
+    let prefix_a = v["ranked"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["pod"] == a.as_str())
+        .map(|r| r["scores"]["prefix"].as_f64().unwrap_or(0.0))
+        .unwrap_or(0.0);
+    assert_eq!(
+        prefix_a, 0.0,
+        "A keeps a prefix score after eviction: {v:#}"
+    );
+}
+
+#[tokio::test]
+async fn all_blocks_cleared_stops_preference() {
+    let d = Precise::start(&[&[], &[]], false, |_| {}).await;
+    let a = d.pods[0].name();
+    let p = long_prompt(301);
+    d.direct(0, &p).await;
+    d.poll_explain(&p, "pod A to hold P and rank first", |v| {
+        matched(v, &a) > 50 && first(v) == a
+    })
+    .await;
+    let cleared = |m: &str| {
+        metric(
+            m,
+            "kv_router_kv_event_purges_total",
+            &[("pod", &a), ("type", "cleared")],
+        )
+    };
+    let before = cleared(&d.metrics().await);
+    deploy::reset_caches(&[d.pods[0].addr])
+        .await
+        .expect("reset_prefix_cache");
+    d.poll_explain(&p, "A's blocks to be cleared", |v| matched(v, &a) == 0)
+        .await;
+    let deadline = Instant::now() + POLL;
+    loop {
+        let m = d.metrics().await;
+        if cleared(&m) > before {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "kv_router_kv_event_purges_total{{pod=\"{a}\",type=\"cleared\"}} did not increase \
+             (was {before}):\n{}{}",
+            kv_metrics(&m),
+            d.diag()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test]
+async fn burst_with_new_prefix_lands_on_one_pod() {
+    // The hot-pod gate (hot_abs 4 by default) deliberately spills a burst once the chosen pod
+    // has 5+ more requests than the idlest one: that is load protection, not a prefix-routing
+    // failure. This test checks that the SPECULATIVE entries written at decision time (before
+    // any KV event can arrive) steer all 16 simultaneous requests to the same pod, so the gate
+    // is relaxed here.
+    let d = Precise::start(&[&[], &[], &[], &[]], true, |c| c.gate.hot_abs = 100.0).await;
+    let prefix = long_prompt(401);
+    let d = &d;
+    let prefix = &prefix;
+    let futs = (0..16u64).map(|i| async move {
+        d.via_envoy(&format!("{prefix} Question {i}: {}", text(410 + i, 120)))
+            .await
+    });
+    let pods = futures::future::join_all(futs).await;
+    let mut counts = std::collections::BTreeMap::<String, usize>::new();
+    for p in &pods {
+        *counts.entry(p.clone()).or_default() += 1;
+    }
+    let top = counts.values().copied().max().unwrap_or(0);
+    assert!(
+        top >= 15,
+        "a burst sharing a new prefix spread over {counts:?}{}",
+        d.diag()
+    );
+}
+
+#[tokio::test]
+async fn restarted_engine_is_purged_and_relearned() {
+    let mut d = Precise::start(&[&[], &[]], false, |_| {}).await;
+    let a = d.pods[0].name();
+    let p = long_prompt(501);
+    d.direct(0, &p).await;
+    // A few more batches so the sequence number is well above the restarted engine's 0.
+    for i in 0..3 {
+        d.direct(0, &text(510 + i, 300)).await;
+    }
+    d.poll_explain(&p, "pod A to hold P", |v| matched(v, &a) > 50)
+        .await;
+    let restarts = |m: &str| {
+        metric(
+            m,
+            "kv_router_kv_event_purges_total",
+            &[("pod", &a), ("type", "restart")],
+        )
+    };
+    let before = restarts(&d.metrics().await);
+
+    restart_pod(&mut d.pods[0]).await;
+
+    // The router's SUB socket reconnects by itself; events published before it did are lost
+    // (slow joiner), so send fresh prompts Q until one is learned from the new engine.
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let mut n = 0u64;
+    let q = loop {
+        n += 1;
+        let q = format!("After the restart #{n}: {}", long_prompt(520 + n));
+        d.direct(0, &q).await;
+        let until = Instant::now() + Duration::from_millis(1000);
+        let mut got = false;
+        while Instant::now() < until {
+            if matched(&d.explain(&q).await, &a) > 50 {
+                got = true;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+        if got {
+            break q;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the router never relearned the restarted pod {a}; metrics:\n{}{}",
+            kv_metrics(&d.metrics().await),
+            d.diag()
+        );
+    };
+    let v = d
+        .poll_explain(&p, "P's blocks on the restarted pod A to be purged", |v| {
+            matched(v, &a) == 0
+        })
+        .await;
+    assert_eq!(matched(&v, &a), 0);
+    assert!(matched(&d.explain(&q).await, &a) > 50, "Q forgotten again");
+    let deadline = Instant::now() + POLL;
+    loop {
+        let m = d.metrics().await;
+        if restarts(&m) > before {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "kv_router_kv_event_purges_total{{pod=\"{a}\",type=\"restart\"}} did not increase \
+             (was {before}):\n{}{}",
+            kv_metrics(&m),
+            d.diag()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
