@@ -50,6 +50,24 @@ pub struct PodTypeLabels {
     pub r#type: &'static str,
 }
 
+/// Every `type` label value the KV-event families use (event types, purge reasons, replay
+/// outcomes, decode-error kinds), so a departed pod's series can all be removed.
+const EVENT_LABEL_TYPES: [&str; 13] = [
+    "BlockStored",
+    "BlockRemoved",
+    "AllBlocksCleared",
+    "gap",
+    "restart",
+    "cleared",
+    "complete",
+    "failed",
+    "too_large",
+    "msgpack",
+    "batch",
+    "event",
+    "frames",
+];
+
 /// Every metric the router exports.
 pub struct Metrics {
     /// `kv_router_decisions_total{reason,pod}`.
@@ -231,6 +249,18 @@ impl Metrics {
         self.pod_kv_usage.remove(&l);
         self.pod_inflight_requests.remove(&l);
         self.pod_inflight_tokens.remove(&l);
+        self.event_gaps.remove(&l);
+        // The KV-event families are keyed by pod and a closed type set: drop every combination.
+        for t in EVENT_LABEL_TYPES {
+            let l = PodTypeLabels {
+                pod: pod.to_string(),
+                r#type: t,
+            };
+            self.events_applied.remove(&l);
+            self.event_replays.remove(&l);
+            self.event_purges.remove(&l);
+            self.event_decode_errors.remove(&l);
+        }
     }
 }
 
@@ -245,4 +275,33 @@ pub fn init_logging(cfg: &LogConfig) {
         LogFormat::Json => builder.json().try_init(),
         LogFormat::Text => builder.try_init(),
     };
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn forgetting_a_pod_drops_its_event_series() {
+        let mut reg = Registry::default();
+        let m = Metrics::new(&mut reg);
+        let l = PodTypeLabels {
+            pod: "p:1".into(),
+            r#type: "BlockStored",
+        };
+        m.events_applied.get_or_create(&l).inc();
+        m.event_purges
+            .get_or_create(&PodTypeLabels {
+                pod: "p:1".into(),
+                r#type: "restart",
+            })
+            .inc();
+        m.event_gaps
+            .get_or_create(&PodLabels { pod: "p:1".into() })
+            .inc();
+        m.forget_pod("p:1");
+        let mut out = String::new();
+        prometheus_client::encoding::text::encode(&mut out, &reg).unwrap();
+        assert!(!out.contains("p:1"), "{out}");
+    }
 }
