@@ -4,6 +4,7 @@
 pub mod deploy;
 pub mod report;
 pub mod runner;
+pub mod trace;
 pub mod workload;
 
 use std::net::SocketAddr;

@@ -88,6 +88,10 @@ impl std::fmt::Debug for Workload {
 pub enum WorkloadKind {
     /// N sessions × T turns sharing one system prompt; history grows turn by turn.
     Multiturn,
+    /// G groups × P prompts: a group system prompt plus a unique question (inference-perf shape).
+    SharedPrefix,
+    /// Replay of a Mooncake trace (token-id prompts).
+    Trace,
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -487,6 +491,290 @@ impl Session for MultiturnSession {
     }
 }
 
+// ------------------------------------------------------------------------------------------------
+// Arrivals
+
+/// When sessions start.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+#[serde(rename_all = "kebab-case", tag = "kind")]
+pub enum Arrivals {
+    /// Closed loop: the runner keeps at most `concurrency` sessions in flight.
+    Closed {
+        /// Sessions in flight (the runner's cap).
+        concurrency: usize,
+    },
+    /// Open loop: sessions start at Poisson times of this rate (per second).
+    Poisson {
+        /// Sessions per second.
+        rate: f64,
+    },
+    /// Open loop at the workload's own times (trace timestamps), divided by `speedup`.
+    Timed {
+        /// Time compression (2 = twice as fast as recorded).
+        speedup: f64,
+    },
+}
+
+impl Arrivals {
+    /// The runner's concurrency cap (open loop: none).
+    pub fn concurrency(&self) -> Option<usize> {
+        match self {
+            Arrivals::Closed { concurrency } => Some((*concurrency).max(1)),
+            _ => None,
+        }
+    }
+
+    /// Short description for reports.
+    pub fn describe(&self) -> String {
+        match self {
+            Arrivals::Closed { concurrency } => format!("closed loop, concurrency {concurrency}"),
+            Arrivals::Poisson { rate } => format!("Poisson arrivals, {rate} sessions/s"),
+            Arrivals::Timed { speedup } => format!("trace arrival times / {speedup}"),
+        }
+    }
+}
+
+/// Wraps a session so its first request is not sent before `start`.
+struct Delayed {
+    inner: Box<dyn Session>,
+    start: Duration,
+}
+
+impl Session for Delayed {
+    fn id(&self) -> &str {
+        self.inner.id()
+    }
+
+    fn next_request(&mut self, previous: Option<Previous<'_>>) -> Option<PlannedRequest> {
+        let mut r = self.inner.next_request(previous)?;
+        if r.turn == 0 {
+            r.not_before = Some(r.not_before.map_or(self.start, |t| t.max(self.start)));
+        }
+        Some(r)
+    }
+}
+
+impl Workload {
+    /// Applies Poisson session starts (seeded); other arrival kinds leave the sessions alone
+    /// (closed loop is the runner's cap, timed arrivals are set by the workload).
+    pub fn with_arrivals(mut self, arrivals: Arrivals, seed: u64) -> Self {
+        if let Arrivals::Poisson { rate } = arrivals {
+            let mut rng = SplitMix64::derive(seed, "poisson", 0);
+            let mut t = 0.0f64;
+            self.sessions = std::mem::take(&mut self.sessions)
+                .into_iter()
+                .map(|inner| {
+                    let start = Duration::from_secs_f64(t);
+                    // Inverse-CDF exponential gap; 1 - u keeps ln away from 0.
+                    let u = (rng.next_u64() >> 11) as f64 / (1u64 << 53) as f64;
+                    t += -(1.0 - u).ln() / rate.max(1e-9);
+                    Box::new(Delayed { inner, start }) as Box<dyn Session>
+                })
+                .collect();
+        }
+        self.description = format!("{}; {}", self.description, arrivals.describe());
+        self
+    }
+}
+
+/// A session of exactly one request.
+struct OneShot {
+    id: String,
+    request: Option<PlannedRequest>,
+}
+
+impl Session for OneShot {
+    fn id(&self) -> &str {
+        &self.id
+    }
+
+    fn next_request(&mut self, _previous: Option<Previous<'_>>) -> Option<PlannedRequest> {
+        self.request.take()
+    }
+}
+
+fn completion_body(model: &str, prompt: Value, max_tokens: u32) -> Value {
+    json!({
+        "model": model,
+        "prompt": prompt,
+        "stream": true,
+        "stream_options": {"include_usage": true},
+        "max_tokens": max_tokens.max(1),
+        "ignore_eos": true,
+    })
+}
+
+// ------------------------------------------------------------------------------------------------
+// Shared prefix
+
+/// Parameters of the shared-prefix workload (workloads.md §3.1; sizes in the sim's tokens, i.e.
+/// 4 bytes of text each).
+#[derive(Debug, Clone, Serialize)]
+pub struct SharedPrefixSpec {
+    /// Groups (distinct system prompts).
+    pub groups: usize,
+    /// Prompts per group.
+    pub prompts_per_group: usize,
+    /// System prompt length, tokens.
+    pub system_tokens: usize,
+    /// Question length, tokens.
+    pub question_tokens: usize,
+    /// Output length, tokens.
+    pub output_tokens: u32,
+    /// `model` field.
+    pub model: String,
+    /// Seed of every text and of the request order.
+    pub seed: u64,
+}
+
+impl Default for SharedPrefixSpec {
+    fn default() -> Self {
+        Self {
+            groups: 10,
+            prompts_per_group: 10,
+            system_tokens: 100,
+            question_tokens: 50,
+            output_tokens: 50,
+            model: "sim-model".into(),
+            seed: 1,
+        }
+    }
+}
+
+/// Exactly `tokens × 4` bytes of prose (the sim's pseudo tokenizer: 4 bytes per token).
+fn prose_tokens(rng: &mut SplitMix64, tokens: usize) -> String {
+    let mut s = String::new();
+    prose(rng, tokens * 4, &mut s);
+    s.truncate(tokens * 4);
+    s
+}
+
+impl SharedPrefixSpec {
+    /// Builds the requests, groups interleaved in a seeded random order.
+    pub fn build(&self) -> Workload {
+        let systems: Vec<String> = (0..self.groups)
+            .map(|g| {
+                prose_tokens(
+                    &mut SplitMix64::derive(self.seed, "group", g as u64),
+                    self.system_tokens,
+                )
+            })
+            .collect();
+        let mut order: Vec<(usize, usize)> = (0..self.groups)
+            .flat_map(|g| (0..self.prompts_per_group).map(move |p| (g, p)))
+            .collect();
+        let mut rng = SplitMix64::derive(self.seed, "order", 0);
+        for i in (1..order.len()).rev() {
+            order.swap(i, rng.range(0, i));
+        }
+        let sessions = order
+            .into_iter()
+            .map(|(g, p)| {
+                let mut q = SplitMix64::derive(
+                    self.seed,
+                    "question",
+                    (g * self.prompts_per_group + p) as u64,
+                );
+                let prompt = format!(
+                    "{}{}",
+                    systems[g],
+                    prose_tokens(&mut q, self.question_tokens)
+                );
+                Box::new(OneShot {
+                    id: format!("sp-{}-{g}-{p}", self.seed),
+                    request: Some(PlannedRequest {
+                        api: Api::Completions,
+                        body: completion_body(
+                            &self.model,
+                            Value::String(prompt),
+                            self.output_tokens,
+                        ),
+                        headers: Vec::new(),
+                        turn: 0,
+                        not_before: None,
+                    }),
+                }) as Box<dyn Session>
+            })
+            .collect();
+        Workload {
+            name: "shared-prefix".into(),
+            description: format!(
+                "{} groups x {} prompts, system {} / question {} / output {} tokens, seed {}",
+                self.groups,
+                self.prompts_per_group,
+                self.system_tokens,
+                self.question_tokens,
+                self.output_tokens,
+                self.seed
+            ),
+            sessions,
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Mooncake trace replay
+
+/// Parameters of a trace replay.
+#[derive(Debug, Clone)]
+pub struct TraceSpec {
+    /// The trace (already cut to the requests to replay).
+    pub trace: super::trace::Trace,
+    /// Id → token expansion.
+    pub expansion: super::trace::Expansion,
+    /// Output tokens = `output_length × output_scale` (at least 1).
+    pub output_scale: f64,
+    /// Open loop at trace times (`Timed`) or closed loop.
+    pub arrivals: Arrivals,
+    /// `model` field.
+    pub model: String,
+}
+
+impl TraceSpec {
+    /// One single-request session per trace line, in trace order; `/v1/completions` with a
+    /// token-id prompt, as vLLM accepts it (so router and engine blocks coincide).
+    pub fn build(&self) -> Workload {
+        let speedup = match self.arrivals {
+            Arrivals::Timed { speedup } => Some(speedup.max(1e-9)),
+            _ => None,
+        };
+        let sessions = self
+            .trace
+            .records
+            .iter()
+            .enumerate()
+            .map(|(i, r)| {
+                let tokens = self.expansion.prompt(r);
+                let out = ((f64::from(r.output_length) * self.output_scale).round() as u32).max(1);
+                Box::new(OneShot {
+                    id: format!("{}-{i}", self.trace.name),
+                    request: Some(PlannedRequest {
+                        api: Api::Completions,
+                        body: completion_body(&self.model, json!(tokens), out),
+                        headers: Vec::new(),
+                        turn: 0,
+                        not_before: speedup
+                            .map(|s| Duration::from_secs_f64(r.timestamp as f64 / 1e3 / s)),
+                    }),
+                }) as Box<dyn Session>
+            })
+            .collect();
+        let last = self.trace.records.last().map_or(0, |r| r.timestamp);
+        Workload {
+            name: format!("trace:{}", self.trace.name),
+            description: format!(
+                "{} first requests of {} ({:.0} s recorded), output x{}, {}",
+                self.trace.records.len(),
+                self.trace.name,
+                last as f64 / 1e3,
+                self.output_scale,
+                self.arrivals.describe()
+            ),
+            sessions,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -554,5 +842,96 @@ mod tests {
             ..spec.clone()
         };
         assert_ne!(other.system_prompt(), sys);
+    }
+
+    #[test]
+    fn shared_prefix_groups_share_exactly_their_system_prompt() {
+        let spec = SharedPrefixSpec {
+            groups: 3,
+            prompts_per_group: 4,
+            ..Default::default()
+        };
+        let reqs: Vec<PlannedRequest> = drive(&mut spec.build()).into_iter().flatten().collect();
+        assert_eq!(reqs.len(), 12);
+        let prompt = |r: &PlannedRequest| r.body["prompt"].as_str().unwrap().to_string();
+        for r in &reqs {
+            assert_eq!(prompt(r).len(), (100 + 50) * 4);
+            assert_eq!(r.body["max_tokens"], 50);
+        }
+        let mut systems: Vec<String> = reqs.iter().map(|r| prompt(r)[..400].to_string()).collect();
+        systems.sort();
+        systems.dedup();
+        assert_eq!(systems.len(), 3);
+        let again: Vec<Value> = drive(&mut spec.build())
+            .into_iter()
+            .flatten()
+            .map(|r| r.body)
+            .collect();
+        assert_eq!(
+            again,
+            reqs.iter().map(|r| r.body.clone()).collect::<Vec<_>>()
+        );
+    }
+
+    #[test]
+    fn poisson_arrivals_are_seeded_and_have_the_rate() {
+        let spec = SharedPrefixSpec {
+            groups: 20,
+            prompts_per_group: 50,
+            ..Default::default()
+        };
+        let starts = |seed| -> Vec<Duration> {
+            drive(
+                &mut spec
+                    .build()
+                    .with_arrivals(Arrivals::Poisson { rate: 10.0 }, seed),
+            )
+            .into_iter()
+            .map(|s| s[0].not_before.unwrap())
+            .collect()
+        };
+        let a = starts(3);
+        assert_eq!(a, starts(3));
+        assert_ne!(a, starts(4));
+        assert_eq!(a[0], Duration::ZERO);
+        // 999 gaps at 10/s: about 99.9 s (σ ≈ 3.2 s).
+        let last = a.last().unwrap().as_secs_f64();
+        assert!((85.0..115.0).contains(&last), "{last}");
+    }
+
+    #[test]
+    fn trace_requests_carry_the_expanded_tokens_and_scaled_times() {
+        use super::super::trace::{Expansion, Trace, TraceRecord};
+        let trace = Trace {
+            name: "t".into(),
+            records: vec![
+                TraceRecord {
+                    timestamp: 0,
+                    input_length: 600,
+                    output_length: 10,
+                    hash_ids: vec![0, 1],
+                },
+                TraceRecord {
+                    timestamp: 3000,
+                    input_length: 100,
+                    output_length: 0,
+                    hash_ids: vec![0],
+                },
+            ],
+        };
+        let spec = TraceSpec {
+            trace,
+            expansion: Expansion::default(),
+            output_scale: 0.5,
+            arrivals: Arrivals::Timed { speedup: 2.0 },
+            model: "m".into(),
+        };
+        let reqs: Vec<PlannedRequest> = drive(&mut spec.build()).into_iter().flatten().collect();
+        assert_eq!(reqs[0].body["prompt"].as_array().unwrap().len(), 600);
+        assert_eq!(reqs[0].body["prompt"][0], 8535);
+        assert_eq!(reqs[0].body["max_tokens"], 5);
+        assert_eq!(reqs[1].body["max_tokens"], 1);
+        assert_eq!(reqs[1].not_before, Some(Duration::from_millis(1500)));
+        assert_eq!(reqs[0].api, Api::Completions);
     }
 }

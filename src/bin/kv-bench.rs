@@ -12,7 +12,8 @@ use kv_router::bench::{
     deploy::Binaries,
     report::{self, JsonReport, Style},
     runner::{self, RunOptions, RunResult},
-    workload::{MultiturnSpec, WorkloadKind},
+    trace::{self, Expansion, Trace},
+    workload::{Arrivals, MultiturnSpec, SharedPrefixSpec, TraceSpec, WorkloadKind},
 };
 
 #[derive(Parser)]
@@ -113,6 +114,96 @@ struct RunArgs {
     timeout_s: u64,
     #[command(flatten)]
     args: WorkloadArgs,
+    #[command(flatten)]
+    shared_prefix: SharedPrefixArgs,
+    #[command(flatten)]
+    trace: TraceArgs,
+    #[command(flatten)]
+    arrivals: ArrivalArgs,
+}
+
+/// Shared-prefix workload parameters (workloads.md §3.1).
+#[derive(Args, Clone)]
+struct SharedPrefixArgs {
+    /// Shared-prefix: groups (distinct system prompts).
+    #[arg(long, default_value_t = 10)]
+    groups: usize,
+    /// Shared-prefix: prompts per group.
+    #[arg(long, default_value_t = 10)]
+    prompts_per_group: usize,
+    /// Shared-prefix: system prompt tokens.
+    #[arg(long, default_value_t = 100)]
+    system_tokens: usize,
+    /// Shared-prefix: question tokens.
+    #[arg(long, default_value_t = 50)]
+    question_tokens: usize,
+    /// Shared-prefix: output tokens.
+    #[arg(long, default_value_t = 50)]
+    output_tokens: u32,
+}
+
+impl SharedPrefixArgs {
+    fn spec(&self, w: &WorkloadArgs) -> SharedPrefixSpec {
+        SharedPrefixSpec {
+            groups: self.groups,
+            prompts_per_group: self.prompts_per_group,
+            system_tokens: self.system_tokens,
+            question_tokens: self.question_tokens,
+            output_tokens: self.output_tokens,
+            model: w.model.clone(),
+            seed: w.seed,
+        }
+    }
+}
+
+/// Trace replay parameters.
+#[derive(Args, Clone)]
+struct TraceArgs {
+    /// Trace: `conversation`, `synthetic` or a JSONL path.
+    #[arg(long, default_value = "conversation")]
+    trace: String,
+    /// Trace: replay only the first N requests.
+    #[arg(long)]
+    trace_requests: Option<usize>,
+    /// Trace: arrival-time compression (open loop at trace times / this); 0 = closed loop.
+    #[arg(long, default_value_t = 1.0)]
+    speedup: f64,
+    /// Trace: output tokens = output_length x this.
+    #[arg(long, default_value_t = 1.0)]
+    output_scale: f64,
+}
+
+impl TraceArgs {
+    fn spec(&self, w: &WorkloadArgs) -> Result<TraceSpec> {
+        let trace = Trace::load(&trace::find_trace(&self.trace)?)?;
+        let trace = match self.trace_requests {
+            Some(n) => trace.head(n),
+            None => trace,
+        };
+        Ok(TraceSpec {
+            trace,
+            expansion: Expansion::default(),
+            output_scale: self.output_scale,
+            arrivals: if self.speedup > 0.0 {
+                Arrivals::Timed {
+                    speedup: self.speedup,
+                }
+            } else {
+                Arrivals::Closed {
+                    concurrency: w.concurrency.unwrap_or(1),
+                }
+            },
+            model: w.model.clone(),
+        })
+    }
+}
+
+/// Open-loop arrivals.
+#[derive(Args, Clone)]
+struct ArrivalArgs {
+    /// Start sessions at Poisson times of this rate (per second) instead of all at once.
+    #[arg(long)]
+    poisson_rate: Option<f64>,
 }
 
 fn output(runs: &[RunResult], pods: Option<usize>, w: &WorkloadArgs) -> Result<()> {
@@ -154,6 +245,12 @@ async fn real_main(cli: Cli) -> Result<()> {
         Cmd::Run(a) => {
             let workload = match a.workload {
                 WorkloadKind::Multiturn => a.args.spec().build(),
+                WorkloadKind::SharedPrefix => a.shared_prefix.spec(&a.args).build(),
+                WorkloadKind::Trace => a.trace.spec(&a.args)?.build(),
+            };
+            let workload = match a.arrivals.poisson_rate {
+                Some(rate) => workload.with_arrivals(Arrivals::Poisson { rate }, a.args.seed),
+                None => workload,
             };
             let r = runner::run(
                 workload,
