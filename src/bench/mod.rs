@@ -2,6 +2,7 @@
 //! and reports. Used by the `kv-bench` binary and by the end-to-end tests.
 
 pub mod deploy;
+pub mod oracle;
 pub mod report;
 pub mod runner;
 pub mod trace;

@@ -17,8 +17,8 @@ use serde::Serialize;
 use serde_json::Value;
 use xxhash_rust::xxh3::{xxh3_64_with_seed, Xxh3};
 
-use crate::blocks::{namespace_seed, pseudo_tokens};
-use crate::request::{self, Api, Prompt};
+use crate::blocks::namespace_seed;
+use crate::request::{self, Api};
 
 use super::actor::{EngineHandle, RequestEvent, RequestStream};
 use super::engine::{Submission, Usage, VllmInfo};
@@ -326,11 +326,7 @@ fn parse_job(state: &AppState, api: Api, body: &[u8]) -> Result<Job, ApiError> {
             }
         }
     }
-    let tokens = match req.prompt {
-        Prompt::Text(text) => pseudo_tokens(text.as_bytes()),
-        Prompt::Tokens(ids) => ids,
-        Prompt::Empty => Vec::new(),
-    };
+    let tokens = super::prompt_token_ids(req.prompt);
     if tokens.is_empty() {
         return Err(bad_request("The decoder prompt cannot be empty"));
     }

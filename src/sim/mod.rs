@@ -24,6 +24,19 @@ use clap::Parser;
 
 use engine::{Engine, EngineConfig};
 
+use crate::blocks::pseudo_tokens;
+use crate::request::Prompt;
+
+/// The token ids the sim serves for a parsed prompt: text through the pseudo tokenizer (4 bytes
+/// per token), token-id prompts as given. Benchmarks use it to compute oracles the sim's way.
+pub fn prompt_token_ids(prompt: Prompt) -> Vec<u32> {
+    match prompt {
+        Prompt::Text(text) => pseudo_tokens(text.as_bytes()),
+        Prompt::Tokens(ids) => ids,
+        Prompt::Empty => Vec::new(),
+    }
+}
+
 /// Command-line flags of `vllm-sim` (defaults documented in `docs/vllm-sim.md`).
 #[derive(Debug, Clone, Parser)]
 #[command(
