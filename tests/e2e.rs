@@ -326,6 +326,7 @@ async fn session_id_keeps_conversation_on_one_pod() {
             concurrency: None,
             request_timeout: Duration::from_secs(20),
             label: "e2e".into(),
+            progress: false,
         },
     )
     .await

@@ -1,6 +1,8 @@
 //! kv-bench: local deployments (simulated vLLM pods, kv-router, Envoy), workloads, a load runner
 //! and reports. Used by the `kv-bench` binary and by the end-to-end tests.
 
+pub mod charts;
+pub mod compare;
 pub mod deploy;
 pub mod oracle;
 pub mod report;
@@ -136,6 +138,7 @@ pub async fn demo(bins: &Binaries, opts: &DemoOptions) -> Result<Vec<RunResult>>
                 concurrency: opts.concurrency,
                 request_timeout: Duration::from_secs(60),
                 label: label.into(),
+                progress: true,
             },
         )
         .await?;

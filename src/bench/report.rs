@@ -4,6 +4,7 @@ use std::collections::BTreeMap;
 
 use serde::Serialize;
 
+use super::oracle::Oracles;
 use super::runner::RunResult;
 
 /// Summary of one run.
@@ -25,6 +26,8 @@ pub struct Summary {
     pub hit_rate: f64,
     /// Time to first token percentiles, ms.
     pub ttft_p50_ms: f64,
+    /// p90 TTFT, ms.
+    pub ttft_p90_ms: f64,
     /// p95 TTFT, ms.
     pub ttft_p95_ms: f64,
     /// p99 TTFT, ms.
@@ -43,6 +46,8 @@ pub struct Summary {
     pub duration_s: f64,
     /// Completed requests per second.
     pub throughput_rps: f64,
+    /// The oracles of the same request sequence, when computed.
+    pub oracles: Option<Oracles>,
 }
 
 /// Nearest-rank percentile of `v` (sorted in place); NaN when empty.
@@ -93,6 +98,7 @@ impl Summary {
                 f64::NAN
             },
             ttft_p50_ms: percentile(&mut ttft, 50.0),
+            ttft_p90_ms: percentile(&mut ttft, 90.0),
             ttft_p95_ms: percentile(&mut ttft, 95.0),
             ttft_p99_ms: percentile(&mut ttft, 99.0),
             e2e_p50_ms: percentile(&mut e2e, 50.0),
@@ -106,7 +112,39 @@ impl Summary {
             } else {
                 0.0
             },
+            oracles: None,
         }
+    }
+
+    /// Adds the oracles of the run's own prompt sequence for a fleet of `pods` pods with
+    /// `blocks_per_pod` blocks each.
+    pub fn with_oracles(mut self, run: &RunResult, pods: usize, blocks_per_pod: usize) -> Self {
+        self.oracles = Some(Oracles::compute(
+            &run.prompts,
+            super::runner::ORACLE_BLOCK_SIZE,
+            pods * blocks_per_pod,
+        ));
+        self
+    }
+
+    /// Hit rate as a fraction of the infinite oracle's.
+    pub fn vs_infinite(&self) -> f64 {
+        self.oracles
+            .map_or(f64::NAN, |o| self.hit_rate / o.infinite.ratio())
+    }
+
+    /// Hit rate as a fraction of the pooled oracle's.
+    pub fn vs_pooled(&self) -> f64 {
+        self.oracles
+            .map_or(f64::NAN, |o| self.hit_rate / o.pooled.ratio())
+    }
+}
+
+fn pct(v: f64) -> String {
+    if v.is_nan() || v.is_infinite() {
+        "-".into()
+    } else {
+        format!("{:.1} %", v * 100.0)
     }
 }
 
@@ -133,17 +171,23 @@ pub fn table(runs: &[Summary], style: Style) -> String {
     let rows: Vec<(&str, Cell)> = vec![
         ("requests", Box::new(|s| s.requests.to_string())),
         ("errors", Box::new(|s| s.errors.to_string())),
+        ("prefix hit rate", Box::new(|s| pct(s.hit_rate))),
+    ];
+    let oracle_rows: Vec<(&str, Cell)> = vec![
         (
-            "prefix hit rate",
-            Box::new(|s| {
-                if s.hit_rate.is_nan() {
-                    "-".into()
-                } else {
-                    format!("{:.1} %", s.hit_rate * 100.0)
-                }
-            }),
+            "infinite oracle",
+            Box::new(|s| pct(s.oracles.map_or(f64::NAN, |o| o.infinite.ratio()))),
         ),
+        (
+            "pooled oracle",
+            Box::new(|s| pct(s.oracles.map_or(f64::NAN, |o| o.pooled.ratio()))),
+        ),
+        ("hit / infinite", Box::new(|s| pct(s.vs_infinite()))),
+        ("hit / pooled", Box::new(|s| pct(s.vs_pooled()))),
+    ];
+    let rest: Vec<(&str, Cell)> = vec![
         ("TTFT p50", Box::new(|s| ms(s.ttft_p50_ms))),
+        ("TTFT p90", Box::new(|s| ms(s.ttft_p90_ms))),
         ("TTFT p95", Box::new(|s| ms(s.ttft_p95_ms))),
         ("TTFT p99", Box::new(|s| ms(s.ttft_p99_ms))),
         ("E2E p50", Box::new(|s| ms(s.e2e_p50_ms))),
@@ -178,6 +222,11 @@ pub fn table(runs: &[Summary], style: Style) -> String {
         ),
         ("wall time", Box::new(|s| format!("{:.1} s", s.duration_s))),
     ];
+    let mut rows = rows;
+    if runs.iter().any(|s| s.oracles.is_some()) {
+        rows.extend(oracle_rows);
+    }
+    rows.extend(rest);
     let mut grid: Vec<Vec<String>> = Vec::new();
     let mut header = vec!["metric".to_string()];
     header.extend(runs.iter().map(|r| r.label.clone()));
@@ -276,6 +325,7 @@ mod tests {
             description: String::new(),
             target: String::new(),
             duration_s: 2.0,
+            prompts: Vec::new(),
             records: vec![
                 rec("a", 100, 50, 10.0, false),
                 rec("a", 100, 100, 20.0, false),

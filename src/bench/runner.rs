@@ -10,6 +10,7 @@ use futures::StreamExt;
 use serde::Serialize;
 use serde_json::Value;
 
+use super::oracle::OracleRequest;
 use super::workload::{PlannedRequest, Previous, Workload};
 
 /// Header every simulated pod puts on its responses.
@@ -303,6 +304,8 @@ pub struct RunOptions {
     pub request_timeout: Duration,
     /// Label of the run in reports.
     pub label: String,
+    /// Show a progress bar on stderr (drawn only when stderr is a terminal).
+    pub progress: bool,
 }
 
 /// All records of one run.
@@ -318,9 +321,15 @@ pub struct RunResult {
     pub target: String,
     /// Wall time of the run, seconds.
     pub duration_s: f64,
-    /// Per-request measurements, in completion order.
+    /// Per-request measurements, in send order.
     pub records: Vec<RequestRecord>,
+    /// Every prompt as the sim keys it (16-token blocks), in send order, for the oracles.
+    #[serde(skip)]
+    pub prompts: Vec<OracleRequest>,
 }
+
+/// Block size the oracle inputs are keyed with (vllm-sim's and vLLM's GPU default).
+pub const ORACLE_BLOCK_SIZE: usize = 16;
 
 /// Runs `workload` against `opts.target`.
 pub async fn run(workload: Workload, opts: &RunOptions) -> Result<RunResult> {
@@ -329,8 +338,22 @@ pub async fn run(workload: Workload, opts: &RunOptions) -> Result<RunResult> {
     let limit = opts.concurrency.unwrap_or(workload.sessions.len()).max(1);
     let sem = Arc::new(tokio::sync::Semaphore::new(limit));
     let start = Instant::now();
+    let bar = if opts.progress {
+        indicatif::ProgressBar::new(workload.requests as u64)
+    } else {
+        indicatif::ProgressBar::hidden()
+    };
+    bar.set_style(
+        indicatif::ProgressStyle::with_template(
+            "{prefix:>14} [{bar:30}] {pos}/{len} requests {elapsed_precise} {msg}",
+        )
+        .expect("static template")
+        .progress_chars("=> "),
+    );
+    bar.set_prefix(opts.label.clone());
     let mut tasks = tokio::task::JoinSet::new();
     for mut session in workload.sessions {
+        let bar = bar.clone();
         let client = client.clone();
         let base = base.clone();
         let sem = sem.clone();
@@ -358,9 +381,15 @@ pub async fn run(workload: Workload, opts: &RunOptions) -> Result<RunResult> {
                     tokio::time::sleep_until((start + at).into()).await;
                 }
                 let url = format!("{base}{}", api.path());
+                let prompt = OracleRequest::from_body(api.path(), &body, ORACLE_BLOCK_SIZE);
                 let sent = start.elapsed().as_secs_f64() * 1e3;
                 let o = stream_request(&client, &url, &body, &headers, timeout).await;
-                records.push(RequestRecord::from_outcome(session.id(), turn, sent, &o));
+                let record = RequestRecord::from_outcome(session.id(), turn, sent, &o);
+                if record.error.is_some() {
+                    bar.set_message("(errors)");
+                }
+                bar.inc(1);
+                records.push((record, prompt));
                 last = Some(o);
             }
             records
@@ -370,14 +399,18 @@ pub async fn run(workload: Workload, opts: &RunOptions) -> Result<RunResult> {
     while let Some(r) = tasks.join_next().await {
         records.extend(r.context("session task panicked")?);
     }
-    records.sort_by(|a, b| a.start_ms.total_cmp(&b.start_ms));
+    let duration_s = start.elapsed().as_secs_f64();
+    bar.finish_and_clear();
+    records.sort_by(|a, b| a.0.start_ms.total_cmp(&b.0.start_ms));
+    let (records, prompts): (Vec<_>, Vec<_>) = records.into_iter().unzip();
     Ok(RunResult {
         label: opts.label.clone(),
         workload: workload.name,
         description: workload.description,
         target: base,
-        duration_s: start.elapsed().as_secs_f64(),
+        duration_s,
         records,
+        prompts: prompts.into_iter().flatten().collect(),
     })
 }
 

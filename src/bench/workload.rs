@@ -70,6 +70,8 @@ pub struct Workload {
     pub description: String,
     /// The sessions (each driven sequentially, all concurrently up to the runner's cap).
     pub sessions: Vec<Box<dyn Session>>,
+    /// Requests the sessions will send (for progress display).
+    pub requests: usize,
 }
 
 impl std::fmt::Debug for Workload {
@@ -439,6 +441,7 @@ impl MultiturnSpec {
                 self.seed
             ),
             sessions,
+            requests: self.sessions * self.turns,
         }
     }
 }
@@ -667,7 +670,7 @@ impl SharedPrefixSpec {
         for i in (1..order.len()).rev() {
             order.swap(i, rng.range(0, i));
         }
-        let sessions = order
+        let sessions: Vec<Box<dyn Session>> = order
             .into_iter()
             .map(|(g, p)| {
                 let mut q = SplitMix64::derive(
@@ -707,6 +710,7 @@ impl SharedPrefixSpec {
                 self.output_tokens,
                 self.seed
             ),
+            requests: sessions.len(),
             sessions,
         }
     }
@@ -738,7 +742,7 @@ impl TraceSpec {
             Arrivals::Timed { speedup } => Some(speedup.max(1e-9)),
             _ => None,
         };
-        let sessions = self
+        let sessions: Vec<Box<dyn Session>> = self
             .trace
             .records
             .iter()
@@ -770,6 +774,7 @@ impl TraceSpec {
                 self.output_scale,
                 self.arrivals.describe()
             ),
+            requests: sessions.len(),
             sessions,
         }
     }

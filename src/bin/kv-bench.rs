@@ -259,6 +259,7 @@ async fn real_main(cli: Cli) -> Result<()> {
                     concurrency: a.args.concurrency,
                     request_timeout: Duration::from_secs(a.timeout_s),
                     label: a.label.clone(),
+                    progress: true,
                 },
             )
             .await?;

@@ -1,0 +1,290 @@
+//! SVG charts for the reports (plotters' SVG backend: no font files needed, text stays text).
+
+use plotters::prelude::*;
+
+/// Chart errors (plotters' own error type borrows the backend, so it is flattened to text).
+#[derive(Debug, thiserror::Error)]
+#[error("chart {chart}: {message}")]
+pub struct ChartError {
+    chart: &'static str,
+    message: String,
+}
+
+fn err(chart: &'static str) -> impl Fn(&dyn std::fmt::Display) -> ChartError {
+    move |e| ChartError {
+        chart,
+        message: e.to_string(),
+    }
+}
+
+/// Distinct, colour-blind-friendly series colours (Okabe–Ito), cycled.
+const PALETTE: [RGBColor; 8] = [
+    RGBColor(0, 0, 0),
+    RGBColor(230, 159, 0),
+    RGBColor(86, 180, 233),
+    RGBColor(0, 158, 115),
+    RGBColor(213, 94, 0),
+    RGBColor(0, 114, 178),
+    RGBColor(204, 121, 167),
+    RGBColor(120, 120, 120),
+];
+
+fn colour(i: usize) -> RGBColor {
+    PALETTE[i % PALETTE.len()]
+}
+
+const SIZE: (u32, u32) = (760, 420);
+
+/// TTFT CDF, one line per series, log-scaled milliseconds on x.
+pub fn ttft_cdf(title: &str, series: &[(String, Vec<f64>)]) -> Result<String, ChartError> {
+    let e = err("ttft-cdf");
+    let mut svg = String::new();
+    {
+        let all: Vec<f64> = series
+            .iter()
+            .flat_map(|(_, v)| v.iter().copied())
+            .filter(|v| v.is_finite() && *v > 0.0)
+            .collect();
+        // No data: an empty 1 ms..1 s frame (log axes need finite, positive bounds).
+        let lo = all.iter().copied().fold(f64::INFINITY, f64::min);
+        let lo = if lo.is_finite() { lo.max(0.1) } else { 1.0 };
+        let hi = all.iter().copied().fold(0.0, f64::max).max(lo * 10.0);
+        let root = SVGBackend::with_string(&mut svg, SIZE).into_drawing_area();
+        root.fill(&WHITE).map_err(|x| e(&x))?;
+        let mut chart = ChartBuilder::on(&root)
+            .caption(title, ("sans-serif", 20))
+            .margin(12)
+            .x_label_area_size(40)
+            .y_label_area_size(50)
+            .build_cartesian_2d((lo * 0.9..hi * 1.1).log_scale(), 0.0..1.0)
+            .map_err(|x| e(&x))?;
+        chart
+            .configure_mesh()
+            .x_desc("time to first token (ms, log scale)")
+            .y_desc("fraction of requests")
+            .draw()
+            .map_err(|x| e(&x))?;
+        for (i, (label, values)) in series.iter().enumerate() {
+            let mut v: Vec<f64> = values
+                .iter()
+                .copied()
+                .filter(|v| v.is_finite() && *v > 0.0)
+                .collect();
+            v.sort_by(f64::total_cmp);
+            let n = v.len().max(1) as f64;
+            let c = colour(i);
+            chart
+                .draw_series(LineSeries::new(
+                    v.iter().enumerate().map(|(k, x)| (*x, (k + 1) as f64 / n)),
+                    c.stroke_width(2),
+                ))
+                .map_err(|x| e(&x))?
+                .label(label.as_str())
+                .legend(move |(x, y)| {
+                    PathElement::new(vec![(x, y), (x + 18, y)], c.stroke_width(2))
+                });
+        }
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::LowerRight)
+            .background_style(WHITE.mix(0.85))
+            .border_style(BLACK)
+            .draw()
+            .map_err(|x| e(&x))?;
+        root.present().map_err(|x| e(&x))?;
+    }
+    Ok(svg)
+}
+
+/// Hit ratio per strategy as bars, with the infinite and pooled oracles as horizontal lines.
+pub fn hit_vs_oracle(
+    title: &str,
+    bars: &[(String, f64)],
+    infinite: f64,
+    pooled: f64,
+) -> Result<String, ChartError> {
+    let e = err("hit-vs-oracle");
+    let mut svg = String::new();
+    {
+        let top = bars
+            .iter()
+            .map(|b| b.1)
+            .chain([infinite, pooled])
+            .filter(|v| v.is_finite())
+            .fold(0.0, f64::max)
+            .max(0.05)
+            * 100.0
+            * 1.15;
+        let root = SVGBackend::with_string(&mut svg, SIZE).into_drawing_area();
+        root.fill(&WHITE).map_err(|x| e(&x))?;
+        let labels: Vec<String> = bars.iter().map(|b| b.0.clone()).collect();
+        let mut chart = ChartBuilder::on(&root)
+            .caption(title, ("sans-serif", 20))
+            .margin(12)
+            .x_label_area_size(40)
+            .y_label_area_size(50)
+            .build_cartesian_2d((0..bars.len()).into_segmented(), 0.0..top)
+            .map_err(|x| e(&x))?;
+        chart
+            .configure_mesh()
+            .disable_x_mesh()
+            .x_labels(bars.len())
+            .x_label_formatter(&|v| match v {
+                SegmentValue::CenterOf(i) => labels.get(*i).cloned().unwrap_or_default(),
+                _ => String::new(),
+            })
+            .y_desc("prefix hit ratio (% of prompt tokens)")
+            .draw()
+            .map_err(|x| e(&x))?;
+        chart
+            .draw_series(bars.iter().enumerate().map(|(i, (_, v))| {
+                let mut r = Rectangle::new(
+                    [
+                        (SegmentValue::Exact(i), 0.0),
+                        (SegmentValue::Exact(i + 1), v * 100.0),
+                    ],
+                    colour(i + 1).filled(),
+                );
+                r.set_margin(0, 0, 8, 8);
+                r
+            }))
+            .map_err(|x| e(&x))?;
+        for (name, value, c) in [
+            ("infinite oracle", infinite, RGBColor(0, 0, 0)),
+            ("pooled oracle", pooled, RGBColor(200, 0, 0)),
+        ] {
+            if !value.is_finite() {
+                continue;
+            }
+            chart
+                .draw_series(LineSeries::new(
+                    [
+                        (SegmentValue::Exact(0), value * 100.0),
+                        (SegmentValue::Exact(bars.len()), value * 100.0),
+                    ],
+                    c.stroke_width(2),
+                ))
+                .map_err(|x| e(&x))?
+                .label(format!("{name} {:.1} %", value * 100.0))
+                .legend(move |(x, y)| {
+                    PathElement::new(vec![(x, y), (x + 18, y)], c.stroke_width(2))
+                });
+        }
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::UpperRight)
+            .background_style(WHITE.mix(0.85))
+            .border_style(BLACK)
+            .draw()
+            .map_err(|x| e(&x))?;
+        root.present().map_err(|x| e(&x))?;
+    }
+    Ok(svg)
+}
+
+/// Requests per pod, one group of bars per strategy (pods in fleet order within a group).
+pub fn per_pod_load(title: &str, series: &[(String, Vec<usize>)]) -> Result<String, ChartError> {
+    let e = err("per-pod-load");
+    let mut svg = String::new();
+    {
+        let pods = series.iter().map(|s| s.1.len()).max().unwrap_or(1).max(1);
+        let top = series
+            .iter()
+            .flat_map(|s| s.1.iter().copied())
+            .max()
+            .unwrap_or(1)
+            .max(1) as f64
+            * 1.1;
+        let root = SVGBackend::with_string(&mut svg, SIZE).into_drawing_area();
+        root.fill(&WHITE).map_err(|x| e(&x))?;
+        let labels: Vec<String> = series.iter().map(|s| s.0.clone()).collect();
+        let mut chart = ChartBuilder::on(&root)
+            .caption(title, ("sans-serif", 20))
+            .margin(12)
+            .x_label_area_size(40)
+            .y_label_area_size(50)
+            .build_cartesian_2d((0..series.len()).into_segmented(), 0.0..top)
+            .map_err(|x| e(&x))?;
+        chart
+            .configure_mesh()
+            .disable_x_mesh()
+            .x_labels(series.len())
+            .x_label_formatter(&|v| match v {
+                SegmentValue::CenterOf(i) => labels.get(*i).cloned().unwrap_or_default(),
+                _ => String::new(),
+            })
+            .y_desc("requests served, per pod")
+            .draw()
+            .map_err(|x| e(&x))?;
+        // Each strategy's segment [g, g+1) split into `pods` thin bars.
+        let w = 0.8 / pods as f64;
+        let area = chart.plotting_area();
+        let (px0, _) = area.map_coordinate(&(SegmentValue::Exact(0), 0.0));
+        let (px1, _) = area.map_coordinate(&(SegmentValue::Exact(1), 0.0));
+        let seg_px = (px1 - px0) as f64;
+        for (g, (_, counts)) in series.iter().enumerate() {
+            for (p, &n) in counts.iter().enumerate() {
+                let x0 = seg_px * (0.1 + w * p as f64);
+                let x1 = seg_px * (0.1 + w * (p as f64 + 0.9));
+                let (bx, by) = area.map_coordinate(&(SegmentValue::Exact(g), n as f64));
+                let (_, base) = area.map_coordinate(&(SegmentValue::Exact(g), 0.0));
+                root.draw(&Rectangle::new(
+                    [(bx + x0 as i32, by), (bx + x1 as i32, base)],
+                    colour(g + 1).filled(),
+                ))
+                .map_err(|x| e(&x))?;
+            }
+        }
+        root.present().map_err(|x| e(&x))?;
+    }
+    Ok(svg)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn well_formed(svg: &str) {
+        assert!(svg.starts_with("<svg"), "{}", &svg[..svg.len().min(80)]);
+        assert!(svg.trim_end().ends_with("</svg>"));
+    }
+
+    #[test]
+    fn charts_render_with_their_labels() {
+        let cdf = ttft_cdf(
+            "TTFT",
+            &[
+                ("round-robin".into(), vec![10.0, 20.0, 400.0]),
+                ("weighted".into(), vec![5.0, 6.0, 7.0]),
+            ],
+        )
+        .unwrap();
+        well_formed(&cdf);
+        assert!(cdf.contains("round-robin") && cdf.contains("weighted"));
+        let bars = hit_vs_oracle(
+            "hits",
+            &[("round-robin".into(), 0.2), ("weighted".into(), 0.5)],
+            0.7,
+            0.6,
+        )
+        .unwrap();
+        well_formed(&bars);
+        assert!(
+            bars.contains("pooled oracle 60.0 %"),
+            "legend names the oracle"
+        );
+        let load = per_pod_load(
+            "load",
+            &[("a".into(), vec![3, 1, 0]), ("b".into(), vec![2, 2, 2])],
+        )
+        .unwrap();
+        well_formed(&load);
+        assert!(load.matches("<rect").count() >= 6);
+    }
+
+    #[test]
+    fn empty_series_still_render() {
+        well_formed(&ttft_cdf("none", &[("x".into(), vec![])]).unwrap());
+        well_formed(&per_pod_load("none", &[]).unwrap());
+    }
+}
