@@ -6,6 +6,7 @@ pub mod compare;
 pub mod deploy;
 pub mod oracle;
 pub mod report;
+pub mod results;
 pub mod runner;
 pub mod trace;
 pub mod workload;

@@ -33,6 +33,8 @@ pub struct TraceRecord {
 pub struct Trace {
     /// File stem (`mooncake_conversation_trace`, …).
     pub name: String,
+    /// Index of the first record in the file (windows of a trace).
+    pub offset: usize,
     /// Requests in file (= arrival) order.
     pub records: Vec<TraceRecord>,
 }
@@ -85,14 +87,33 @@ impl Trace {
             .file_stem()
             .map(|s| s.to_string_lossy().into_owned())
             .unwrap_or_else(|| "trace".into());
-        Ok(Self { name, records })
+        Ok(Self {
+            name,
+            offset: 0,
+            records,
+        })
     }
 
     /// The first `n` requests (all if `n` is larger).
     pub fn head(&self, n: usize) -> Self {
+        self.window(0, n)
+    }
+
+    /// Requests `skip..skip + n` (clamped), timestamps re-based so the first is at 0.
+    pub fn window(&self, skip: usize, n: usize) -> Self {
+        let from = skip.min(self.records.len());
+        let to = from.saturating_add(n).min(self.records.len());
+        let t0 = self.records.get(from).map_or(0, |r| r.timestamp);
         Self {
             name: self.name.clone(),
-            records: self.records[..n.min(self.records.len())].to_vec(),
+            offset: self.offset + from,
+            records: self.records[from..to]
+                .iter()
+                .map(|r| TraceRecord {
+                    timestamp: r.timestamp - t0,
+                    ..r.clone()
+                })
+                .collect(),
         }
     }
 
@@ -274,6 +295,28 @@ mod tests {
             assert_eq!(s.requests, requests, "{name}");
             assert!((s.ideal_hit_tokens - ideal).abs() < 5e-4, "{name}: {s:?}");
         }
+    }
+
+    #[test]
+    fn windows_rebase_time() {
+        let rec = |t| TraceRecord {
+            timestamp: t,
+            input_length: 1,
+            output_length: 1,
+            hash_ids: vec![t],
+        };
+        let t = Trace {
+            name: "t".into(),
+            offset: 0,
+            records: vec![rec(0), rec(5), rec(9)],
+        };
+        let w = t.window(1, 5);
+        assert_eq!(w.records.len(), 2);
+        assert_eq!((w.records[0].timestamp, w.records[1].timestamp), (0, 4));
+        assert_eq!(w.records[1].hash_ids, [9]);
+        assert_eq!(w.offset, 1);
+        assert!(t.window(7, 2).records.is_empty());
+        assert_eq!(t.head(2).records.len(), 2);
     }
 
     #[test]

@@ -767,8 +767,9 @@ impl TraceSpec {
         Workload {
             name: format!("trace:{}", self.trace.name),
             description: format!(
-                "{} first requests of {} ({:.0} s recorded), output x{}, {}",
-                self.trace.records.len(),
+                "requests {}..{} of {} ({:.0} s recorded), output x{}, {}",
+                self.trace.offset,
+                self.trace.offset + self.trace.records.len(),
                 self.trace.name,
                 last as f64 / 1e3,
                 self.output_scale,
@@ -909,6 +910,7 @@ mod tests {
         use super::super::trace::{Expansion, Trace, TraceRecord};
         let trace = Trace {
             name: "t".into(),
+            offset: 0,
             records: vec![
                 TraceRecord {
                     timestamp: 0,

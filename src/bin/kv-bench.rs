@@ -9,11 +9,13 @@ use clap::{Args, Parser, Subcommand};
 
 use kv_router::bench::{
     self,
+    compare::{self, CompareOptions, Strategy},
     deploy::Binaries,
     report::{self, JsonReport, Style},
+    results,
     runner::{self, RunOptions, RunResult},
     trace::{self, Expansion, Trace},
-    workload::{Arrivals, MultiturnSpec, SharedPrefixSpec, TraceSpec, WorkloadKind},
+    workload::{Arrivals, MultiturnSpec, SharedPrefixSpec, TraceSpec, Workload, WorkloadKind},
 };
 
 #[derive(Parser)]
@@ -30,6 +32,61 @@ enum Cmd {
     Demo(DemoArgs),
     /// Run a workload against an existing OpenAI-compatible endpoint.
     Run(RunArgs),
+    /// Start a fleet of simulated pods and run the same workload once per routing strategy
+    /// (Envoy round robin, kv-router random / least-loaded / prefix-only / weighted / precise);
+    /// report hit ratio against the oracles, TTFT, load balance.
+    Compare(CompareArgs),
+    /// Run every benchmark of `make bench` and write results.md, results.json and images/.
+    Report(ReportArgs),
+}
+
+#[derive(Args)]
+struct CompareArgs {
+    /// Envoy binary (default: $KV_ROUTER_ENVOY, .venv/bin/envoy, PATH).
+    #[arg(long)]
+    envoy: Option<PathBuf>,
+    /// Simulated pods.
+    #[arg(long, default_value_t = 8)]
+    pods: usize,
+    /// KV-cache blocks (16 tokens) per simulated pod.
+    #[arg(long, default_value_t = 4096)]
+    gpu_blocks: usize,
+    /// Extra vllm-sim argument (repeatable), e.g. --sim-arg=--prefill-us-per-token=20.
+    #[arg(long = "sim-arg", allow_hyphen_values = true)]
+    sim_args: Vec<String>,
+    /// Strategies to run, comma-separated, in order.
+    #[arg(long, value_enum, value_delimiter = ',', default_values_t = Strategy::ALL)]
+    strategies: Vec<Strategy>,
+    /// Workload.
+    #[arg(long, value_enum, default_value_t = WorkloadKind::Multiturn)]
+    workload: WorkloadKind,
+    /// Per-request timeout in seconds.
+    #[arg(long, default_value_t = 120)]
+    timeout_s: u64,
+    /// Write the three SVG charts into this directory.
+    #[arg(long)]
+    charts: Option<PathBuf>,
+    #[command(flatten)]
+    args: WorkloadArgs,
+    #[command(flatten)]
+    shared_prefix: SharedPrefixArgs,
+    #[command(flatten)]
+    trace: TraceArgs,
+    #[command(flatten)]
+    arrivals: ArrivalArgs,
+}
+
+#[derive(Args)]
+struct ReportArgs {
+    /// Envoy binary (default: $KV_ROUTER_ENVOY, .venv/bin/envoy, PATH).
+    #[arg(long)]
+    envoy: Option<PathBuf>,
+    /// Directory receiving results.md, results.json and images/.
+    #[arg(long, default_value = "docs")]
+    out: PathBuf,
+    /// Small fleets and workloads (a minute or two): checks the pipeline, not the numbers.
+    #[arg(long)]
+    quick: bool,
 }
 
 #[derive(Args, Clone)]
@@ -162,9 +219,12 @@ struct TraceArgs {
     /// Trace: `conversation`, `synthetic` or a JSONL path.
     #[arg(long, default_value = "conversation")]
     trace: String,
-    /// Trace: replay only the first N requests.
+    /// Trace: replay only N requests (after --trace-skip).
     #[arg(long)]
     trace_requests: Option<usize>,
+    /// Trace: skip this many requests first (timestamps re-based to the first replayed).
+    #[arg(long, default_value_t = 0)]
+    trace_skip: usize,
     /// Trace: arrival-time compression (open loop at trace times / this); 0 = closed loop.
     #[arg(long, default_value_t = 1.0)]
     speedup: f64,
@@ -176,10 +236,7 @@ struct TraceArgs {
 impl TraceArgs {
     fn spec(&self, w: &WorkloadArgs) -> Result<TraceSpec> {
         let trace = Trace::load(&trace::find_trace(&self.trace)?)?;
-        let trace = match self.trace_requests {
-            Some(n) => trace.head(n),
-            None => trace,
-        };
+        let trace = trace.window(self.trace_skip, self.trace_requests.unwrap_or(usize::MAX));
         Ok(TraceSpec {
             trace,
             expansion: Expansion::default(),
@@ -204,6 +261,45 @@ struct ArrivalArgs {
     /// Start sessions at Poisson times of this rate (per second) instead of all at once.
     #[arg(long)]
     poisson_rate: Option<f64>,
+}
+
+/// Builds the chosen workload; trace files are read once, the closure rebuilds the sessions.
+fn workload_factory(
+    kind: WorkloadKind,
+    args: &WorkloadArgs,
+    shared_prefix: &SharedPrefixArgs,
+    trace: &TraceArgs,
+    arrivals: &ArrivalArgs,
+) -> Result<(Box<dyn Fn() -> Workload>, Option<usize>)> {
+    let seed = args.seed;
+    let poisson = arrivals.poisson_rate;
+    let with_arrivals = move |w: Workload| match poisson {
+        Some(rate) => w.with_arrivals(Arrivals::Poisson { rate }, seed),
+        None => w,
+    };
+    // Open-loop arrivals need every session ready; closed loop caps sessions in flight.
+    let open = poisson.is_some();
+    Ok(match kind {
+        WorkloadKind::Multiturn => {
+            let spec = args.spec();
+            (
+                Box::new(move || with_arrivals(spec.build())),
+                if open { None } else { args.concurrency },
+            )
+        }
+        WorkloadKind::SharedPrefix => {
+            let spec = shared_prefix.spec(args);
+            (
+                Box::new(move || with_arrivals(spec.build())),
+                if open { None } else { args.concurrency },
+            )
+        }
+        WorkloadKind::Trace => {
+            let spec = trace.spec(args)?;
+            let cap = spec.arrivals.concurrency();
+            (Box::new(move || spec.build()), cap)
+        }
+    })
 }
 
 fn output(runs: &[RunResult], pods: Option<usize>, w: &WorkloadArgs) -> Result<()> {
@@ -243,20 +339,13 @@ async fn real_main(cli: Cli) -> Result<()> {
             output(&runs, Some(a.pods), &a.workload)
         }
         Cmd::Run(a) => {
-            let workload = match a.workload {
-                WorkloadKind::Multiturn => a.args.spec().build(),
-                WorkloadKind::SharedPrefix => a.shared_prefix.spec(&a.args).build(),
-                WorkloadKind::Trace => a.trace.spec(&a.args)?.build(),
-            };
-            let workload = match a.arrivals.poisson_rate {
-                Some(rate) => workload.with_arrivals(Arrivals::Poisson { rate }, a.args.seed),
-                None => workload,
-            };
+            let (workload, concurrency) =
+                workload_factory(a.workload, &a.args, &a.shared_prefix, &a.trace, &a.arrivals)?;
             let r = runner::run(
-                workload,
+                workload(),
                 &RunOptions {
                     target: a.target.clone(),
-                    concurrency: a.args.concurrency,
+                    concurrency,
                     request_timeout: Duration::from_secs(a.timeout_s),
                     label: a.label.clone(),
                     progress: true,
@@ -265,7 +354,130 @@ async fn real_main(cli: Cli) -> Result<()> {
             .await?;
             output(&[r], a.pods, &a.args)
         }
+        Cmd::Compare(a) => {
+            let command = std::env::args().collect::<Vec<_>>().join(" ");
+            let section = compare_section(&a, "Comparison", "compare", &command).await?;
+            println!("{}", section.body);
+            if let Some(dir) = &a.charts {
+                std::fs::create_dir_all(dir)?;
+                for c in &section.charts {
+                    std::fs::write(dir.join(&c.file), &c.svg)?;
+                }
+                eprintln!("kv-bench: charts in {}", dir.display());
+            }
+            if let Some(path) = &a.args.json {
+                std::fs::write(path, serde_json::to_vec_pretty(&section.json)?)
+                    .with_context(|| format!("writing {}", path.display()))?;
+            }
+            Ok(())
+        }
+        Cmd::Report(a) => report_all(&a).await,
     }
+}
+
+async fn compare_section(
+    a: &CompareArgs,
+    title: &str,
+    slug: &str,
+    command: &str,
+) -> Result<results::Section> {
+    let started = std::time::Instant::now();
+    let bins = Binaries::beside_current_exe()?;
+    let (workload, concurrency) =
+        workload_factory(a.workload, &a.args, &a.shared_prefix, &a.trace, &a.arrivals)?;
+    let opts = CompareOptions {
+        envoy: a.envoy.clone(),
+        pods: a.pods,
+        gpu_blocks: a.gpu_blocks,
+        sim_args: a.sim_args.clone(),
+        strategies: a.strategies.clone(),
+        request_timeout: Duration::from_secs(a.timeout_s),
+        model: a.args.model.clone(),
+        progress: true,
+    };
+    let cmp = compare::compare(&bins, &opts, workload, concurrency).await?;
+    results::comparison_section(title, slug, command, &cmp, started.elapsed().as_secs_f64())
+}
+
+/// One benchmark of the report: heading, chart file prefix, the command (without `kv-bench`).
+struct Planned {
+    title: &'static str,
+    slug: &'static str,
+    args: String,
+}
+
+/// Sim timings of the trace replays: 5x faster prefill and decode than vllm-sim's defaults, to
+/// match the trace's arrival rate compressed by `--speedup` (a fleet of faster GPUs).
+const TRACE_SIM: &str = "--sim-arg=--prefill-us-per-token=20 --sim-arg=--decode-ms-per-token=2";
+
+fn plan(quick: bool) -> Vec<Planned> {
+    let p = |title, slug, args: String| Planned { title, slug, args };
+    if quick {
+        // Two pods, instant sims, a handful of requests: the pipeline end to end in about a minute.
+        let fast = "--pods 2 --gpu-blocks 512 --sim-arg=--prefill-us-per-token=1 \
+                    --sim-arg=--decode-ms-per-token=0 --sim-arg=--ttft-base-ms=1";
+        return vec![
+            p("Mooncake conversation trace", "trace-conversation",
+              format!("compare --workload trace --trace conversation --trace-requests 12 --speedup 0 --concurrency 4 --output-scale 0.02 {fast}")),
+            p("Multi-turn chat", "multiturn",
+              format!("compare --workload multiturn --sessions 3 --turns 2 --max-tokens 8 {fast}")),
+            p("Shared prefix", "shared-prefix",
+              format!("compare --workload shared-prefix --groups 2 --prompts-per-group 3 --poisson-rate 50 {fast}")),
+        ];
+    }
+    vec![
+        p("Mooncake conversation trace", "trace-conversation",
+          format!("compare --workload trace --trace conversation --trace-requests 600 --speedup 8 --output-scale 0.25 --pods 8 --gpu-blocks 32768 {TRACE_SIM}")),
+        p("Mooncake synthetic trace", "trace-synthetic",
+          format!("compare --workload trace --trace synthetic --trace-skip 2000 --trace-requests 600 --speedup 6 --output-scale 0.25 --pods 8 --gpu-blocks 32768 {TRACE_SIM}")),
+        p("Multi-turn chat", "multiturn",
+          "compare --workload multiturn --sessions 32 --turns 6 --pods 8 --gpu-blocks 4096".into()),
+        p("Shared prefix", "shared-prefix",
+          "compare --workload shared-prefix --groups 40 --prompts-per-group 5 --system-tokens 6000 --question-tokens 1200 --output-tokens 100 --poisson-rate 8 --pods 8 --gpu-blocks 5120".into()),
+    ]
+}
+
+async fn report_all(a: &ReportArgs) -> Result<()> {
+    let machine = results::machine();
+    let mut sections = Vec::new();
+    for item in plan(a.quick) {
+        let command = format!(
+            "kv-bench {}",
+            item.args.split_whitespace().collect::<Vec<_>>().join(" ")
+        );
+        let mut argv: Vec<String> = command.split_whitespace().map(str::to_string).collect();
+        if let Some(e) = &a.envoy {
+            argv.extend(["--envoy".to_string(), e.display().to_string()]);
+        }
+        eprintln!("kv-bench report: {}", item.title);
+        let cli = Cli::try_parse_from(&argv)
+            .with_context(|| format!("planned command does not parse: {command}"))?;
+        let section = match cli.cmd {
+            Cmd::Compare(c) => compare_section(&c, item.title, item.slug, &command).await?,
+            _ => anyhow::bail!("the report cannot run {command}"),
+        };
+        sections.push(section);
+    }
+    let intro = if a.quick {
+        "Quick variant (`kv-bench report --quick`): tiny fleets and workloads that check the \
+         pipeline; the numbers mean nothing."
+    } else {
+        "Generated by `make bench` (`kv-bench report --out docs`) from scratch; every table is \
+         headed by the command that reproduces it alone. Simulated pods (`vllm-sim`) behind real \
+         Envoy 1.40 on 127.0.0.1; medians and ratios are from one run on a noisy 2-core machine. \
+         Hit ratio = cached / prompt tokens as the pods report them; the oracles are computed \
+         from the same request sequence (`src/bench/oracle.rs`). Micro-benchmarks (index, \
+         tokenization): [microbench.md](microbench.md)."
+    };
+    let md = results::render("kv-router benchmark results", intro, &machine, &sections);
+    results::write(&a.out, &md, &sections)?;
+    results::check(&a.out, sections.len())?;
+    eprintln!(
+        "kv-bench report: wrote {} ({} sections)",
+        a.out.join("results.md").display(),
+        sections.len()
+    );
+    Ok(())
 }
 
 #[tokio::main]

@@ -1,0 +1,296 @@
+//! The results document (`docs/results.md` + `docs/images/*.svg` + `results.json`): sections,
+//! each headed by the exact command that produced it, and the machine they ran on.
+
+use std::path::Path;
+
+use anyhow::{bail, Context, Result};
+use serde::Serialize;
+
+use super::charts;
+use super::compare::Comparison;
+use super::report::{self, Style};
+
+/// One chart of a section.
+#[derive(Debug, Clone, Serialize)]
+pub struct Chart {
+    /// File name under `images/`.
+    pub file: String,
+    /// Alt text / caption.
+    pub alt: String,
+    /// The SVG document.
+    #[serde(skip)]
+    pub svg: String,
+}
+
+/// One section of the results document.
+#[derive(Debug, Clone, Serialize)]
+pub struct Section {
+    /// Heading.
+    pub title: String,
+    /// The `kv-bench …` command that produced it.
+    pub command: String,
+    /// Markdown body (tables, notes).
+    pub body: String,
+    /// Charts shown under the body.
+    pub charts: Vec<Chart>,
+    /// Machine-readable results.
+    pub json: serde_json::Value,
+    /// Wall time of the command, seconds.
+    pub seconds: f64,
+}
+
+/// The machine a report ran on, one line.
+pub fn machine() -> String {
+    let cpu = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split(':').nth(1))
+                .map(|m| m.trim().to_string())
+        })
+        .unwrap_or_else(|| "unknown CPU".into());
+    let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
+    let mem_gib = std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("MemTotal:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|kb| kb.parse::<f64>().ok())
+        })
+        .map_or(0.0, |kb| kb / 1024.0 / 1024.0);
+    let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease")
+        .map(|s| s.trim().to_string())
+        .unwrap_or_default();
+    format!("{cpu}, {cores} cores, {mem_gib:.0} GiB RAM, Linux {kernel}")
+}
+
+/// The section of a strategy comparison: table, skipped strategies, three charts.
+pub fn comparison_section(
+    title: &str,
+    slug: &str,
+    command: &str,
+    cmp: &Comparison,
+    seconds: f64,
+) -> Result<Section> {
+    let summaries = cmp.summaries();
+    let mut body = format!(
+        "Workload: {} ({}). Fleet: {} vllm-sim pods x {} KV blocks of 16 tokens.\n\n",
+        cmp.workload, cmp.description, cmp.pods, cmp.gpu_blocks
+    );
+    body.push_str(&report::table(&summaries, Style::Markdown));
+    let note = cmp.skipped_note();
+    if !note.is_empty() {
+        body.push('\n');
+        body.push_str(&note);
+    }
+    let ttft: Vec<(String, Vec<f64>)> = cmp
+        .runs
+        .iter()
+        .filter_map(|r| {
+            let run = r.run.as_ref()?;
+            let v = run.records.iter().filter_map(|x| x.ttft_ms).collect();
+            Some((r.strategy.label().to_string(), v))
+        })
+        .collect();
+    let bars: Vec<(String, f64)> = summaries
+        .iter()
+        .map(|s| (s.label.clone(), s.hit_rate))
+        .collect();
+    let oracles = summaries.iter().find_map(|s| s.oracles);
+    let load: Vec<(String, Vec<usize>)> = summaries
+        .iter()
+        .map(|s| {
+            // Fleet order pod-0, pod-1, …; pods that served nothing show as 0.
+            let counts = (0..s.pods)
+                .map(|i| s.per_pod.get(&format!("pod-{i}")).copied().unwrap_or(0))
+                .collect();
+            (s.label.clone(), counts)
+        })
+        .collect();
+    let charts = vec![
+        Chart {
+            file: format!("{slug}-ttft-cdf.svg"),
+            alt: format!("{title}: TTFT CDF per strategy"),
+            svg: charts::ttft_cdf(&format!("{title}: time to first token"), &ttft)?,
+        },
+        Chart {
+            file: format!("{slug}-hit-vs-oracle.svg"),
+            alt: format!("{title}: prefix hit ratio per strategy vs the oracles"),
+            svg: charts::hit_vs_oracle(
+                &format!("{title}: prefix hit ratio vs oracles"),
+                &bars,
+                oracles.map_or(f64::NAN, |o| o.infinite.ratio()),
+                oracles.map_or(f64::NAN, |o| o.pooled.ratio()),
+            )?,
+        },
+        Chart {
+            file: format!("{slug}-per-pod.svg"),
+            alt: format!("{title}: requests per pod per strategy"),
+            svg: charts::per_pod_load(&format!("{title}: requests per pod"), &load)?,
+        },
+    ];
+    Ok(Section {
+        title: title.to_string(),
+        command: command.to_string(),
+        body,
+        charts,
+        json: serde_json::json!({
+            "workload": cmp.workload,
+            "description": cmp.description,
+            "pods": cmp.pods,
+            "gpu_blocks": cmp.gpu_blocks,
+            "summaries": summaries,
+            "skipped": cmp.runs.iter().filter(|r| r.skipped.is_some())
+                .map(|r| serde_json::json!({"strategy": r.strategy, "why": r.skipped}))
+                .collect::<Vec<_>>(),
+        }),
+        seconds,
+    })
+}
+
+/// Renders the whole document.
+pub fn render(title: &str, intro: &str, machine: &str, sections: &[Section]) -> String {
+    let mut md = format!("# {title}\n\n{intro}\n\nMachine: {machine}.\n\n");
+    md.push_str("Contents:\n\n");
+    for s in sections {
+        md.push_str(&format!("- [{}](#{})\n", s.title, anchor(&s.title)));
+    }
+    for s in sections {
+        md.push_str(&format!(
+            "\n## {}\n\n```sh\n{}\n```\n\n_{:.0} s on {machine}._\n\n{}\n",
+            s.title, s.command, s.seconds, s.body
+        ));
+        for c in &s.charts {
+            md.push_str(&format!("\n![{}](images/{})\n", c.alt, c.file));
+        }
+    }
+    md
+}
+
+/// GitHub's heading anchor: lower case, spaces to dashes, punctuation dropped.
+fn anchor(title: &str) -> String {
+    title
+        .to_lowercase()
+        .chars()
+        .filter_map(|c| match c {
+            ' ' => Some('-'),
+            c if c.is_alphanumeric() || c == '-' || c == '_' => Some(c),
+            _ => None,
+        })
+        .collect()
+}
+
+/// Writes `results.md`, `results.json` and `images/*.svg` into `dir` (images replaced).
+pub fn write(dir: &Path, md: &str, sections: &[Section]) -> Result<()> {
+    let images = dir.join("images");
+    std::fs::create_dir_all(&images).with_context(|| format!("creating {}", images.display()))?;
+    for s in sections {
+        for c in &s.charts {
+            let p = images.join(&c.file);
+            std::fs::write(&p, &c.svg).with_context(|| format!("writing {}", p.display()))?;
+        }
+    }
+    std::fs::write(dir.join("results.md"), md).context("writing results.md")?;
+    let json = serde_json::json!({ "sections": sections });
+    std::fs::write(dir.join("results.json"), serde_json::to_vec_pretty(&json)?)
+        .context("writing results.json")?;
+    Ok(())
+}
+
+/// Checks a written report: every section has its command and a table, every linked image
+/// exists and is an SVG document, and `results.json` parses.
+pub fn check(dir: &Path, expected_sections: usize) -> Result<()> {
+    let md = std::fs::read_to_string(dir.join("results.md")).context("reading results.md")?;
+    let sections: Vec<&str> = md.split("\n## ").skip(1).collect();
+    if sections.len() != expected_sections {
+        bail!(
+            "results.md has {} sections, expected {expected_sections}",
+            sections.len()
+        );
+    }
+    for s in &sections {
+        let title = s.lines().next().unwrap_or("");
+        if !s.contains("```sh\nkv-bench ") {
+            bail!("section {title:?} lacks its kv-bench command");
+        }
+        if !s
+            .lines()
+            .any(|l| l.starts_with("| ---") || l.starts_with("|---"))
+        {
+            bail!("section {title:?} has no markdown table");
+        }
+    }
+    let mut images = 0;
+    for line in md.lines() {
+        if let Some(rest) = line.strip_prefix("![") {
+            let file = rest
+                .split("](")
+                .nth(1)
+                .and_then(|r| r.strip_suffix(')'))
+                .ok_or_else(|| anyhow::anyhow!("malformed image link {line:?}"))?;
+            let svg = std::fs::read_to_string(dir.join(file))
+                .with_context(|| format!("image {file} linked but missing"))?;
+            if !svg.starts_with("<svg") || !svg.trim_end().ends_with("</svg>") {
+                bail!("{file} is not an SVG document");
+            }
+            images += 1;
+        }
+    }
+    if images == 0 {
+        bail!("results.md links no chart");
+    }
+    let json: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(dir.join("results.json")).context("reading results.json")?,
+    )
+    .context("results.json does not parse")?;
+    let n = json["sections"].as_array().map_or(0, Vec::len);
+    if n != expected_sections {
+        bail!("results.json has {n} sections, expected {expected_sections}");
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn section(title: &str, with_chart: bool) -> Section {
+        Section {
+            title: title.into(),
+            command: "kv-bench compare --pods 2".into(),
+            body: "| metric | a |\n| ------ | -: |\n| x | 1 |\n".into(),
+            charts: if with_chart {
+                vec![Chart {
+                    file: "x.svg".into(),
+                    alt: "x".into(),
+                    svg: charts::ttft_cdf("x", &[("a".into(), vec![1.0, 2.0])]).unwrap(),
+                }]
+            } else {
+                vec![]
+            },
+            json: serde_json::json!({"a": 1}),
+            seconds: 1.0,
+        }
+    }
+
+    #[test]
+    fn written_reports_pass_the_check_and_broken_ones_fail() {
+        let dir = tempfile::tempdir().unwrap();
+        let secs = vec![section("Multi-turn chat", true), section("Overhead", false)];
+        let md = render("Results", "intro", &machine(), &secs);
+        assert!(md.contains("- [Multi-turn chat](#multi-turn-chat)"));
+        write(dir.path(), &md, &secs).unwrap();
+        check(dir.path(), 2).unwrap();
+        assert!(check(dir.path(), 3).is_err(), "section count is checked");
+        std::fs::remove_file(dir.path().join("images/x.svg")).unwrap();
+        let e = check(dir.path(), 2).unwrap_err().to_string();
+        assert!(e.contains("missing"), "{e}");
+    }
+
+    #[test]
+    fn machine_line_names_cores() {
+        assert!(machine().contains("cores"));
+    }
+}
