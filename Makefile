@@ -12,7 +12,7 @@ ENVOY_VERSION ?= 1.40.0
 ENVOY        := $(abspath $(VENV))/bin/envoy
 TEST_THREADS ?= 4
 
-.PHONY: help envoy build test demo bench fmt lint clean check-redis
+.PHONY: help envoy build test demo bench bench-quick microbench fmt lint clean check-redis
 
 help: ## list the targets
 	@echo "kv-router make targets:"
@@ -41,7 +41,13 @@ test: check-redis $(VENV)/bin/envoy ## run all tests (release; needs redis-serve
 demo: build $(VENV)/bin/envoy ## run the kv-bench demo (kv-router vs round robin, simulated vLLM)
 	./target/release/kv-bench demo --envoy $(ENVOY)
 
-bench: ## criterion benchmarks (index, tokenization); figures go to docs/results.md
+bench: build $(VENV)/bin/envoy ## regenerate docs/results.md, docs/results.json, docs/images/ (~20 min)
+	./target/release/kv-bench report --envoy $(ENVOY) --out docs
+
+bench-quick: build $(VENV)/bin/envoy ## the same pipeline on tiny fleets (~1 min) into target/bench-quick
+	./target/release/kv-bench report --quick --envoy $(ENVOY) --out target/bench-quick
+
+microbench: ## criterion benchmarks (index, tokenization); figures go to docs/microbench.md
 	$(CARGO) bench --bench index --bench tokenize
 
 fmt: ## format the code (cargo fmt --all)

@@ -35,6 +35,11 @@ fn colour(i: usize) -> RGBColor {
 
 const SIZE: (u32, u32) = (760, 420);
 
+/// A segmented axis over `0..=n-1` has exactly `n` slots (one per bar group).
+fn segments(n: usize) -> std::ops::Range<usize> {
+    0..n.saturating_sub(1)
+}
+
 /// TTFT CDF, one line per series, log-scaled milliseconds on x.
 pub fn ttft_cdf(title: &str, series: &[(String, Vec<f64>)]) -> Result<String, ChartError> {
     let e = err("ttft-cdf");
@@ -123,7 +128,7 @@ pub fn hit_vs_oracle(
             .margin(12)
             .x_label_area_size(40)
             .y_label_area_size(50)
-            .build_cartesian_2d((0..bars.len()).into_segmented(), 0.0..top)
+            .build_cartesian_2d(segments(bars.len()).into_segmented(), 0.0..top)
             .map_err(|x| e(&x))?;
         chart
             .configure_mesh()
@@ -143,7 +148,7 @@ pub fn hit_vs_oracle(
                         (SegmentValue::Exact(i), 0.0),
                         (SegmentValue::Exact(i + 1), v * 100.0),
                     ],
-                    colour(i + 1).filled(),
+                    colour(i).filled(),
                 );
                 r.set_margin(0, 0, 8, 8);
                 r
@@ -160,7 +165,7 @@ pub fn hit_vs_oracle(
                 .draw_series(LineSeries::new(
                     [
                         (SegmentValue::Exact(0), value * 100.0),
-                        (SegmentValue::Exact(bars.len()), value * 100.0),
+                        (SegmentValue::Last, value * 100.0),
                     ],
                     c.stroke_width(2),
                 ))
@@ -203,7 +208,7 @@ pub fn per_pod_load(title: &str, series: &[(String, Vec<usize>)]) -> Result<Stri
             .margin(12)
             .x_label_area_size(40)
             .y_label_area_size(50)
-            .build_cartesian_2d((0..series.len()).into_segmented(), 0.0..top)
+            .build_cartesian_2d(segments(series.len()).into_segmented(), 0.0..top)
             .map_err(|x| e(&x))?;
         chart
             .configure_mesh()
@@ -230,7 +235,7 @@ pub fn per_pod_load(title: &str, series: &[(String, Vec<usize>)]) -> Result<Stri
                 let (_, base) = area.map_coordinate(&(SegmentValue::Exact(g), 0.0));
                 root.draw(&Rectangle::new(
                     [(bx + x0 as i32, by), (bx + x1 as i32, base)],
-                    colour(g + 1).filled(),
+                    colour(g).filled(),
                 ))
                 .map_err(|x| e(&x))?;
             }

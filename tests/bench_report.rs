@@ -1,0 +1,78 @@
+//! `kv-bench report --quick` end to end: real Envoy, kv-router and vllm-sim processes, every
+//! strategy, the written results.md / results.json / SVG charts. Checks the report is produced
+//! and well-formed, not any speed.
+
+mod common;
+
+use std::process::Command;
+
+use serde_json::Value;
+
+#[test]
+fn quick_report_is_produced_and_well_formed() {
+    let envoy = common::envoy_bin();
+    let out = tempfile::tempdir().expect("temp dir");
+    let status = Command::new(env!("CARGO_BIN_EXE_kv-bench"))
+        .args(["report", "--quick", "--envoy"])
+        .arg(&envoy)
+        .arg("--out")
+        .arg(out.path())
+        .status()
+        .expect("run kv-bench");
+    assert!(status.success(), "kv-bench report --quick failed: {status}");
+
+    let json: Value =
+        serde_json::from_slice(&std::fs::read(out.path().join("results.json")).unwrap()).unwrap();
+    let sections = json["sections"].as_array().expect("sections");
+    let n = sections.len();
+    kv_router::bench::results::check(out.path(), n).expect("well-formed report");
+    let comparisons: Vec<&Value> = sections
+        .iter()
+        .filter(|s| {
+            s["command"]
+                .as_str()
+                .unwrap()
+                .starts_with("kv-bench compare")
+        })
+        .collect();
+    assert!(
+        comparisons.len() >= 3,
+        "trace, multiturn and shared-prefix comparisons"
+    );
+    for s in comparisons {
+        let title = s["title"].as_str().unwrap();
+        let summaries = s["json"]["summaries"].as_array().unwrap();
+        let labels: Vec<&str> = summaries
+            .iter()
+            .map(|x| x["label"].as_str().unwrap())
+            .collect();
+        assert_eq!(
+            labels,
+            [
+                "round-robin",
+                "random",
+                "least-loaded",
+                "prefix-only",
+                "weighted",
+                "precise"
+            ],
+            "{title}"
+        );
+        for x in summaries {
+            assert_eq!(x["errors"], 0, "{title}: {x}");
+            assert!(x["requests"].as_u64().unwrap() > 0, "{title}");
+            let hit = x["hit_rate"].as_f64().unwrap();
+            let inf = x["oracles"]["infinite"]["hit_tokens"].as_f64().unwrap()
+                / x["oracles"]["infinite"]["prompt_tokens"].as_f64().unwrap();
+            // Concurrent requests may be prefilled in another order than sent: small slack.
+            assert!(
+                hit <= inf + 0.02,
+                "{title}: hit {hit} above the infinite oracle {inf}"
+            );
+        }
+        let skipped = s["json"]["skipped"].as_array().unwrap();
+        assert_eq!(skipped.len(), 1, "{title}: only redis is skipped");
+    }
+    let md = std::fs::read_to_string(out.path().join("results.md")).unwrap();
+    assert!(md.contains("Machine: "), "names the machine");
+}
