@@ -225,8 +225,8 @@ fn spawn_event_pod(bins: &Binaries, i: usize, opts: &CompareOptions) -> Result<E
 /// One strategy's outcome.
 #[derive(Debug, Serialize)]
 pub struct StrategyRun {
-    /// The strategy.
-    pub strategy: Strategy,
+    /// Label in reports (the strategy's, or the user's for external endpoints).
+    pub label: String,
     /// Its summary (None when it could not run).
     pub summary: Option<Summary>,
     /// Every request record (None when it could not run).
@@ -263,7 +263,7 @@ impl Comparison {
             .filter_map(|r| {
                 r.skipped
                     .as_ref()
-                    .map(|why| format!("- `{}` not run: {why}.\n", r.strategy.label()))
+                    .map(|why| format!("- `{}` not run: {why}.\n", r.label))
             })
             .collect()
     }
@@ -292,7 +292,7 @@ pub async fn compare(
         if let Some(why) = strategy.unavailable() {
             eprintln!("kv-bench: {}: skipped ({why})", strategy.label());
             out.runs.push(StrategyRun {
-                strategy,
+                label: strategy.label().into(),
                 summary: None,
                 run: None,
                 skipped: Some(why.into()),
@@ -350,7 +350,56 @@ pub async fn compare(
         let summary =
             Summary::of(&run, Some(opts.pods)).with_oracles(&run, opts.pods, opts.gpu_blocks);
         out.runs.push(StrategyRun {
-            strategy,
+            label: strategy.label().into(),
+            summary: Some(summary),
+            run: Some(run),
+            skipped: None,
+        });
+    }
+    Ok(out)
+}
+
+/// Runs `workload()` once against each `(label, base URL)` of deployments managed elsewhere
+/// ("pointed at" mode). Pod caches are reset between runs through `reset_pods` (vLLM's
+/// `POST /reset_prefix_cache`) when given; `pods` × `gpu_blocks` sizes the pooled oracle.
+pub async fn compare_endpoints(
+    endpoints: &[(String, String)],
+    reset_pods: &[SocketAddr],
+    pods: usize,
+    gpu_blocks: usize,
+    request_timeout: Duration,
+    workload: impl Fn() -> Workload,
+    concurrency: Option<usize>,
+) -> Result<Comparison> {
+    let sample = workload();
+    let mut out = Comparison {
+        workload: sample.name.clone(),
+        description: sample.description.clone(),
+        pods,
+        gpu_blocks,
+        runs: Vec::new(),
+    };
+    drop(sample);
+    for (label, url) in endpoints {
+        if !reset_pods.is_empty() {
+            deploy::reset_caches(reset_pods)
+                .await
+                .context("resetting pod caches")?;
+        }
+        let run = runner::run(
+            workload(),
+            &RunOptions {
+                target: url.clone(),
+                concurrency,
+                request_timeout,
+                label: label.clone(),
+                progress: true,
+            },
+        )
+        .await?;
+        let summary = Summary::of(&run, Some(pods)).with_oracles(&run, pods, gpu_blocks);
+        out.runs.push(StrategyRun {
+            label: label.clone(),
             summary: Some(summary),
             run: Some(run),
             skipped: None,

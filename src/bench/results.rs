@@ -91,7 +91,7 @@ pub fn comparison_section(
         .filter_map(|r| {
             let run = r.run.as_ref()?;
             let v = run.records.iter().filter_map(|x| x.ttft_ms).collect();
-            Some((r.strategy.label().to_string(), v))
+            Some((r.label.clone(), v))
         })
         .collect();
     let bars: Vec<(String, f64)> = summaries
@@ -143,7 +143,7 @@ pub fn comparison_section(
             "gpu_blocks": cmp.gpu_blocks,
             "summaries": summaries,
             "skipped": cmp.runs.iter().filter(|r| r.skipped.is_some())
-                .map(|r| serde_json::json!({"strategy": r.strategy, "why": r.skipped}))
+                .map(|r| serde_json::json!({"strategy": r.label, "why": r.skipped}))
                 .collect::<Vec<_>>(),
         }),
         seconds,

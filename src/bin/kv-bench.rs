@@ -66,6 +66,12 @@ struct CompareArgs {
     /// Write the three SVG charts into this directory.
     #[arg(long)]
     charts: Option<PathBuf>,
+    /// Compare existing deployments instead of starting a fleet: LABEL=URL (repeatable).
+    #[arg(long = "endpoint", value_parser = parse_endpoint)]
+    endpoints: Vec<(String, String)>,
+    /// With --endpoint: pod address (ip:port) whose prefix cache is reset between runs (repeatable).
+    #[arg(long = "reset-pod")]
+    reset_pods: Vec<std::net::SocketAddr>,
     #[command(flatten)]
     args: WorkloadArgs,
     #[command(flatten)]
@@ -263,6 +269,13 @@ struct ArrivalArgs {
     poisson_rate: Option<f64>,
 }
 
+fn parse_endpoint(s: &str) -> Result<(String, String), String> {
+    match s.split_once('=') {
+        Some((l, u)) if !l.is_empty() && u.starts_with("http") => Ok((l.into(), u.into())),
+        _ => Err(format!("expected LABEL=http://host:port, got {s:?}")),
+    }
+}
+
 /// Builds the chosen workload; trace files are read once, the closure rebuilds the sessions.
 fn workload_factory(
     kind: WorkloadKind,
@@ -395,7 +408,20 @@ async fn compare_section(
         model: a.args.model.clone(),
         progress: true,
     };
-    let cmp = compare::compare(&bins, &opts, workload, concurrency).await?;
+    let cmp = if a.endpoints.is_empty() {
+        compare::compare(&bins, &opts, workload, concurrency).await?
+    } else {
+        compare::compare_endpoints(
+            &a.endpoints,
+            &a.reset_pods,
+            a.pods,
+            a.gpu_blocks,
+            opts.request_timeout,
+            workload,
+            concurrency,
+        )
+        .await?
+    };
     results::comparison_section(title, slug, command, &cmp, started.elapsed().as_secs_f64())
 }
 
