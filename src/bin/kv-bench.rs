@@ -11,7 +11,7 @@ use kv_router::bench::{
     self,
     compare::{self, CompareOptions, Strategy},
     deploy::Binaries,
-    report::{self, JsonReport, Style},
+    report::{self, JsonReport, Style, Summary},
     results,
     runner::{self, RunOptions, RunResult},
     trace::{self, Expansion, Trace},
@@ -315,8 +315,7 @@ fn workload_factory(
     })
 }
 
-fn output(runs: &[RunResult], pods: Option<usize>, w: &WorkloadArgs) -> Result<()> {
-    let summaries = bench::summarize(runs, pods);
+fn output(runs: &[RunResult], summaries: Vec<Summary>, w: &WorkloadArgs) -> Result<()> {
     if let Some(r) = runs.first() {
         println!("workload: {} ({})", r.workload, r.description);
     }
@@ -340,16 +339,22 @@ async fn real_main(cli: Cli) -> Result<()> {
     match cli.cmd {
         Cmd::Demo(a) => {
             let bins = Binaries::beside_current_exe()?;
-            let opts = bench::DemoOptions {
+            let opts = CompareOptions {
                 envoy: a.envoy.clone(),
                 pods: a.pods,
-                workload: a.workload.spec(),
-                concurrency: a.workload.concurrency,
                 gpu_blocks: a.gpu_blocks,
                 sim_args: a.sim_args.clone(),
+                strategies: vec![Strategy::RoundRobin, Strategy::Weighted],
+                request_timeout: Duration::from_secs(60),
+                model: a.workload.model.clone(),
+                progress: true,
             };
-            let runs = bench::demo(&bins, &opts).await?;
-            output(&runs, Some(a.pods), &a.workload)
+            let spec = a.workload.spec();
+            let cmp =
+                compare::compare(&bins, &opts, || spec.build(), a.workload.concurrency).await?;
+            let summaries = cmp.summaries();
+            let runs: Vec<RunResult> = cmp.runs.into_iter().filter_map(|r| r.run).collect();
+            output(&runs, summaries, &a.workload)
         }
         Cmd::Run(a) => {
             let (workload, concurrency) =
@@ -365,7 +370,8 @@ async fn real_main(cli: Cli) -> Result<()> {
                 },
             )
             .await?;
-            output(&[r], a.pods, &a.args)
+            let summaries = bench::summarize(std::slice::from_ref(&r), a.pods);
+            output(&[r], summaries, &a.args)
         }
         Cmd::Compare(a) => {
             let command = std::env::args().collect::<Vec<_>>().join(" ");
