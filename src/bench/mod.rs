@@ -2,6 +2,8 @@
 //! and reports. Used by the `kv-bench` binary and by the end-to-end tests.
 
 pub mod deploy;
+pub mod noop_extproc;
+pub mod overhead;
 pub mod report;
 pub mod runner;
 pub mod trace;

@@ -10,6 +10,7 @@ use clap::{Args, Parser, Subcommand};
 use kv_router::bench::{
     self,
     deploy::Binaries,
+    overhead,
     report::{self, JsonReport, Style},
     runner::{self, RunOptions, RunResult},
     trace::{self, Expansion, Trace},
@@ -30,6 +31,27 @@ enum Cmd {
     Demo(DemoArgs),
     /// Run a workload against an existing OpenAI-compatible endpoint.
     Run(RunArgs),
+    /// Added latency through real Envoy: direct, round robin, no-op ext_proc, kv-router.
+    Overhead(OverheadArgs),
+}
+
+#[derive(Args)]
+struct OverheadArgs {
+    /// Envoy binary (default: $KV_ROUTER_ENVOY, .venv/bin/envoy, PATH).
+    #[arg(long)]
+    envoy: Option<PathBuf>,
+    /// Measured requests per cell (default: 1000, or 40 with --quick).
+    #[arg(long)]
+    requests: Option<usize>,
+    /// A few requests per cell (CI: checks the report, not speed).
+    #[arg(long)]
+    quick: bool,
+    /// Write the report as JSON here.
+    #[arg(long)]
+    json: Option<PathBuf>,
+    /// Print the table as markdown with a heading (command, machine).
+    #[arg(long)]
+    markdown: bool,
 }
 
 #[derive(Args, Clone)]
@@ -263,6 +285,27 @@ async fn real_main(cli: Cli) -> Result<()> {
             )
             .await?;
             output(&[r], a.pods, &a.args)
+        }
+        Cmd::Overhead(a) => {
+            let mut opts = if a.quick {
+                overhead::OverheadOptions::quick()
+            } else {
+                overhead::OverheadOptions::full()
+            };
+            opts.requests = a.requests.unwrap_or(opts.requests);
+            let bins = Binaries::beside_current_exe()?;
+            let r = overhead::run(&bins, a.envoy.as_deref(), &opts).await?;
+            if a.markdown {
+                let cmd: Vec<String> = std::env::args().skip(1).collect();
+                println!("### `kv-bench {}` ({})\n", cmd.join(" "), r.machine);
+            }
+            println!("{}", r.markdown());
+            if let Some(path) = &a.json {
+                std::fs::write(path, serde_json::to_vec_pretty(&r)?)
+                    .with_context(|| format!("writing {}", path.display()))?;
+                eprintln!("kv-bench: wrote {}", path.display());
+            }
+            Ok(())
         }
     }
 }
