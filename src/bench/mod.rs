@@ -4,7 +4,9 @@
 pub mod charts;
 pub mod compare;
 pub mod deploy;
+pub mod noop_extproc;
 pub mod oracle;
+pub mod overhead;
 pub mod report;
 pub mod results;
 pub mod runner;

@@ -11,6 +11,7 @@ use kv_router::bench::{
     self,
     compare::{self, CompareOptions, Strategy},
     deploy::Binaries,
+    overhead,
     report::{self, JsonReport, Style, Summary},
     results,
     runner::{self, RunOptions, RunResult},
@@ -38,6 +39,8 @@ enum Cmd {
     Compare(CompareArgs),
     /// Run every benchmark of `make bench` and write results.md, results.json and images/.
     Report(ReportArgs),
+    /// Added latency through real Envoy: direct, round robin, no-op ext_proc, kv-router.
+    Overhead(OverheadArgs),
 }
 
 #[derive(Args)]
@@ -93,6 +96,25 @@ struct ReportArgs {
     /// Small fleets and workloads (a minute or two): checks the pipeline, not the numbers.
     #[arg(long)]
     quick: bool,
+}
+
+#[derive(Args)]
+struct OverheadArgs {
+    /// Envoy binary (default: $KV_ROUTER_ENVOY, .venv/bin/envoy, PATH).
+    #[arg(long)]
+    envoy: Option<PathBuf>,
+    /// Measured requests per cell (default: 1000, or 40 with --quick).
+    #[arg(long)]
+    requests: Option<usize>,
+    /// A few requests per cell (CI: checks the report, not speed).
+    #[arg(long)]
+    quick: bool,
+    /// Write the report as JSON here.
+    #[arg(long)]
+    json: Option<PathBuf>,
+    /// Print the table as markdown with a heading (command, machine).
+    #[arg(long)]
+    markdown: bool,
 }
 
 #[derive(Args, Clone)]
@@ -391,7 +413,32 @@ async fn real_main(cli: Cli) -> Result<()> {
             Ok(())
         }
         Cmd::Report(a) => report_all(&a).await,
+        Cmd::Overhead(a) => {
+            let r = overhead_report(&a).await?;
+            if a.markdown {
+                let cmd: Vec<String> = std::env::args().skip(1).collect();
+                println!("### `kv-bench {}` ({})\n", cmd.join(" "), r.machine);
+            }
+            println!("{}", r.markdown());
+            if let Some(path) = &a.json {
+                std::fs::write(path, serde_json::to_vec_pretty(&r)?)
+                    .with_context(|| format!("writing {}", path.display()))?;
+                eprintln!("kv-bench: wrote {}", path.display());
+            }
+            Ok(())
+        }
     }
+}
+
+async fn overhead_report(a: &OverheadArgs) -> Result<overhead::OverheadReport> {
+    let mut opts = if a.quick {
+        overhead::OverheadOptions::quick()
+    } else {
+        overhead::OverheadOptions::full()
+    };
+    opts.requests = a.requests.unwrap_or(opts.requests);
+    let bins = Binaries::beside_current_exe()?;
+    overhead::run(&bins, a.envoy.as_deref(), &opts).await
 }
 
 async fn compare_section(
@@ -455,6 +502,7 @@ fn plan(quick: bool) -> Vec<Planned> {
               format!("compare --workload multiturn --sessions 3 --turns 2 --max-tokens 8 {fast}")),
             p("Shared prefix", "shared-prefix",
               format!("compare --workload shared-prefix --groups 2 --prompts-per-group 3 --poisson-rate 50 {fast}")),
+            p("Router overhead", "overhead", "overhead --quick".into()),
         ];
     }
     vec![
@@ -466,6 +514,7 @@ fn plan(quick: bool) -> Vec<Planned> {
           "compare --workload multiturn --sessions 32 --turns 6 --pods 8 --gpu-blocks 4096".into()),
         p("Shared prefix", "shared-prefix",
           "compare --workload shared-prefix --groups 40 --prompts-per-group 5 --system-tokens 6000 --question-tokens 1200 --output-tokens 100 --poisson-rate 8 --pods 8 --gpu-blocks 5120".into()),
+        p("Router overhead", "overhead", "overhead".into()),
     ]
 }
 
@@ -484,8 +533,20 @@ async fn report_all(a: &ReportArgs) -> Result<()> {
         eprintln!("kv-bench report: {}", item.title);
         let cli = Cli::try_parse_from(&argv)
             .with_context(|| format!("planned command does not parse: {command}"))?;
+        let started = std::time::Instant::now();
         let section = match cli.cmd {
             Cmd::Compare(c) => compare_section(&c, item.title, item.slug, &command).await?,
+            Cmd::Overhead(o) => {
+                let r = overhead_report(&o).await?;
+                results::Section {
+                    title: item.title.into(),
+                    command: command.clone(),
+                    body: r.markdown(),
+                    charts: Vec::new(),
+                    json: serde_json::to_value(&r)?,
+                    seconds: started.elapsed().as_secs_f64(),
+                }
+            }
             _ => anyhow::bail!("the report cannot run {command}"),
         };
         sections.push(section);

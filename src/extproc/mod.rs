@@ -5,7 +5,7 @@
 //! reply. FULL_DUPLEX_STREAMED (Endpoint Picker Protocol): buffer the body to end of stream,
 //! then the headers reply with the decision, then the body echoed as `streamed_response` chunks.
 
-mod reply;
+pub mod reply;
 
 use std::pin::Pin;
 use std::sync::Arc;
