@@ -5,6 +5,7 @@ pub mod deploy;
 pub mod oracle;
 pub mod report;
 pub mod runner;
+pub mod simulate;
 pub mod trace;
 pub mod workload;
 

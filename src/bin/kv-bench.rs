@@ -30,6 +30,9 @@ enum Cmd {
     Demo(DemoArgs),
     /// Run a workload against an existing OpenAI-compatible endpoint.
     Run(RunArgs),
+    /// Virtual-time simulation of a fleet on a trace with the router's own scoring and index (no
+    /// sockets): hit ratio vs oracles, modeled TTFT and load balance per strategy, capacity plan.
+    Simulate(bench::simulate::SimulateArgs),
 }
 
 #[derive(Args, Clone)]
@@ -264,6 +267,10 @@ async fn real_main(cli: Cli) -> Result<()> {
             .await?;
             output(&[r], a.pods, &a.args)
         }
+        // CPU-bound: off the async workers so the signal handlers stay responsive.
+        Cmd::Simulate(a) => tokio::task::spawn_blocking(move || bench::simulate::cli(&a))
+            .await
+            .context("simulation thread")?,
     }
 }
 
