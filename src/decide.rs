@@ -17,8 +17,8 @@ use crate::picker::{PickReason, Picker};
 use crate::pods::{InflightGuard, Pod, PodId, PodRegistry};
 use crate::request::{self, RequestError, RoutingRequest};
 use crate::scoring::{
-    run_scorer, Candidate, LoadScorer, PrefixScorer, ScoreInput, Scorer, SessionKey, SessionScorer,
-    SessionStore,
+    run_scorer, Candidate, LoadScorer, PrefixScorer, ScoreError, ScoreInput, Scorer, SessionKey,
+    SessionScorer, SessionStore,
 };
 use crate::telemetry::{DecisionLabels, Metrics};
 
@@ -178,6 +178,65 @@ impl DecideError {
     }
 }
 
+/// The scoring stages of a decision (scorers, load signal, picker) built from config, with no pod
+/// registry or clock: the [`Decider`] runs them on live pods, `kv-bench simulate` in virtual time.
+pub struct Stages {
+    scorers: Vec<Box<dyn Scorer>>,
+    load: LoadScorer,
+    picker: Picker,
+}
+
+impl Stages {
+    /// The prefix, session and load scorers with their configured weights, and the policy's picker.
+    pub fn new(cfg: &Config) -> Self {
+        let s = &cfg.scorers;
+        let load = LoadScorer::new(s.load.clone());
+        let scorers: Vec<Box<dyn Scorer>> = vec![
+            Box::new(PrefixScorer),
+            Box::new(SessionScorer),
+            Box::new(load.clone()),
+        ];
+        let weights = vec![s.prefix.weight, s.session.weight, s.load.weight];
+        Self {
+            scorers,
+            load,
+            picker: Picker::new(cfg.policy, weights, cfg.gate.clone()),
+        }
+    }
+
+    /// Scorer names, in the order of [`Stages::score`]'s scores.
+    pub fn names(&self) -> Vec<&'static str> {
+        self.scorers.iter().map(|s| s.name()).collect()
+    }
+
+    /// Every scorer's scores (a failing scorer counts as 0 for all, after `on_error`) and every
+    /// candidate's load in [0, 1].
+    pub fn score(
+        &self,
+        input: &ScoreInput,
+        mut on_error: impl FnMut(&ScoreError),
+    ) -> (Vec<Vec<f64>>, Vec<f64>) {
+        let busy: Vec<f64> = input
+            .candidates
+            .iter()
+            .map(|c| self.load.busy(&c.load))
+            .collect();
+        let mut scores = Vec::with_capacity(self.scorers.len());
+        for scorer in &self.scorers {
+            scores.push(run_scorer(scorer.as_ref(), input).unwrap_or_else(|e| {
+                on_error(&e);
+                vec![0.0; input.candidates.len()]
+            }));
+        }
+        (scores, busy)
+    }
+
+    /// The picker of the configured policy.
+    pub fn picker(&self) -> &Picker {
+        &self.picker
+    }
+}
+
 /// Owns the stages and runs them in order.
 pub struct Decider {
     strict: bool,
@@ -193,9 +252,7 @@ pub struct Decider {
     registry: Arc<PodRegistry>,
     index: Arc<dyn KvIndex>,
     sessions: Arc<SessionStore>,
-    scorers: Vec<Box<dyn Scorer>>,
-    load: LoadScorer,
-    picker: Picker,
+    stages: Stages,
     least_loaded: Picker,
     metrics: Arc<Metrics>,
     epoch: Instant,
@@ -211,13 +268,6 @@ impl Decider {
         metrics: Arc<Metrics>,
     ) -> Self {
         let s = &cfg.scorers;
-        let load = LoadScorer::new(s.load.clone());
-        let scorers: Vec<Box<dyn Scorer>> = vec![
-            Box::new(PrefixScorer),
-            Box::new(SessionScorer),
-            Box::new(load.clone()),
-        ];
-        let weights = vec![s.prefix.weight, s.session.weight, s.load.weight];
         Self {
             strict: cfg.strict,
             fallbacks: cfg.fallbacks,
@@ -239,9 +289,7 @@ impl Decider {
             registry,
             index,
             sessions,
-            scorers,
-            load,
-            picker: Picker::new(cfg.policy, weights, cfg.gate.clone()),
+            stages: Stages::new(cfg),
             least_loaded: Picker::new(Policy::LeastLoaded, vec![], cfg.gate.clone()),
             metrics,
             epoch: Instant::now(),
@@ -384,19 +432,10 @@ impl Decider {
                 })
                 .collect(),
         };
-        let busy: Vec<f64> = input
-            .candidates
-            .iter()
-            .map(|c| self.load.busy(&c.load))
-            .collect();
-        let mut scores = Vec::with_capacity(self.scorers.len());
-        for scorer in &self.scorers {
-            scores.push(run_scorer(scorer.as_ref(), &input).unwrap_or_else(|e| {
-                debug!(error = %e, "scorer failed; its scores count as 0");
-                self.metrics.error("scorer");
-                vec![0.0; input.candidates.len()]
-            }));
-        }
+        let (scores, busy) = self.stages.score(&input, |e| {
+            debug!(error = %e, "scorer failed; its scores count as 0");
+            self.metrics.error("scorer");
+        });
         // ThreadRng is not Send: keep it out of scope of the awaits below.
         let (ranking, reason) = {
             let mut rng = rand::rng();
@@ -410,7 +449,7 @@ impl Decider {
                     Reason::Unparsable,
                 ),
                 (Some(_), _) => {
-                    let r = self.picker.rank(&input, &scores, &busy, &mut rng);
+                    let r = self.stages.picker().rank(&input, &scores, &busy, &mut rng);
                     let reason = match r.reason {
                         PickReason::Scored => Reason::Scored,
                         PickReason::AllSaturated => Reason::AllSaturated,
@@ -420,7 +459,7 @@ impl Decider {
                 }
             }
         };
-        let names: Vec<&'static str> = self.scorers.iter().map(|s| s.name()).collect();
+        let names = self.stages.names();
         let ranked: Vec<ScoredPod> = ranking
             .order
             .iter()

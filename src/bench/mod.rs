@@ -10,6 +10,7 @@ pub mod overhead;
 pub mod report;
 pub mod results;
 pub mod runner;
+pub mod simulate;
 pub mod trace;
 pub mod workload;
 

@@ -150,6 +150,61 @@ pub fn comparison_section(
     })
 }
 
+/// The section of a fleet simulation: its tables and the same three charts as a comparison.
+pub fn simulate_section(
+    title: &str,
+    slug: &str,
+    command: &str,
+    r: &super::simulate::SimulateReport,
+    seconds: f64,
+) -> Result<Section> {
+    let ttft: Vec<(String, Vec<f64>)> = r
+        .strategies
+        .iter()
+        .map(|s| (s.strategy.as_str().to_string(), s.ttft_cdf_ms.clone()))
+        .collect();
+    let bars: Vec<(String, f64)> = r
+        .strategies
+        .iter()
+        .map(|s| (s.strategy.as_str().to_string(), s.hit_ratio))
+        .collect();
+    let load: Vec<(String, Vec<usize>)> = r
+        .strategies
+        .iter()
+        .map(|s| (s.strategy.as_str().to_string(), s.per_pod.clone()))
+        .collect();
+    let charts = vec![
+        Chart {
+            file: format!("{slug}-ttft-cdf.svg"),
+            alt: format!("{title}: modeled TTFT CDF per strategy"),
+            svg: charts::ttft_cdf(&format!("{title}: modeled time to first token"), &ttft)?,
+        },
+        Chart {
+            file: format!("{slug}-hit-vs-oracle.svg"),
+            alt: format!("{title}: prefix hit ratio per strategy vs the oracles"),
+            svg: charts::hit_vs_oracle(
+                &format!("{title}: prefix hit ratio vs oracles"),
+                &bars,
+                r.oracles.infinite.ratio(),
+                r.oracles.pooled.ratio(),
+            )?,
+        },
+        Chart {
+            file: format!("{slug}-per-pod.svg"),
+            alt: format!("{title}: requests per pod per strategy"),
+            svg: charts::per_pod_load(&format!("{title}: requests per pod"), &load)?,
+        },
+    ];
+    Ok(Section {
+        title: title.to_string(),
+        command: command.to_string(),
+        body: r.markdown(),
+        charts,
+        json: serde_json::to_value(r)?,
+        seconds,
+    })
+}
+
 /// Renders the whole document.
 pub fn render(title: &str, intro: &str, machine: &str, sections: &[Section]) -> String {
     let mut md = format!("# {title}\n\n{intro}\n\nMachine: {machine}.\n\n");

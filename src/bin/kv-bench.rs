@@ -41,6 +41,9 @@ enum Cmd {
     Report(ReportArgs),
     /// Added latency through real Envoy: direct, round robin, no-op ext_proc, kv-router.
     Overhead(OverheadArgs),
+    /// Virtual-time simulation of a fleet on a trace with the router's own scoring and index (no
+    /// sockets): hit ratio vs oracles, modeled TTFT and load balance per strategy, capacity plan.
+    Simulate(bench::simulate::SimulateArgs),
 }
 
 #[derive(Args)]
@@ -427,6 +430,10 @@ async fn real_main(cli: Cli) -> Result<()> {
             }
             Ok(())
         }
+        // CPU-bound: off the async workers so the signal handlers stay responsive.
+        Cmd::Simulate(a) => tokio::task::spawn_blocking(move || bench::simulate::cli(&a))
+            .await
+            .context("simulation thread")?,
     }
 }
 
@@ -503,6 +510,7 @@ fn plan(quick: bool) -> Vec<Planned> {
             p("Shared prefix", "shared-prefix",
               format!("compare --workload shared-prefix --groups 2 --prompts-per-group 3 --poisson-rate 50 {fast}")),
             p("Router overhead", "overhead", "overhead --quick".into()),
+            p("Fleet simulation", "simulate", "simulate --trace conversation --pods 8 --quick".into()),
         ];
     }
     vec![
@@ -515,6 +523,8 @@ fn plan(quick: bool) -> Vec<Planned> {
         p("Shared prefix", "shared-prefix",
           "compare --workload shared-prefix --groups 40 --prompts-per-group 5 --system-tokens 6000 --question-tokens 1200 --output-tokens 100 --poisson-rate 8 --pods 8 --gpu-blocks 5120".into()),
         p("Router overhead", "overhead", "overhead".into()),
+        p("Fleet simulation, 64 pods", "simulate",
+          "simulate --trace conversation --pods 64 --gpu-blocks 31250".into()),
     ]
 }
 
@@ -536,6 +546,19 @@ async fn report_all(a: &ReportArgs) -> Result<()> {
         let started = std::time::Instant::now();
         let section = match cli.cmd {
             Cmd::Compare(c) => compare_section(&c, item.title, item.slug, &command).await?,
+            Cmd::Simulate(a) => {
+                let opts = a.options();
+                let r = tokio::task::spawn_blocking(move || bench::simulate::run(&opts))
+                    .await
+                    .context("simulation thread")??;
+                results::simulate_section(
+                    item.title,
+                    item.slug,
+                    &command,
+                    &r,
+                    started.elapsed().as_secs_f64(),
+                )?
+            }
             Cmd::Overhead(o) => {
                 let r = overhead_report(&o).await?;
                 results::Section {
