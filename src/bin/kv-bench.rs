@@ -301,6 +301,9 @@ fn parse_endpoint(s: &str) -> Result<(String, String), String> {
     }
 }
 
+/// Rebuilds a workload's sessions for each run.
+type WorkloadFactory = Box<dyn Fn() -> Workload>;
+
 /// Builds the chosen workload; trace files are read once, the closure rebuilds the sessions.
 fn workload_factory(
     kind: WorkloadKind,
@@ -308,7 +311,7 @@ fn workload_factory(
     shared_prefix: &SharedPrefixArgs,
     trace: &TraceArgs,
     arrivals: &ArrivalArgs,
-) -> Result<(Box<dyn Fn() -> Workload>, Option<usize>)> {
+) -> Result<(WorkloadFactory, Option<usize>)> {
     let seed = args.seed;
     let poisson = arrivals.poisson_rate;
     let with_arrivals = move |w: Workload| match poisson {
