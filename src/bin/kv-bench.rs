@@ -540,7 +540,8 @@ async fn report_all(a: &ReportArgs) -> Result<()> {
             item.args.split_whitespace().collect::<Vec<_>>().join(" ")
         );
         let mut argv: Vec<String> = command.split_whitespace().map(str::to_string).collect();
-        if let Some(e) = &a.envoy {
+        // The simulation starts no process, so it takes no --envoy.
+        if let (Some(e), false) = (&a.envoy, item.args.starts_with("simulate")) {
             argv.extend(["--envoy".to_string(), e.display().to_string()]);
         }
         eprintln!("kv-bench report: {}", item.title);
