@@ -109,28 +109,17 @@ pub fn comparison_section(
             (s.label.clone(), counts)
         })
         .collect();
-    let charts = vec![
-        Chart {
-            file: format!("{slug}-ttft-cdf.svg"),
-            alt: format!("{title}: TTFT CDF per strategy"),
-            svg: charts::ttft_cdf(&format!("{title}: time to first token"), &ttft)?,
-        },
-        Chart {
-            file: format!("{slug}-hit-vs-oracle.svg"),
-            alt: format!("{title}: prefix hit ratio per strategy vs the oracles"),
-            svg: charts::hit_vs_oracle(
-                &format!("{title}: prefix hit ratio vs oracles"),
-                &bars,
-                oracles.map_or(f64::NAN, |o| o.infinite.ratio()),
-                oracles.map_or(f64::NAN, |o| o.pooled.ratio()),
-            )?,
-        },
-        Chart {
-            file: format!("{slug}-per-pod.svg"),
-            alt: format!("{title}: requests per pod per strategy"),
-            svg: charts::per_pod_load(&format!("{title}: requests per pod"), &load)?,
-        },
-    ];
+    let charts = three_charts(
+        title,
+        slug,
+        "",
+        &ttft,
+        &bars,
+        oracles.map_or((f64::NAN, f64::NAN), |o| {
+            (o.infinite.ratio(), o.pooled.ratio())
+        }),
+        &load,
+    )?;
     Ok(Section {
         title: title.to_string(),
         command: command.to_string(),
@@ -173,28 +162,15 @@ pub fn simulate_section(
         .iter()
         .map(|s| (s.strategy.as_str().to_string(), s.per_pod.clone()))
         .collect();
-    let charts = vec![
-        Chart {
-            file: format!("{slug}-ttft-cdf.svg"),
-            alt: format!("{title}: modeled TTFT CDF per strategy"),
-            svg: charts::ttft_cdf(&format!("{title}: modeled time to first token"), &ttft)?,
-        },
-        Chart {
-            file: format!("{slug}-hit-vs-oracle.svg"),
-            alt: format!("{title}: prefix hit ratio per strategy vs the oracles"),
-            svg: charts::hit_vs_oracle(
-                &format!("{title}: prefix hit ratio vs oracles"),
-                &bars,
-                r.oracles.infinite.ratio(),
-                r.oracles.pooled.ratio(),
-            )?,
-        },
-        Chart {
-            file: format!("{slug}-per-pod.svg"),
-            alt: format!("{title}: requests per pod per strategy"),
-            svg: charts::per_pod_load(&format!("{title}: requests per pod"), &load)?,
-        },
-    ];
+    let charts = three_charts(
+        title,
+        slug,
+        "modeled ",
+        &ttft,
+        &bars,
+        (r.oracles.infinite.ratio(), r.oracles.pooled.ratio()),
+        &load,
+    )?;
     Ok(Section {
         title: title.to_string(),
         command: command.to_string(),
@@ -203,6 +179,41 @@ pub fn simulate_section(
         json: serde_json::to_value(r)?,
         seconds,
     })
+}
+
+/// The three charts of a strategy comparison: TTFT CDF, hit ratio vs the (infinite, pooled)
+/// oracles, requests per pod. `ttft_kind` prefixes the TTFT captions ("modeled " in simulations).
+fn three_charts(
+    title: &str,
+    slug: &str,
+    ttft_kind: &str,
+    ttft: &[(String, Vec<f64>)],
+    bars: &[(String, f64)],
+    (infinite, pooled): (f64, f64),
+    load: &[(String, Vec<usize>)],
+) -> Result<Vec<Chart>> {
+    Ok(vec![
+        Chart {
+            file: format!("{slug}-ttft-cdf.svg"),
+            alt: format!("{title}: {ttft_kind}TTFT CDF per strategy"),
+            svg: charts::ttft_cdf(&format!("{title}: {ttft_kind}time to first token"), ttft)?,
+        },
+        Chart {
+            file: format!("{slug}-hit-vs-oracle.svg"),
+            alt: format!("{title}: prefix hit ratio per strategy vs the oracles"),
+            svg: charts::hit_vs_oracle(
+                &format!("{title}: prefix hit ratio vs oracles"),
+                bars,
+                infinite,
+                pooled,
+            )?,
+        },
+        Chart {
+            file: format!("{slug}-per-pod.svg"),
+            alt: format!("{title}: requests per pod per strategy"),
+            svg: charts::per_pod_load(&format!("{title}: requests per pod"), load)?,
+        },
+    ])
 }
 
 /// Renders the whole document.
