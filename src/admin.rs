@@ -15,6 +15,7 @@ use serde_json::{json, Value};
 use tokio::time::Instant;
 
 use crate::decide::{DecideRequest, Decider};
+use crate::extproc::reply::Rejection;
 use crate::pods::PodRegistry;
 use crate::scoring::SessionStore;
 
@@ -133,23 +134,23 @@ async fn explain(State(s): State<AdminState>, raw: axum::body::Bytes) -> Respons
         Value::String(s) => s.into_bytes(),
         other => other.to_string().into_bytes(),
     });
+    // Plan only: explaining a request records nothing.
     let result = s
         .decider
-        .decide(DecideRequest {
+        .plan(DecideRequest {
             path: &input.path,
             headers: &headers,
             body: body.as_deref(),
             subset: None,
-            dry_run: true,
         })
         .await;
     match result {
         Ok(d) => Json(json!({
-            "destination": d.destination(),
-            "reason": d.reason,
+            "destination": d.plan.destination(),
+            "reason": d.plan.reason,
             "model": d.model,
-            "total_blocks": d.total_blocks,
-            "ranked": d.ranked.iter().map(|r| json!({
+            "total_blocks": d.plan.total_blocks,
+            "ranked": d.plan.ranked.iter().map(|r| json!({
                 "pod": r.pod,
                 "total": r.total,
                 "scores": r.scores.iter().map(|(k, v)| (k.to_string(), json!(v))).collect::<serde_json::Map<_, _>>(),
@@ -158,11 +159,15 @@ async fn explain(State(s): State<AdminState>, raw: axum::body::Bytes) -> Respons
             })).collect::<Vec<_>>(),
         }))
         .into_response(),
-        Err(e) => (
-            StatusCode::from_u16(e.status()).unwrap_or(StatusCode::SERVICE_UNAVAILABLE),
-            [(header::CONTENT_TYPE, "application/json")],
-            e.openai_body(),
-        )
-            .into_response(),
+        Err(e) => {
+            // The same status and body the client would get through Envoy.
+            let r = Rejection::from(e);
+            (
+                StatusCode::from_u16(r.status()).unwrap_or(StatusCode::SERVICE_UNAVAILABLE),
+                [(header::CONTENT_TYPE, "application/json")],
+                r.openai_body(),
+            )
+                .into_response()
+        }
     }
 }

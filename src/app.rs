@@ -11,18 +11,20 @@ use tokio::time::{interval, Instant, MissedTickBehavior};
 use tonic_health::ServingStatus;
 use tracing::{info, warn};
 
+use prometheus_client::metrics::gauge::Gauge;
+
 use crate::admin::{self, AdminState};
-use crate::config::{Config, IndexBackend};
-use crate::decide::Decider;
+use crate::config::Config;
+use crate::decide::{Decider, DecisionMetrics};
 use crate::events;
-use crate::extproc::ExtProc;
-use crate::index::{EventIndex, EventIndexConfig, KvIndex, MemoryIndex};
-use crate::keys::load_tokenizers;
+use crate::extproc::{ExtProc, ExtProcMetrics};
+use crate::index::{build_index, index_capacity};
 use crate::pick_api::proto::picker_server::PickerServer;
 use crate::pick_api::PickService;
-use crate::pods::{DnsSource, PodRegistry, PodSource, Prober, StaticSource};
+use crate::pods::{DnsSource, PodMetrics, PodRegistry, PodSource, Prober, StaticSource};
 use crate::scoring::SessionStore;
-use crate::telemetry::{Metrics, PodLabels};
+use crate::telemetry::{ErrorKind, Errors, Metrics};
+use crate::tokenize::TokenizerRegistry;
 
 /// gRPC health service names (Endpoint Picker Protocol).
 pub const HEALTH_SERVICES: [&str; 3] = [
@@ -42,42 +44,59 @@ pub fn mode(cfg: &Config) -> &'static str {
     }
 }
 
-/// Runs the router until a shutdown signal.
-pub async fn run(cfg: Config) -> anyhow::Result<()> {
-    let mut registry = Registry::default();
-    let metrics = Arc::new(Metrics::new(&mut registry));
-    let registry = Arc::new(registry);
+/// The gauges the maintenance loop sets.
+#[derive(Debug, Clone, Default)]
+struct MaintenanceMetrics {
+    index_entries: Gauge,
+    index_keys: Gauge,
+    sessions: Gauge,
+}
+
+impl MaintenanceMetrics {
+    fn register(registry: &mut Registry) -> Self {
+        let m = Self::default();
+        registry.register(
+            "index_entries",
+            "(block key, pod) entries in the prefix index",
+            m.index_entries.clone(),
+        );
+        registry.register(
+            "index_keys",
+            "Distinct block keys in the prefix index",
+            m.index_keys.clone(),
+        );
+        registry.register("sessions", "Sessions remembered", m.sessions.clone());
+        m
+    }
+}
+
+/// Runs the router until a shutdown signal. `tokenizers` were loaded from `cfg.tokenizers`
+/// (see [`crate::keys::load_tokenizers`]) before any port opens.
+pub async fn run(cfg: Config, tokenizers: TokenizerRegistry) -> anyhow::Result<()> {
+    let mut root = Registry::default();
+    let registry = root.sub_registry_with_prefix("kv_router");
+    let metrics = Arc::new(Metrics::new(registry));
+    let errors = metrics.errors.clone();
+    let decision_metrics = DecisionMetrics::register(registry, errors.clone());
+    let extproc_metrics = ExtProcMetrics::register(registry, errors.clone());
+    let pod_metrics = PodMetrics::register(registry);
+    let maintenance_metrics = MaintenanceMetrics::register(registry);
+    let registry = Arc::new(root);
     let pods = Arc::new(PodRegistry::default());
-    let index: Arc<dyn KvIndex> = match (cfg.kv_events.enabled, cfg.index.backend) {
-        (true, IndexBackend::Memory) => Arc::new(EventIndex::new(EventIndexConfig {
-            block_tokens: cfg.kv_events.block_tokens,
-            max_blocks: cfg.blocks.max_blocks,
-            gpu_weight: cfg.kv_events.gpu_weight,
-            cpu_weight: cfg.kv_events.cpu_weight,
-            speculative_ttl_ms: cfg.kv_events.speculative_ttl_ms,
-            ..EventIndexConfig::default()
-        })),
-        (false, IndexBackend::Memory) => Arc::new(MemoryIndex::new(
-            cfg.index.ttl_ms,
-            cfg.index.default_capacity_blocks,
-        )),
-    };
+    let index = build_index(&cfg);
     let mode = mode(&cfg);
     let sessions = Arc::new(SessionStore::new(
         cfg.scorers.session.capacity,
         cfg.scorers.session.ttl_ms,
     ));
-    let tokenizers = Arc::new(load_tokenizers(&cfg.tokenizers).context("loading tokenizers")?);
-    let decider = Arc::new(
-        Decider::new(
-            &cfg,
-            pods.clone(),
-            index.clone(),
-            sessions.clone(),
-            metrics.clone(),
-        )
-        .with_tokenizers(tokenizers),
-    );
+    let decider = Arc::new(Decider::new(
+        &cfg,
+        Arc::new(tokenizers),
+        pods.clone(),
+        index.clone(),
+        sessions.clone(),
+        decision_metrics,
+    ));
     info!(mode, policy = cfg.policy.as_str(), "kv-router starting");
     if cfg.kv_events.enabled {
         for model in cfg.tokenizers.iter().map(|t| t.model.as_str()) {
@@ -106,12 +125,25 @@ pub async fn run(cfg: Config) -> anyhow::Result<()> {
     }
     // Static-only pod sets never change, but the first pass must happen now.
     let first: Vec<_> = futures::future::join_all(sources.iter().map(|s| s.pods())).await;
-    pods.update(first.into_iter().filter_map(Result::ok).flatten().collect());
+    let mut specs = Vec::new();
+    for (source, result) in sources.iter().zip(first) {
+        match result {
+            Ok(pods) => specs.extend(pods),
+            Err(e) => {
+                // The discovery loop retries it.
+                warn!(source = %source.name(), error = %e, "pod source failed at startup");
+                errors.inc(ErrorKind::PodSource);
+            }
+        }
+    }
+    pods.update(specs);
     let prober = Prober::new(cfg.pods.clone(), pods.clone());
     {
         let index = index.clone();
         let sessions = sessions.clone();
         let metrics = metrics.clone();
+        let pod_metrics = pod_metrics.clone();
+        let errors = errors.clone();
         tokio::spawn(prober.clone().run_discovery(
             sources,
             Duration::from_millis(refresh_ms),
@@ -119,9 +151,14 @@ pub async fn run(cfg: Config) -> anyhow::Result<()> {
                 for pod in gone {
                     sessions.forget_pod(&pod);
                     metrics.forget_pod(pod.as_str());
+                    pod_metrics.forget(&pod);
                     let index = index.clone();
+                    let errors = errors.clone();
                     tokio::spawn(async move {
-                        let _ = index.forget_pod(&pod).await;
+                        if let Err(e) = index.forget_pod(&pod).await {
+                            warn!(pod = %pod, error = %e, "forgetting a departed pod's index entries failed");
+                            errors.inc(ErrorKind::Index);
+                        }
                     });
                 }
             },
@@ -134,7 +171,11 @@ pub async fn run(cfg: Config) -> anyhow::Result<()> {
         pods.clone(),
         decider.clone(),
         sessions.clone(),
-        metrics.clone(),
+        Gauges {
+            pods: pod_metrics,
+            maintenance: maintenance_metrics,
+            errors: errors.clone(),
+        },
     ));
 
     // gRPC: ext_proc + Pick + health.
@@ -172,7 +213,7 @@ pub async fn run(cfg: Config) -> anyhow::Result<()> {
     }
     let extproc = ExtProc::new(
         decider.clone(),
-        metrics.clone(),
+        extproc_metrics,
         cfg.body_limit_bytes,
         cfg.destination_header,
     );
@@ -208,13 +249,20 @@ pub async fn run(cfg: Config) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// What the maintenance loop reports to.
+struct Gauges {
+    pods: PodMetrics,
+    maintenance: MaintenanceMetrics,
+    errors: Errors,
+}
+
 /// Once a second: index capacity from each pod's KV size, TTL sweep, gauges.
 async fn maintenance(
     cfg: Config,
     pods: Arc<PodRegistry>,
     decider: Arc<Decider>,
     sessions: Arc<SessionStore>,
-    metrics: Arc<Metrics>,
+    gauges: Gauges,
 ) {
     let stale_after = Duration::from_millis(cfg.pods.stale_after_ms);
     let mut capacities = ahash::AHashMap::new();
@@ -225,50 +273,35 @@ async fn maintenance(
         let index = decider.index();
         let now = Instant::now();
         for pod in pods.snapshot().pods() {
-            let l = PodLabels {
-                pod: pod.id().to_string(),
+            gauges.pods.observe(pod, now, stale_after);
+            let Some((_, sample)) = pod.last_sample() else {
+                continue;
             };
-            metrics
-                .pod_healthy
-                .get_or_create(&l)
-                .set(i64::from(pod.is_healthy()));
-            let load = pod.load(now, stale_after);
-            metrics.pod_waiting.get_or_create(&l).set(load.waiting);
-            metrics.pod_running.get_or_create(&l).set(load.running);
-            metrics.pod_kv_usage.get_or_create(&l).set(load.kv_usage);
-            metrics
-                .pod_inflight_requests
-                .get_or_create(&l)
-                .set(load.inflight_requests as i64);
-            metrics
-                .pod_inflight_tokens
-                .get_or_create(&l)
-                .set(load.inflight_tokens as i64);
-            if let Some((_, sample)) = pod.last_sample() {
-                if let Some(blocks) = sample.num_gpu_blocks {
-                    // Router blocks of size_chars bytes ≈ size_chars/4 tokens; scale to engine blocks.
-                    let engine_block = sample.block_size.unwrap_or(16) as f64;
-                    let router_block = (cfg.blocks.size_chars / 4).max(1) as f64;
-                    let cap = (blocks as f64 * engine_block / router_block
-                        * cfg.index.capacity_factor) as usize;
-                    if capacities.get(pod.id()) != Some(&cap) {
-                        match index.set_capacity(pod.id(), cap).await {
-                            Ok(()) => {
-                                capacities.insert(pod.id().clone(), cap);
-                            }
-                            Err(e) => {
-                                warn!(pod = %pod.id(), error = %e, "setting index capacity failed")
-                            }
-                        }
+            let Some(blocks) = sample.num_gpu_blocks else {
+                continue;
+            };
+            let cap = index_capacity(&cfg, blocks, sample.block_size.unwrap_or(16));
+            if capacities.get(pod.id()) != Some(&cap) {
+                match index.set_capacity(pod.id(), cap).await {
+                    Ok(()) => {
+                        capacities.insert(pod.id().clone(), cap);
+                    }
+                    Err(e) => {
+                        warn!(pod = %pod.id(), error = %e, "setting index capacity failed");
+                        gauges.errors.inc(ErrorKind::Index);
                     }
                 }
             }
         }
-        let _ = index.sweep(decider.now_ms()).await;
+        if let Err(e) = index.sweep(decider.now_ms()).await {
+            warn!(error = %e, "index TTL sweep failed");
+            gauges.errors.inc(ErrorKind::Index);
+        }
         let stats = index.stats();
-        metrics.index_entries.set(stats.entries as i64);
-        metrics.index_keys.set(stats.keys as i64);
-        metrics.sessions.set(sessions.len() as i64);
+        let m = &gauges.maintenance;
+        m.index_entries.set(stats.entries as i64);
+        m.index_keys.set(stats.keys as i64);
+        m.sessions.set(sessions.len() as i64);
     }
 }
 

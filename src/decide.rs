@@ -1,9 +1,24 @@
-//! The one decision path shared by ext_proc, the Pick service, `/debug/explain` and `kv-bench`:
-//! parse → block keys → index lookup → scorers → picker → record.
+//! The one decision path shared by ext_proc, the Pick service, `/debug/explain` and
+//! `kv-bench simulate`, in two halves:
+//!
+//! * [`plan`]: a pure function of its inputs (the [`Stages`], the request's block keys, the
+//!   candidates with their matched blocks, load and session flag, a round-robin turn and an rng)
+//!   that scores and ranks the candidates. It does no I/O and reads no clock.
+//! * [`commit`]: records a plan: the primary pod learns the prompt in the index, the session is
+//!   pinned to it, and its load is charged until the request ends (the in-flight guard).
+//!
+//! [`Decider`] is the live front: parse → pods → keys → index lookup → [`plan`] → [`commit`].
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
+use rand::Rng;
 use serde::Serialize;
 use thiserror::Error;
 use tokio::time::Instant;
@@ -11,68 +26,80 @@ use tracing::debug;
 
 use crate::blocks::BlockScheme;
 use crate::config::{Config, Policy};
-use crate::index::KvIndex;
-use crate::keys::Keyer;
-use crate::picker::{PickReason, Picker};
+use crate::index::{IndexError, KvIndex};
+use crate::keys::{Keyer, Keys};
+use crate::picker::{Picker, Reason};
 use crate::pods::{InflightGuard, Pod, PodId, PodRegistry};
 use crate::request::{self, RequestError, RoutingRequest};
 use crate::scoring::{
     run_scorer, Candidate, LoadScorer, PrefixScorer, ScoreError, ScoreInput, Scorer, SessionKey,
     SessionScorer, SessionStore,
 };
-use crate::telemetry::{DecisionLabels, Metrics};
+use crate::telemetry::{ErrorKind, Errors};
+use crate::tokenize::TokenizerRegistry;
 
-/// Why the primary pod was chosen (closed set; a metric label).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum Reason {
-    /// Weighted scores.
-    Scored,
-    /// Every candidate was saturated.
-    AllSaturated,
-    /// A baseline policy (round-robin, random, least-loaded).
-    Policy,
+/// The scoring stages of a decision (scorers, load signal, pickers, retry list length) built
+/// from config, with no pod registry or clock.
+pub struct Stages {
+    scorers: Vec<Box<dyn Scorer>>,
+    load: LoadScorer,
+    picker: Picker,
+    least_loaded: Picker,
+    fallbacks: usize,
+    prefill_tokens_per_sec: f64,
+}
+
+impl Stages {
+    /// The prefix, session and load scorers with their configured weights, the policy's picker.
+    pub fn new(cfg: &Config) -> Self {
+        let s = &cfg.scorers;
+        let load = LoadScorer::new(s.load.clone());
+        let scorers: Vec<Box<dyn Scorer>> = vec![
+            Box::new(PrefixScorer),
+            Box::new(SessionScorer),
+            Box::new(load.clone()),
+        ];
+        let weights = vec![s.prefix.weight, s.session.weight, s.load.weight];
+        Self {
+            scorers,
+            load,
+            picker: Picker::new(cfg.policy, weights, cfg.gate.clone()),
+            least_loaded: Picker::new(Policy::LeastLoaded, vec![], cfg.gate.clone()),
+            fallbacks: cfg.fallbacks,
+            prefill_tokens_per_sec: s.load.prefill_tokens_per_sec,
+        }
+    }
+
+    /// The configured prefill rate (tokens/s) the in-flight estimate uses.
+    pub fn prefill_tokens_per_sec(&self) -> f64 {
+        self.prefill_tokens_per_sec
+    }
+}
+
+/// How the request body was understood: it decides which picker ranks the candidates.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Body {
+    /// Parsed: the policy's picker on the weighted scores.
+    Parsed,
     /// No body: least-loaded.
-    NoBody,
-    /// Body not understood: least-loaded (the pod answers).
+    Missing,
+    /// Not understood (and not strict): least-loaded.
     Unparsable,
 }
 
-impl Reason {
-    /// Metric label.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Reason::Scored => "scored",
-            Reason::AllSaturated => "all-saturated",
-            Reason::Policy => "policy",
-            Reason::NoBody => "no-body",
-            Reason::Unparsable => "unparsable",
-        }
-    }
-}
-
-/// A request as every front end hands it in.
-#[derive(Debug, Clone, Copy)]
-pub struct DecideRequest<'a> {
-    /// Request path (`:path`).
-    pub path: &'a str,
-    /// Lower-case header names and values.
-    pub headers: &'a [(String, String)],
-    /// The body, `None` for body-less requests.
-    pub body: Option<&'a [u8]>,
-    /// Gateway subset hint (`ip:port` or `ip` entries); `None` = no restriction.
-    pub subset: Option<&'a [String]>,
-    /// Compute only: no index write, no session, no load accounting.
-    pub dry_run: bool,
-}
-
-impl DecideRequest<'_> {
-    fn header(&self, name: &str) -> Option<&str> {
-        self.headers
-            .iter()
-            .find(|(k, _)| k == name)
-            .map(|(_, v)| v.as_str())
-    }
+/// Everything [`plan`] decides on.
+#[derive(Debug, Clone)]
+pub struct PlanInput {
+    /// The request's block keys (empty for body-less and unparsable requests).
+    pub keys: Keys,
+    /// How the body was understood.
+    pub body: Body,
+    /// Candidate pods with the blocks the index matched, their load and the session flag.
+    pub candidates: Vec<Candidate>,
+    /// The request's session, pinned to the primary on commit.
+    pub session: Option<SessionKey>,
+    /// Round-robin position (the caller counts decisions).
+    pub turn: u64,
 }
 
 /// One candidate with everything that went into its rank.
@@ -90,25 +117,33 @@ pub struct ScoredPod {
     pub saturated: bool,
 }
 
-/// The outcome of one decision.
-#[derive(Debug, Serialize)]
-pub struct Decision {
+/// A ranked decision, not yet recorded anywhere.
+#[derive(Debug, Clone, Serialize)]
+pub struct Plan {
     /// Primary first, then fallbacks in retry order.
     pub endpoints: Vec<PodId>,
     /// All candidates, best first.
     pub ranked: Vec<ScoredPod>,
     /// Why.
     pub reason: Reason,
-    /// The request's model.
-    pub model: Option<String>,
     /// Full blocks in the prompt.
     pub total_blocks: usize,
-    /// Load accounting held until the request ends (absent for dry runs).
+    /// Index of the primary among the input's candidates.
     #[serde(skip)]
-    pub guard: Option<InflightGuard>,
+    pub primary: usize,
+    /// Estimated prompt tokens the primary does not hold (charged to it on commit).
+    #[serde(skip)]
+    pub uncached_tokens: u64,
+    /// Scorers that failed (their scores counted as 0).
+    #[serde(skip)]
+    pub scorer_errors: Vec<ScoreError>,
+    #[serde(skip)]
+    keys: Keys,
+    #[serde(skip)]
+    session: Option<SessionKey>,
 }
 
-impl Decision {
+impl Plan {
     /// `ip:port[,ip:port…]` for the metadata and header.
     pub fn destination(&self) -> String {
         self.endpoints
@@ -119,7 +154,155 @@ impl Decision {
     }
 }
 
-/// No decision could be made; the edge turns this into an HTTP status.
+/// Scores and ranks the candidates of one request (at least one candidate). Pure: the same
+/// inputs and rng state give the same plan.
+pub fn plan(stages: &Stages, input: PlanInput, rng: &mut impl Rng) -> Plan {
+    let PlanInput {
+        keys,
+        body,
+        candidates,
+        session,
+        turn,
+    } = input;
+    let input = ScoreInput {
+        total_blocks: keys.keys.len(),
+        candidates,
+    };
+    let busy: Vec<f64> = input
+        .candidates
+        .iter()
+        .map(|c| stages.load.busy(&c.load))
+        .collect();
+    let mut scorer_errors = Vec::new();
+    let scores: Vec<Vec<f64>> = stages
+        .scorers
+        .iter()
+        .map(|scorer| {
+            run_scorer(scorer.as_ref(), &input).unwrap_or_else(|e| {
+                scorer_errors.push(e);
+                vec![0.0; input.candidates.len()]
+            })
+        })
+        .collect();
+    let (ranking, reason) = match body {
+        Body::Parsed => {
+            let r = stages.picker.rank(&input, &scores, &busy, turn, rng);
+            let reason = r.reason;
+            (r, reason)
+        }
+        Body::Missing | Body::Unparsable => (
+            stages.least_loaded.rank(&input, &[], &busy, turn, rng),
+            if body == Body::Missing {
+                Reason::NoBody
+            } else {
+                Reason::Unparsable
+            },
+        ),
+    };
+    let ranked: Vec<ScoredPod> = ranking
+        .order
+        .iter()
+        .map(|&i| ScoredPod {
+            pod: input.candidates[i].pod.clone(),
+            total: ranking.totals[i],
+            scores: stages
+                .scorers
+                .iter()
+                .zip(&scores)
+                .map(|(s, v)| (s.name(), v[i]))
+                .collect(),
+            matched_blocks: input.candidates[i].matched_blocks,
+            saturated: ranking.saturated[i],
+        })
+        .collect();
+    let endpoints = ranked
+        .iter()
+        .take(1 + stages.fallbacks)
+        .map(|s| s.pod.clone())
+        .collect();
+    let primary = ranking.order[0];
+    let cached = (input.candidates[primary].matched_blocks * keys.tokens_per_block as f64) as u64;
+    Plan {
+        endpoints,
+        ranked,
+        reason,
+        total_blocks: keys.keys.len(),
+        primary,
+        uncached_tokens: keys.prompt_tokens.saturating_sub(cached),
+        scorer_errors,
+        keys,
+        session,
+    }
+}
+
+/// What [`commit`] did; the index write may have failed (the decision stands).
+#[derive(Debug)]
+pub struct Committed<G> {
+    /// The load charge of the primary, held until the request ends.
+    pub guard: G,
+    /// The index record failed.
+    pub index_error: Option<IndexError>,
+}
+
+/// Records a plan at `now_ms` (the index's time base): `charge(primary, uncached_tokens)`
+/// charges the primary's load, the index learns that the primary now holds the prompt's keys,
+/// and the request's session is pinned to it. `None` for the index or the session store: there
+/// is none to teach (`kv-bench simulate` runs policies that ignore the index without one).
+pub async fn commit<G>(
+    plan: &Plan,
+    index: Option<&dyn KvIndex>,
+    sessions: Option<&SessionStore>,
+    now_ms: u64,
+    charge: impl FnOnce(usize, u64) -> G,
+) -> Committed<G> {
+    let guard = charge(plan.primary, plan.uncached_tokens);
+    let primary = &plan.ranked[0].pod;
+    let index_error = match index {
+        Some(index) if !plan.keys.keys.is_empty() => {
+            index.record(primary, &plan.keys.keys, now_ms).await.err()
+        }
+        _ => None,
+    };
+    if let (Some(store), Some(s)) = (sessions, plan.session) {
+        store.set(s, primary.clone(), now_ms);
+    }
+    Committed { guard, index_error }
+}
+
+/// A request as every front end hands it in.
+#[derive(Debug, Clone, Copy)]
+pub struct DecideRequest<'a> {
+    /// Request path (`:path`).
+    pub path: &'a str,
+    /// Lower-case header names and values.
+    pub headers: &'a [(String, String)],
+    /// The body, `None` for body-less requests.
+    pub body: Option<&'a [u8]>,
+    /// Gateway subset hint (`ip:port` or `ip` entries); `None` = no restriction.
+    pub subset: Option<&'a [String]>,
+}
+
+impl DecideRequest<'_> {
+    fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.as_str())
+    }
+}
+
+/// The outcome of one decision.
+#[derive(Debug)]
+pub struct Decision {
+    /// The ranking.
+    pub plan: Plan,
+    /// The request's model.
+    pub model: Option<String>,
+    /// Load accounting held until the request ends (`None` when only planned).
+    pub guard: Option<InflightGuard>,
+}
+
+/// No decision could be made; the edge (ext_proc, Pick, explain) turns this into its status.
 #[derive(Debug, Error, PartialEq)]
 pub enum DecideError {
     /// No pod passes its health probes.
@@ -134,179 +317,132 @@ pub enum DecideError {
     /// Strict mode: the body was not understood.
     #[error("{0}")]
     BadRequest(RequestError),
-    /// The body exceeds the configured limit.
-    #[error("request body exceeds the {0}-byte limit")]
-    BodyTooLarge(usize),
 }
 
 impl DecideError {
-    /// HTTP status for the client.
-    pub fn status(&self) -> u16 {
+    /// The error counter's kind.
+    pub fn kind(&self) -> ErrorKind {
         match self {
-            DecideError::NoHealthyPod | DecideError::EmptySubset => 503,
-            DecideError::ModelNotFound(_) => 404,
-            DecideError::BadRequest(_) => 400,
-            DecideError::BodyTooLarge(_) => 413,
+            DecideError::NoHealthyPod => ErrorKind::NoHealthyPod,
+            DecideError::EmptySubset => ErrorKind::EmptySubset,
+            DecideError::ModelNotFound(_) => ErrorKind::ModelNotFound,
+            DecideError::BadRequest(_) => ErrorKind::BadRequest,
         }
     }
+}
 
-    /// Closed label for metrics.
-    pub fn kind(&self) -> &'static str {
-        match self {
-            DecideError::NoHealthyPod => "no_healthy_pod",
-            DecideError::EmptySubset => "empty_subset",
-            DecideError::ModelNotFound(_) => "model_not_found",
-            DecideError::BadRequest(_) => "bad_request",
-            DecideError::BodyTooLarge(_) => "body_too_large",
-        }
-    }
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct DecisionLabels {
+    reason: Reason,
+    pod: String,
+}
 
-    /// OpenAI-style JSON error body.
-    pub fn openai_body(&self) -> Vec<u8> {
-        let (ty, code) = match self {
-            DecideError::NoHealthyPod | DecideError::EmptySubset => {
-                ("ServiceUnavailableError", "no_healthy_upstream")
-            }
-            DecideError::ModelNotFound(_) => ("NotFoundError", "model_not_found"),
-            DecideError::BadRequest(_) => ("BadRequestError", "invalid_request"),
-            DecideError::BodyTooLarge(_) => ("RequestTooLargeError", "request_too_large"),
+/// The decision path's metric families.
+#[derive(Debug, Clone)]
+pub struct DecisionMetrics {
+    decisions: Family<DecisionLabels, Counter>,
+    duration: Histogram,
+    matched_blocks: Histogram,
+    errors: Errors,
+}
+
+impl DecisionMetrics {
+    /// Registers `decisions`, `decision_duration_seconds` and `predicted_matched_blocks`
+    /// (`registry` is the `kv_router` sub-registry); errors go to the shared counter.
+    pub fn register(registry: &mut Registry, errors: Errors) -> Self {
+        let m = Self {
+            decisions: Family::default(),
+            duration: Histogram::new(exponential_buckets(1e-6, 2.0, 24)),
+            matched_blocks: Histogram::new(exponential_buckets(1.0, 2.0, 14)),
+            errors,
         };
-        serde_json::to_vec(&serde_json::json!({
-            "error": { "message": self.to_string(), "type": ty, "param": null, "code": code }
-        }))
-        .expect("static JSON")
+        registry.register(
+            "decisions",
+            "Routing decisions by reason and primary pod",
+            m.decisions.clone(),
+        );
+        registry.register(
+            "decision_duration_seconds",
+            "Time to decide (parse, keys, lookup, score, pick)",
+            m.duration.clone(),
+        );
+        registry.register(
+            "predicted_matched_blocks",
+            "Prompt blocks the index predicted the chosen pod holds",
+            m.matched_blocks.clone(),
+        );
+        m
+    }
+
+    /// Decisions committed with `reason` to `pod` so far.
+    pub fn decisions(&self, reason: Reason, pod: &PodId) -> u64 {
+        self.decisions
+            .get_or_create(&DecisionLabels {
+                reason,
+                pod: pod.to_string(),
+            })
+            .get()
     }
 }
 
-/// The scoring stages of a decision (scorers, load signal, picker) built from config, with no pod
-/// registry or clock: the [`Decider`] runs them on live pods, `kv-bench simulate` in virtual time.
-pub struct Stages {
-    scorers: Vec<Box<dyn Scorer>>,
-    load: LoadScorer,
-    picker: Picker,
-}
-
-impl Stages {
-    /// The prefix, session and load scorers with their configured weights, and the policy's picker.
-    pub fn new(cfg: &Config) -> Self {
-        let s = &cfg.scorers;
-        let load = LoadScorer::new(s.load.clone());
-        let scorers: Vec<Box<dyn Scorer>> = vec![
-            Box::new(PrefixScorer),
-            Box::new(SessionScorer),
-            Box::new(load.clone()),
-        ];
-        let weights = vec![s.prefix.weight, s.session.weight, s.load.weight];
-        Self {
-            scorers,
-            load,
-            picker: Picker::new(cfg.policy, weights, cfg.gate.clone()),
-        }
-    }
-
-    /// Scorer names, in the order of [`Stages::score`]'s scores.
-    pub fn names(&self) -> Vec<&'static str> {
-        self.scorers.iter().map(|s| s.name()).collect()
-    }
-
-    /// Every scorer's scores (a failing scorer counts as 0 for all, after `on_error`) and every
-    /// candidate's load in [0, 1].
-    pub fn score(
-        &self,
-        input: &ScoreInput,
-        mut on_error: impl FnMut(&ScoreError),
-    ) -> (Vec<Vec<f64>>, Vec<f64>) {
-        let busy: Vec<f64> = input
-            .candidates
-            .iter()
-            .map(|c| self.load.busy(&c.load))
-            .collect();
-        let mut scores = Vec::with_capacity(self.scorers.len());
-        for scorer in &self.scorers {
-            scores.push(run_scorer(scorer.as_ref(), input).unwrap_or_else(|e| {
-                on_error(&e);
-                vec![0.0; input.candidates.len()]
-            }));
-        }
-        (scores, busy)
-    }
-
-    /// The picker of the configured policy.
-    pub fn picker(&self) -> &Picker {
-        &self.picker
-    }
-}
-
-/// Owns the stages and runs them in order.
+/// The live decision path: owns the keyer, the stages and the stores, and runs them in order.
 pub struct Decider {
     strict: bool,
-    fallbacks: usize,
     keyer: Keyer,
-    block_chars: usize,
-    max_blocks: usize,
-    block_tokens: usize,
     stale_after: Duration,
-    prefill_tokens_per_sec: f64,
     session_headers: Vec<String>,
     use_user_field: bool,
     registry: Arc<PodRegistry>,
     index: Arc<dyn KvIndex>,
     sessions: Arc<SessionStore>,
     stages: Stages,
-    least_loaded: Picker,
-    metrics: Arc<Metrics>,
+    metrics: DecisionMetrics,
     epoch: Instant,
+    turns: AtomicU64,
+}
+
+/// A planned decision with the live pods it ranked.
+struct Prepared {
+    plan: Plan,
+    model: Option<String>,
+    pods: Vec<Arc<Pod>>,
+    now: Instant,
+    now_ms: u64,
 }
 
 impl Decider {
-    /// Builds the stages from config.
+    /// The live path over the router's pods, index and sessions; `tokenizers` from
+    /// [`crate::keys::load_tokenizers`] (empty: approximate keys for every model).
     pub fn new(
         cfg: &Config,
+        tokenizers: Arc<TokenizerRegistry>,
         registry: Arc<PodRegistry>,
         index: Arc<dyn KvIndex>,
         sessions: Arc<SessionStore>,
-        metrics: Arc<Metrics>,
+        metrics: DecisionMetrics,
     ) -> Self {
         let s = &cfg.scorers;
         Self {
             strict: cfg.strict,
-            fallbacks: cfg.fallbacks,
             keyer: Keyer::new(
                 BlockScheme {
                     size_chars: cfg.blocks.size_chars,
                     max_blocks: cfg.blocks.max_blocks,
                 },
                 cfg.kv_events.block_tokens,
-                Arc::new(builtin_tokenizers(cfg)),
+                tokenizers,
             ),
-            block_chars: cfg.blocks.size_chars,
-            max_blocks: cfg.blocks.max_blocks,
-            block_tokens: cfg.kv_events.block_tokens,
             stale_after: Duration::from_millis(cfg.pods.stale_after_ms),
-            prefill_tokens_per_sec: s.load.prefill_tokens_per_sec,
             session_headers: s.session.headers.clone(),
             use_user_field: s.session.use_user_field,
             registry,
             index,
             sessions,
             stages: Stages::new(cfg),
-            least_loaded: Picker::new(Policy::LeastLoaded, vec![], cfg.gate.clone()),
             metrics,
             epoch: Instant::now(),
+            turns: AtomicU64::new(0),
         }
-    }
-
-    /// Replaces the tokenizers (built with [`crate::keys::load_tokenizers`], which reads files).
-    pub fn with_tokenizers(mut self, tokenizers: Arc<crate::tokenize::TokenizerRegistry>) -> Self {
-        self.keyer = Keyer::new(
-            BlockScheme {
-                size_chars: self.block_chars,
-                max_blocks: self.max_blocks,
-            },
-            self.block_tokens,
-            tokenizers,
-        );
-        self
     }
 
     /// Milliseconds on the router's monotonic clock (the index's time base).
@@ -319,39 +455,74 @@ impl Decider {
         &self.index
     }
 
-    /// Decides where a request goes.
+    /// Decides where a request goes and commits it (index, session, in-flight load).
     pub async fn decide(&self, req: DecideRequest<'_>) -> Result<Decision, DecideError> {
         let started = Instant::now();
-        let result = self.decide_inner(req).await;
-        self.metrics
-            .decision_seconds
-            .observe(started.elapsed().as_secs_f64());
-        match &result {
-            Ok(d) => {
-                if !req.dry_run {
-                    let pod = d
-                        .endpoints
-                        .first()
-                        .map(|p| p.to_string())
-                        .unwrap_or_default();
-                    self.metrics
-                        .decisions
-                        .get_or_create(&DecisionLabels {
-                            reason: d.reason.as_str(),
-                            pod,
-                        })
-                        .inc();
-                    if let Some(best) = d.ranked.first() {
-                        self.metrics.matched_blocks.observe(best.matched_blocks);
-                    }
-                }
+        let result = match self.prepare(req).await {
+            Ok(p) => Ok(self.commit(p).await),
+            Err(e) => Err(e),
+        };
+        self.finish(started, &result);
+        if let Ok(d) = &result {
+            self.metrics
+                .decisions
+                .get_or_create(&DecisionLabels {
+                    reason: d.plan.reason,
+                    pod: d.plan.endpoints[0].to_string(),
+                })
+                .inc();
+            if let Some(best) = d.plan.ranked.first() {
+                self.metrics.matched_blocks.observe(best.matched_blocks);
             }
-            Err(e) => self.metrics.error(e.kind()),
         }
         result
     }
 
-    async fn decide_inner(&self, req: DecideRequest<'_>) -> Result<Decision, DecideError> {
+    /// The decision [`Decider::decide`] would make now, recording nothing.
+    pub async fn plan(&self, req: DecideRequest<'_>) -> Result<Decision, DecideError> {
+        let started = Instant::now();
+        let result = self.prepare(req).await.map(|p| Decision {
+            plan: p.plan,
+            model: p.model,
+            guard: None,
+        });
+        self.finish(started, &result);
+        result
+    }
+
+    fn finish(&self, started: Instant, result: &Result<Decision, DecideError>) {
+        self.metrics
+            .duration
+            .observe(started.elapsed().as_secs_f64());
+        if let Err(e) = result {
+            self.metrics.errors.inc(e.kind());
+        }
+    }
+
+    async fn commit(&self, p: Prepared) -> Decision {
+        let rate = self.stages.prefill_tokens_per_sec();
+        let pods = &p.pods;
+        let now = p.now;
+        let c = commit(
+            &p.plan,
+            Some(self.index.as_ref()),
+            Some(&self.sessions),
+            p.now_ms,
+            |i, tokens| pods[i].begin_request(tokens, now, rate),
+        )
+        .await;
+        if let Some(e) = c.index_error {
+            debug!(error = %e, "index record failed");
+            self.metrics.errors.inc(ErrorKind::Index);
+        }
+        Decision {
+            plan: p.plan,
+            model: p.model,
+            guard: Some(c.guard),
+        }
+    }
+
+    async fn prepare(&self, req: DecideRequest<'_>) -> Result<Prepared, DecideError> {
         let parsed: Option<RoutingRequest> = match req.body {
             None => None,
             Some(body) => match request::parse(req.path, body) {
@@ -359,55 +530,32 @@ impl Decider {
                 Err(e) if self.strict => return Err(DecideError::BadRequest(e)),
                 Err(e) => {
                     debug!(kind = e.kind(), "unparsable body; routing by load");
-                    self.metrics.error("unparsable");
+                    self.metrics.errors.inc(ErrorKind::Unparsable);
                     None
                 }
             },
         };
         let model = parsed.as_ref().and_then(|r| r.model.clone());
-        let snapshot = self.registry.snapshot();
-        let healthy: Vec<&Arc<Pod>> = snapshot.pods().iter().filter(|p| p.is_healthy()).collect();
-        if healthy.is_empty() {
-            return Err(DecideError::NoHealthyPod);
-        }
-        let in_subset: Vec<&Arc<Pod>> = match req.subset {
-            None => healthy,
-            Some(subset) => healthy
-                .into_iter()
-                .filter(|p| in_subset(p.id(), subset))
-                .collect(),
-        };
-        if in_subset.is_empty() {
-            return Err(DecideError::EmptySubset);
-        }
-        let pods: Vec<&Arc<Pod>> = in_subset
-            .into_iter()
-            .filter(|p| p.serves(model.as_deref()))
-            .collect();
-        if pods.is_empty() {
-            return Err(DecideError::ModelNotFound(model.unwrap_or_default()));
-        }
-
-        let keyed = parsed
+        let pods = self.candidates(req.subset, model.as_deref())?;
+        let keys = parsed
             .as_ref()
             .map(|r| self.keyer.keys(r))
             .unwrap_or_default();
-        if let Some(kind) = keyed.tokenize_error {
+        if let Some(kind) = keys.tokenize_error {
             debug!(kind, "tokenization failed; approximate keys");
-            self.metrics.error("tokenize");
+            self.metrics.errors.inc(ErrorKind::Tokenize);
         }
-        let keys = &keyed.keys;
         let ids: Vec<PodId> = pods.iter().map(|p| p.id().clone()).collect();
         let now_ms = self.now_ms();
-        let matched = if keys.is_empty() {
+        let matched = if keys.keys.is_empty() {
             vec![0.0; ids.len()]
         } else {
             self.index
-                .lookup(keys, &ids, now_ms)
+                .lookup(&keys.keys, &ids, now_ms)
                 .await
                 .unwrap_or_else(|e| {
                     debug!(error = %e, "index lookup failed; scoring without it");
-                    self.metrics.error("index");
+                    self.metrics.errors.inc(ErrorKind::Index);
                     vec![0.0; ids.len()]
                 })
         };
@@ -419,94 +567,72 @@ impl Decider {
         );
         let session_pod = session.and_then(|s| self.sessions.get(s, now_ms));
         let now = Instant::now();
-        let input = ScoreInput {
-            total_blocks: keys.len(),
-            candidates: pods
-                .iter()
-                .zip(&matched)
-                .map(|(p, m)| Candidate {
-                    pod: p.id().clone(),
-                    matched_blocks: *m,
-                    load: p.load(now, self.stale_after),
-                    session_pod: session_pod.as_ref() == Some(p.id()),
-                })
-                .collect(),
-        };
-        let (scores, busy) = self.stages.score(&input, |e| {
-            debug!(error = %e, "scorer failed; its scores count as 0");
-            self.metrics.error("scorer");
-        });
-        // ThreadRng is not Send: keep it out of scope of the awaits below.
-        let (ranking, reason) = {
-            let mut rng = rand::rng();
-            match (&parsed, req.body) {
-                (None, None) => (
-                    self.least_loaded.rank(&input, &[], &busy, &mut rng),
-                    Reason::NoBody,
-                ),
-                (None, Some(_)) => (
-                    self.least_loaded.rank(&input, &[], &busy, &mut rng),
-                    Reason::Unparsable,
-                ),
-                (Some(_), _) => {
-                    let r = self.stages.picker().rank(&input, &scores, &busy, &mut rng);
-                    let reason = match r.reason {
-                        PickReason::Scored => Reason::Scored,
-                        PickReason::AllSaturated => Reason::AllSaturated,
-                        PickReason::Policy => Reason::Policy,
-                    };
-                    (r, reason)
-                }
-            }
-        };
-        let names = self.stages.names();
-        let ranked: Vec<ScoredPod> = ranking
-            .order
+        let candidates = pods
             .iter()
-            .map(|&i| ScoredPod {
-                pod: input.candidates[i].pod.clone(),
-                total: ranking.totals[i],
-                scores: names.iter().zip(&scores).map(|(n, s)| (*n, s[i])).collect(),
-                matched_blocks: input.candidates[i].matched_blocks,
-                saturated: ranking.saturated[i],
+            .zip(matched)
+            .map(|(p, matched_blocks)| Candidate {
+                pod: p.id().clone(),
+                matched_blocks,
+                load: p.load(now, self.stale_after),
+                session_pod: session_pod.as_ref() == Some(p.id()),
             })
             .collect();
-        let endpoints: Vec<PodId> = ranked
-            .iter()
-            .take(1 + self.fallbacks)
-            .map(|s| s.pod.clone())
-            .collect();
-        let primary_idx = ranking.order[0];
-        let guard = if req.dry_run {
-            None
-        } else {
-            let primary = pods[primary_idx];
-            let prompt_tokens = keyed.prompt_tokens;
-            let cached = (matched[primary_idx] * keyed.tokens_per_block as f64) as u64;
-            let guard = primary.begin_request(
-                prompt_tokens.saturating_sub(cached),
-                now,
-                self.prefill_tokens_per_sec,
-            );
-            if !keys.is_empty() {
-                if let Err(e) = self.index.record(primary.id(), keys, now_ms).await {
-                    debug!(error = %e, "index record failed");
-                    self.metrics.error("index");
-                }
-            }
-            if let Some(s) = session {
-                self.sessions.set(s, primary.id().clone(), now_ms);
-            }
-            Some(guard)
+        let body = match (&parsed, req.body) {
+            (Some(_), _) => Body::Parsed,
+            (None, None) => Body::Missing,
+            (None, Some(_)) => Body::Unparsable,
         };
-        Ok(Decision {
-            endpoints,
-            ranked,
-            reason,
+        let input = PlanInput {
+            keys,
+            body,
+            candidates,
+            session,
+            turn: self.turns.fetch_add(1, Ordering::Relaxed),
+        };
+        let plan = plan(&self.stages, input, &mut rand::rng());
+        for e in &plan.scorer_errors {
+            debug!(error = %e, "scorer failed; its scores count as 0");
+            self.metrics.errors.inc(ErrorKind::Scorer);
+        }
+        Ok(Prepared {
+            plan,
             model,
-            total_blocks: keys.len(),
-            guard,
+            pods,
+            now,
+            now_ms,
         })
+    }
+
+    /// Healthy pods in the subset that serve the model.
+    fn candidates(
+        &self,
+        subset: Option<&[String]>,
+        model: Option<&str>,
+    ) -> Result<Vec<Arc<Pod>>, DecideError> {
+        let snapshot = self.registry.snapshot();
+        let healthy: Vec<&Arc<Pod>> = snapshot.pods().iter().filter(|p| p.is_healthy()).collect();
+        if healthy.is_empty() {
+            return Err(DecideError::NoHealthyPod);
+        }
+        let in_subset: Vec<&Arc<Pod>> = match subset {
+            None => healthy,
+            Some(subset) => healthy
+                .into_iter()
+                .filter(|p| in_subset(p.id(), subset))
+                .collect(),
+        };
+        if in_subset.is_empty() {
+            return Err(DecideError::EmptySubset);
+        }
+        let pods: Vec<Arc<Pod>> = in_subset
+            .into_iter()
+            .filter(|p| p.serves(model))
+            .cloned()
+            .collect();
+        if pods.is_empty() {
+            return Err(DecideError::ModelNotFound(model.unwrap_or_default().into()));
+        }
+        Ok(pods)
     }
 }
 
@@ -523,17 +649,6 @@ fn in_subset(pod: &PodId, subset: &[String]) -> bool {
     })
 }
 
-/// Built-in (pseudo) tokenizers from the config; file-backed ones need [`Decider::with_tokenizers`].
-fn builtin_tokenizers(cfg: &Config) -> crate::tokenize::TokenizerRegistry {
-    let builtin: Vec<_> = cfg
-        .tokenizers
-        .iter()
-        .filter(|t| t.builtin)
-        .cloned()
-        .collect();
-    crate::keys::load_tokenizers(&builtin).unwrap_or_default()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -541,7 +656,8 @@ mod tests {
     use crate::index::MemoryIndex;
     use crate::pods::PodSource;
     use crate::pods::{LoadSample, PodSpec, StaticSource};
-    use prometheus_client::registry::Registry;
+    use rand::rngs::StdRng;
+    use rand::SeedableRng;
 
     async fn decider(n: usize, cfg_edit: impl FnOnce(&mut Config)) -> (Decider, Arc<PodRegistry>) {
         let mut cfg = Config::default();
@@ -565,13 +681,18 @@ mod tests {
             p.record_probe(true, 1);
             p.record_sample(Instant::now(), LoadSample::default());
         }
-        let metrics = Arc::new(Metrics::new(&mut Registry::default()));
+        let metrics = DecisionMetrics::register(&mut Registry::default(), Errors::default());
         let index = Arc::new(MemoryIndex::new(cfg.index.ttl_ms, 1000));
         let sessions = Arc::new(SessionStore::new(100, 10_000));
-        (
-            Decider::new(&cfg, registry.clone(), index, sessions, metrics),
-            registry,
-        )
+        let d = Decider::new(
+            &cfg,
+            Arc::default(),
+            registry.clone(),
+            index,
+            sessions,
+            metrics,
+        );
+        (d, registry)
     }
 
     fn req<'a>(body: &'a [u8], headers: &'a [(String, String)]) -> DecideRequest<'a> {
@@ -580,7 +701,6 @@ mod tests {
             headers,
             body: Some(body),
             subset: None,
-            dry_run: false,
         }
     }
 
@@ -601,25 +721,69 @@ mod tests {
                 .decide(req(&prompt("shared system prompt ", q), &[]))
                 .await
                 .unwrap();
-            assert_eq!(next.endpoints[0], first.endpoints[0]);
-            assert!(next.ranked[0].matched_blocks > 10.0);
+            assert_eq!(next.plan.endpoints[0], first.plan.endpoints[0]);
+            assert!(next.plan.ranked[0].matched_blocks > 10.0);
         }
-        assert_eq!(first.endpoints.len(), 3, "primary + 2 fallbacks");
+        assert_eq!(first.plan.endpoints.len(), 3, "primary + 2 fallbacks");
+        assert_eq!(
+            d.metrics
+                .decisions(Reason::Scored, &first.plan.endpoints[0]),
+            4
+        );
     }
 
     #[tokio::test]
-    async fn dry_run_records_nothing() {
-        let (d, _) = decider(2, |_| {}).await;
+    async fn planning_alone_records_nothing() {
+        let (d, reg) = decider(2, |_| {}).await;
         let body = prompt("abc ", "x");
-        let a = d
-            .decide(DecideRequest {
-                dry_run: true,
-                ..req(&body, &[])
-            })
-            .await
-            .unwrap();
+        let h = vec![("x-session-id".to_string(), "s1".to_string())];
+        let a = d.plan(req(&body, &h)).await.unwrap();
         assert!(a.guard.is_none());
         assert_eq!(d.index().stats().entries, 0);
+        assert!(d.sessions.is_empty());
+        for p in reg.snapshot().pods() {
+            assert_eq!(p.inflight_counts(), (0, 0));
+        }
+        assert_eq!(d.metrics.decisions(a.plan.reason, &a.plan.endpoints[0]), 0);
+        let b = d.decide(req(&body, &h)).await.unwrap();
+        assert!(b.guard.is_some());
+        assert!(d.index().stats().entries > 0);
+        assert_eq!(d.sessions.len(), 1);
+    }
+
+    #[test]
+    fn plan_is_a_function_of_its_inputs() {
+        let stages = Stages::new(&Config::default());
+        let input = || PlanInput {
+            keys: Keys {
+                keys: (0..8).map(crate::blocks::BlockKey).collect(),
+                tokens_per_block: 16,
+                prompt_tokens: 130,
+                ..Keys::default()
+            },
+            body: Body::Parsed,
+            candidates: (0..4)
+                .map(|i| Candidate {
+                    pod: PodId::new(format!("p:{i}")),
+                    matched_blocks: if i == 2 { 5.0 } else { 0.0 },
+                    load: crate::pods::PodLoad {
+                        fresh: true,
+                        ..Default::default()
+                    },
+                    session_pod: false,
+                })
+                .collect(),
+            session: None,
+            turn: 0,
+        };
+        let a = plan(&stages, input(), &mut StdRng::seed_from_u64(3));
+        let b = plan(&stages, input(), &mut StdRng::seed_from_u64(3));
+        assert_eq!(
+            serde_json::to_value(&a).unwrap(),
+            serde_json::to_value(&b).unwrap()
+        );
+        assert_eq!((a.primary, a.reason), (2, Reason::Scored));
+        assert_eq!(a.uncached_tokens, 130 - 5 * 16);
     }
 
     #[tokio::test]
@@ -627,7 +791,11 @@ mod tests {
         let (d, reg) = decider(2, |_| {}).await;
         let body = prompt("hot prefix ", "x");
         let first = d.decide(req(&body, &[])).await.unwrap();
-        let hot = reg.snapshot().get(&first.endpoints[0]).unwrap().clone();
+        let hot = reg
+            .snapshot()
+            .get(&first.plan.endpoints[0])
+            .unwrap()
+            .clone();
         hot.record_sample(
             Instant::now(),
             LoadSample {
@@ -636,9 +804,9 @@ mod tests {
             },
         );
         let next = d.decide(req(&body, &[])).await.unwrap();
-        assert_ne!(next.endpoints[0], first.endpoints[0]);
+        assert_ne!(next.plan.endpoints[0], first.plan.endpoints[0]);
         assert_eq!(
-            next.endpoints[1], first.endpoints[0],
+            next.plan.endpoints[1], first.plan.endpoints[0],
             "the warm pod stays a fallback"
         );
     }
@@ -654,16 +822,19 @@ mod tests {
                 .decide(req(&prompt(&format!("unrelated {i}"), "z"), &h))
                 .await
                 .unwrap();
-            assert_eq!(next.endpoints[0], first.endpoints[0]);
+            assert_eq!(next.plan.endpoints[0], first.plan.endpoints[0]);
         }
     }
 
     #[tokio::test]
-    async fn errors_map_to_statuses() {
+    async fn failures_are_typed_and_counted() {
         let (d, reg) = decider(2, |_| {}).await;
         let other =
             serde_json::to_vec(&serde_json::json!({"model": "nope", "prompt": "x"})).unwrap();
-        assert_eq!(d.decide(req(&other, &[])).await.unwrap_err().status(), 404);
+        assert_eq!(
+            d.decide(req(&other, &[])).await.unwrap_err(),
+            DecideError::ModelNotFound("nope".into())
+        );
         let subset = vec!["10.9.9.9".to_string()];
         let r = DecideRequest {
             subset: Some(&subset),
@@ -671,23 +842,19 @@ mod tests {
         };
         assert_eq!(d.decide(r).await.unwrap_err(), DecideError::EmptySubset);
         let bad = d.decide(req(b"{nope", &[])).await.unwrap();
-        assert_eq!(bad.reason, Reason::Unparsable);
+        assert_eq!(bad.plan.reason, Reason::Unparsable);
+        assert_eq!(d.metrics.errors.get(ErrorKind::Unparsable), 1);
         for p in reg.snapshot().pods() {
             p.record_probe(false, 1);
         }
         let e = d.decide(req(&other, &[])).await.unwrap_err();
-        assert_eq!(e.status(), 503);
-        let body: serde_json::Value = serde_json::from_slice(&e.openai_body()).unwrap();
-        assert!(body["error"]["message"].is_string());
+        assert_eq!(e, DecideError::NoHealthyPod);
+        assert_eq!(d.metrics.errors.get(ErrorKind::NoHealthyPod), 1);
         let (strict, _) = decider(1, |c| c.strict = true).await;
-        assert_eq!(
-            strict
-                .decide(req(b"{nope", &[]))
-                .await
-                .unwrap_err()
-                .status(),
-            400
-        );
+        assert!(matches!(
+            strict.decide(req(b"{nope", &[])).await.unwrap_err(),
+            DecideError::BadRequest(_)
+        ));
     }
 
     #[tokio::test]
@@ -701,7 +868,7 @@ mod tests {
                 ..req(&body, &[])
             };
             assert_eq!(
-                d.decide(r).await.unwrap().endpoints,
+                d.decide(r).await.unwrap().plan.endpoints,
                 vec![PodId::new("127.0.0.1:8002")]
             );
         }
@@ -727,7 +894,7 @@ mod tests {
             ..req(b"", &[])
         };
         let dec = d.decide(r).await.unwrap();
-        assert_eq!(dec.reason, Reason::NoBody);
-        assert_eq!(&dec.endpoints[0], reg.snapshot().pods()[1].id());
+        assert_eq!(dec.plan.reason, Reason::NoBody);
+        assert_eq!(&dec.plan.endpoints[0], reg.snapshot().pods()[1].id());
     }
 }

@@ -1,9 +1,13 @@
-//! `kv-router`: serve, or check a config file. Config is validated before any port opens.
+//! `kv-router`: serve, or check a config file. Config (tokenizer files included) is validated
+//! before any port opens; an invalid one exits with status 64 either way.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
+use kv_router::config::Config;
+use kv_router::keys::load_tokenizers;
+use kv_router::tokenize::TokenizerRegistry;
 
 #[derive(Parser)]
 #[command(
@@ -31,32 +35,37 @@ enum Command {
     },
 }
 
+/// Exit status of an invalid configuration (EX_USAGE), for `check-config` and `serve` alike.
+const BAD_CONFIG: u8 = 64;
+
+/// Loads and validates a config file, tokenizer files included (a missing or broken tokenizer
+/// is a config error).
+fn load(file: &Path) -> Result<(Config, TokenizerRegistry), String> {
+    let cfg = Config::load(file).map_err(|e| format!("{}: {e}", file.display()))?;
+    let tokenizers = load_tokenizers(&cfg.tokenizers)
+        .map_err(|e| format!("{}: tokenizers: {e}", file.display()))?;
+    Ok((cfg, tokenizers))
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
-        Command::CheckConfig { file } => match kv_router::config::Config::load(&file) {
-            // Tokenizer files are read too: a missing or broken one is a config error.
-            Ok(cfg) => match kv_router::keys::load_tokenizers(&cfg.tokenizers) {
-                Ok(_) => {
-                    println!("{}: OK", file.display());
-                    ExitCode::SUCCESS
-                }
-                Err(e) => {
-                    eprintln!("{}: tokenizers: {e}", file.display());
-                    ExitCode::from(64)
-                }
-            },
+        Command::CheckConfig { file } => match load(&file) {
+            Ok(_) => {
+                println!("{}: OK", file.display());
+                ExitCode::SUCCESS
+            }
             Err(e) => {
-                eprintln!("{}: {e}", file.display());
-                ExitCode::from(64)
+                eprintln!("{e}");
+                ExitCode::from(BAD_CONFIG)
             }
         },
         Command::Serve { config } => {
-            let cfg = match kv_router::config::Config::load(&config) {
-                Ok(c) => c,
+            let (cfg, tokenizers) = match load(&config) {
+                Ok(loaded) => loaded,
                 Err(e) => {
-                    eprintln!("{}: {e}", config.display());
-                    return ExitCode::from(64);
+                    eprintln!("{e}");
+                    return ExitCode::from(BAD_CONFIG);
                 }
             };
             kv_router::telemetry::init_logging(&cfg.log);
@@ -67,7 +76,7 @@ fn main() -> ExitCode {
                     return ExitCode::FAILURE;
                 }
             };
-            match rt.block_on(kv_router::app::run(cfg)) {
+            match rt.block_on(kv_router::app::run(cfg, tokenizers)) {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {
                     tracing::error!("{e:#}");

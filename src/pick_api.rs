@@ -1,11 +1,12 @@
 //! The project's own `Pick` gRPC service (proto/kvrouter.proto): the ext_proc decision for
-//! callers that are not Envoy, on the exact same code path.
+//! callers that are not Envoy, on the exact same code path. A pick only ranks unless the caller
+//! asks to commit it.
 
 use std::sync::Arc;
 
 use tonic::{Request, Response, Status};
 
-use crate::decide::{DecideRequest, Decider, Decision, ScoredPod};
+use crate::decide::{DecideError, DecideRequest, Decider, Decision, ScoredPod};
 
 /// Generated protobuf types and service stubs.
 pub mod proto {
@@ -38,19 +39,27 @@ fn endpoint(s: &ScoredPod) -> ScoredEndpoint {
     }
 }
 
-/// Converts a decision to the wire answer.
-pub fn to_response(d: &Decision) -> PickResponse {
+fn to_response(d: &Decision) -> PickResponse {
+    let p = &d.plan;
     PickResponse {
-        endpoints: d
+        endpoints: p
             .endpoints
             .iter()
-            .filter_map(|id| d.ranked.iter().find(|s| &s.pod == id))
+            .filter_map(|id| p.ranked.iter().find(|s| &s.pod == id))
             .map(endpoint)
             .collect(),
-        reason: d.reason.as_str().to_string(),
+        reason: p.reason.as_str().to_string(),
         model: d.model.clone().unwrap_or_default(),
-        total_blocks: d.total_blocks as u32,
-        candidates: d.ranked.iter().map(endpoint).collect(),
+        total_blocks: p.total_blocks as u32,
+        candidates: p.ranked.iter().map(endpoint).collect(),
+    }
+}
+
+fn status(e: &DecideError) -> Status {
+    match e {
+        DecideError::BadRequest(_) => Status::invalid_argument(e.to_string()),
+        DecideError::ModelNotFound(_) => Status::not_found(e.to_string()),
+        DecideError::NoHealthyPod | DecideError::EmptySubset => Status::unavailable(e.to_string()),
     }
 }
 
@@ -64,22 +73,108 @@ impl Picker for PickService {
             .map(|(k, v)| (k.to_ascii_lowercase(), v))
             .collect();
         let subset = (!r.subset.is_empty()).then_some(r.subset);
-        let decision = self
-            .decider
-            .decide(DecideRequest {
-                path: &r.path,
-                headers: &headers,
-                body: (!r.body.is_empty()).then_some(r.body.as_slice()),
-                subset: subset.as_deref(),
-                dry_run: r.dry_run,
-            })
-            .await
-            .map_err(|e| match e.status() {
-                400 | 413 => Status::invalid_argument(e.to_string()),
-                404 => Status::not_found(e.to_string()),
-                _ => Status::unavailable(e.to_string()),
-            })?;
-        // A caller outside Envoy owns the request's lifetime; the guard settles on the next scrape.
+        let req = DecideRequest {
+            path: &r.path,
+            headers: &headers,
+            body: (!r.body.is_empty()).then_some(r.body.as_slice()),
+            subset: subset.as_deref(),
+        };
+        let decision = if r.commit {
+            self.decider.decide(req).await
+        } else {
+            self.decider.plan(req).await
+        }
+        .map_err(|e| status(&e))?;
+        // A caller outside Envoy owns the request's lifetime: a committed request's load is
+        // released here and settles on the pod's next scrape.
         Ok(Response::new(to_response(&decision)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{Config, StaticPod};
+    use crate::decide::DecisionMetrics;
+    use crate::index::MemoryIndex;
+    use crate::pods::{LoadSample, PodRegistry, PodSource, StaticSource};
+    use crate::scoring::SessionStore;
+    use crate::telemetry::Errors;
+    use prometheus_client::registry::Registry;
+
+    async fn service() -> (PickService, Arc<Decider>) {
+        let mut cfg = Config::default();
+        cfg.pods.static_pods = (0..3)
+            .map(|i| StaticPod {
+                address: format!("127.0.0.1:{}", 9100 + i),
+                models: vec![],
+                labels: Default::default(),
+                kv_events_endpoint: None,
+                kv_events_replay_endpoint: None,
+            })
+            .collect();
+        let pods = Arc::new(PodRegistry::default());
+        pods.update(
+            StaticSource::new(&cfg.pods.static_pods)
+                .pods()
+                .await
+                .unwrap(),
+        );
+        for p in pods.snapshot().pods() {
+            p.record_probe(true, 1);
+            p.record_sample(tokio::time::Instant::now(), LoadSample::default());
+        }
+        let decider = Arc::new(Decider::new(
+            &cfg,
+            Arc::default(),
+            pods,
+            Arc::new(MemoryIndex::new(60_000, 10_000)),
+            Arc::new(SessionStore::new(10, 60_000)),
+            DecisionMetrics::register(&mut Registry::default(), Errors::default()),
+        ));
+        (PickService::new(decider.clone()), decider)
+    }
+
+    fn pick(commit: bool) -> Request<PickRequest> {
+        let prompt = "a long shared system prompt ".repeat(30);
+        Request::new(PickRequest {
+            path: "/v1/completions".into(),
+            body: serde_json::to_vec(&serde_json::json!({"model": "m", "prompt": prompt})).unwrap(),
+            commit,
+            ..Default::default()
+        })
+    }
+
+    #[tokio::test]
+    async fn a_pick_records_only_when_committed() {
+        let (svc, decider) = service().await;
+        let r = svc.pick(pick(false)).await.unwrap().into_inner();
+        assert_eq!(r.reason, "scored");
+        assert_eq!(r.endpoints.len(), 3);
+        assert_eq!(r.candidates.len(), 3);
+        assert_eq!(
+            decider.index().stats().entries,
+            0,
+            "a plain pick records nothing"
+        );
+        let first = svc.pick(pick(true)).await.unwrap().into_inner();
+        assert!(
+            decider.index().stats().entries > 0,
+            "a committed pick teaches the index"
+        );
+        let again = svc.pick(pick(false)).await.unwrap().into_inner();
+        assert_eq!(again.endpoints[0].address, first.endpoints[0].address);
+        assert!(again.endpoints[0].matched_blocks > 0.0);
+    }
+
+    #[tokio::test]
+    async fn an_empty_subset_is_unavailable() {
+        let (svc, _) = service().await;
+        let mut req = pick(false);
+        req.get_mut().subset = vec!["10.0.0.1".into()];
+        assert_eq!(
+            svc.pick(req).await.unwrap_err().code(),
+            tonic::Code::Unavailable
+        );
     }
 }

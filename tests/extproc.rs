@@ -17,12 +17,12 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
 };
 use envoy_types::pb::google::protobuf::value::Kind;
 use kv_router::config::{Config, StaticPod};
-use kv_router::decide::Decider;
-use kv_router::extproc::{ExtProc, DESTINATION_HEADER};
+use kv_router::decide::{Decider, DecisionMetrics};
+use kv_router::extproc::{ExtProc, ExtProcMetrics, DESTINATION_HEADER};
 use kv_router::index::MemoryIndex;
 use kv_router::pods::{LoadSample, PodRegistry, PodSource, StaticSource};
 use kv_router::scoring::SessionStore;
-use kv_router::telemetry::Metrics;
+use kv_router::telemetry::Errors;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::StreamExt;
@@ -55,17 +55,22 @@ async fn harness(limit: usize) -> Harness {
         p.record_probe(true, 1);
         p.record_sample(tokio::time::Instant::now(), LoadSample::default());
     }
-    let metrics = Arc::new(Metrics::new(
-        &mut prometheus_client::registry::Registry::default(),
-    ));
+    let mut registry = prometheus_client::registry::Registry::default();
+    let errors = Errors::register(&mut registry);
     let decider = Arc::new(Decider::new(
         &cfg,
+        Arc::default(),
         pods.clone(),
         Arc::new(MemoryIndex::new(60_000, 10_000)),
         Arc::new(SessionStore::new(100, 60_000)),
-        metrics.clone(),
+        DecisionMetrics::register(&mut registry, errors.clone()),
     ));
-    let svc = ExtProc::new(decider, metrics, limit, true);
+    let svc = ExtProc::new(
+        decider,
+        ExtProcMetrics::register(&mut registry, errors),
+        limit,
+        true,
+    );
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     tokio::spawn(

@@ -22,7 +22,7 @@ use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap, VecDeque};
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::time::Duration;
 use std::time::Instant;
 
 use anyhow::{Context, Result};
@@ -35,16 +35,17 @@ use super::oracle::{OracleRequest, Oracles};
 use super::report::{percentile, Style};
 use super::trace::{self, Expansion, Trace};
 use super::workload::SplitMix64;
-use crate::blocks::{namespace_seed, token_keys, BlockKey};
+use crate::blocks::{namespace_seed, token_keys};
 use crate::config::{Config, Policy, TokenizerConfig};
-use crate::decide::Stages;
-use crate::events::{BlockHash, KvEvent, KvEventBatch};
-use crate::index::{ApplyStats, EventIndex, EventIndexConfig, KvIndex, MemoryIndex};
-use crate::picker::PickReason;
-use crate::pods::{PodId, PodLoad};
-use crate::scoring::{Candidate, ScoreInput};
-use crate::sim::cache::CacheEvent;
+use crate::decide::{commit, plan, Body, PlanInput, Stages};
+use crate::events::KvEventBatch;
+use crate::index::{build_index, index_capacity, ApplyStats};
+use crate::keys::Keys;
+use crate::picker::Reason;
+use crate::pods::{prefill_time, LoadSample, PodId, PodLoad, Settling, Timestamp};
+use crate::scoring::Candidate;
 use crate::sim::engine::{Engine, EngineConfig, Output, Submission};
+use crate::sim::translate::{Hashes, Translator};
 
 /// Model name of every simulated request (seeds the block keys of router and pods alike).
 pub const MODEL: &str = "sim-model";
@@ -598,107 +599,54 @@ impl rand::RngCore for SimRng {
     }
 }
 
-/// One routed request still counted by the router (mirror of `pods/inflight.rs`'s `Settling`).
-#[derive(Debug, Clone, Copy)]
-struct Settling {
-    released_us: u64,
-    request_pending: bool,
-    tokens: u64,
-    tokens_until_us: u64,
+/// Virtual time in microseconds, as the router's in-flight accounting sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+struct SimTime(u64);
+
+impl Timestamp for SimTime {
+    fn since(self, earlier: Self) -> Duration {
+        Duration::from_micros(self.0.saturating_sub(earlier.0))
+    }
+
+    fn after(self, d: Duration) -> Self {
+        SimTime(self.0 + d.as_micros() as u64)
+    }
 }
 
-// Same bound as the router's per-pod settling queue.
-const MAX_SETTLING: usize = 65_536;
-
-/// A pod as the router sees it: last scrape plus its own in-flight accounting.
+/// A pod as the router sees it: last scrape plus its own in-flight accounting (`pods/inflight.rs`
+/// in BUFFERED mode: every guard is released as soon as the request is routed).
 #[derive(Debug, Default)]
 struct PodView {
-    sample_at_us: Option<u64>,
-    waiting: f64,
-    running: f64,
-    kv_usage: f64,
-    settling: VecDeque<Settling>,
+    sample: Option<(SimTime, LoadSample)>,
+    settling: Settling<SimTime>,
 }
 
 impl PodView {
-    /// `Pod::load` at `now` (BUFFERED mode: every guard is already released).
-    fn load(&mut self, now: u64, stale_after_us: u64) -> PodLoad {
-        self.settling.retain(|s| {
-            (s.request_pending && now.saturating_sub(s.released_us) < stale_after_us)
-                || s.tokens_until_us > now
-        });
-        let (mut requests, mut tokens) = (0u64, 0u64);
-        for s in &self.settling {
-            if s.request_pending && now.saturating_sub(s.released_us) < stale_after_us {
-                requests += 1;
-            }
-            if s.tokens_until_us > now {
-                tokens += s.tokens;
-            }
-        }
-        PodLoad {
-            waiting: self.waiting,
-            running: self.running,
-            kv_usage: self.kv_usage,
-            inflight_requests: requests as f64,
-            inflight_tokens: tokens as f64,
-            fresh: self
-                .sample_at_us
-                .is_some_and(|at| now.saturating_sub(at) <= stale_after_us),
-        }
+    /// `Pod::load` at `now`.
+    fn load(&mut self, now: SimTime, stale_after: Duration) -> PodLoad {
+        let inflight = self.settling.count(now, stale_after);
+        PodLoad::at(now, self.sample, inflight, stale_after)
     }
 
-    /// A scrape sent at `now` succeeded (`Pod::record_sample` + `observed_scrape`).
-    fn scrape(&mut self, now: u64, e: &Engine) {
+    /// A scrape sent at `now` succeeded (`Pod::record_sample`).
+    fn scrape(&mut self, now: SimTime, e: &Engine) {
         let s = e.stats();
-        self.sample_at_us = Some(now);
-        self.waiting = s.waiting as f64;
-        self.running = s.running as f64;
-        self.kv_usage = s.kv_cache_usage;
-        for st in self.settling.iter_mut() {
-            if st.released_us < now {
-                st.request_pending = false;
-            }
-        }
-        self.settling
-            .retain(|s| s.request_pending || s.tokens_until_us > now);
+        self.sample = Some((
+            now,
+            LoadSample {
+                waiting: s.waiting as f64,
+                running: s.running as f64,
+                kv_usage: s.kv_cache_usage,
+                ..LoadSample::default()
+            },
+        ));
+        self.settling.observed_scrape(now);
     }
 
     /// A request was routed here at `now` with `tokens` estimated uncached prompt tokens.
-    fn routed(&mut self, now: u64, tokens: u64, prefill_tokens_per_sec: f64) {
-        let secs = if prefill_tokens_per_sec > 0.0 {
-            (tokens as f64 / prefill_tokens_per_sec).min(3600.0)
-        } else {
-            0.0
-        };
-        if self.settling.len() >= MAX_SETTLING {
-            self.settling.pop_front();
-        }
-        self.settling.push_back(Settling {
-            released_us: now,
-            request_pending: true,
-            tokens,
-            tokens_until_us: now + (secs * 1e6) as u64,
-        });
-    }
-}
-
-/// The index a strategy's router would build (as `app::run` does).
-fn build_index(cfg: &Config) -> Arc<dyn KvIndex> {
-    if cfg.kv_events.enabled {
-        Arc::new(EventIndex::new(EventIndexConfig {
-            block_tokens: cfg.kv_events.block_tokens,
-            max_blocks: cfg.blocks.max_blocks,
-            gpu_weight: cfg.kv_events.gpu_weight,
-            cpu_weight: cfg.kv_events.cpu_weight,
-            speculative_ttl_ms: cfg.kv_events.speculative_ttl_ms,
-            ..EventIndexConfig::default()
-        }))
-    } else {
-        Arc::new(MemoryIndex::new(
-            cfg.index.ttl_ms,
-            cfg.index.default_capacity_blocks,
-        ))
+    fn routed(&mut self, now: SimTime, tokens: u64, prefill_tokens_per_sec: f64) {
+        let until = now.after(prefill_time(tokens, prefill_tokens_per_sec));
+        self.settling.push(now, tokens, until);
     }
 }
 
@@ -706,46 +654,6 @@ fn build_index(cfg: &Config) -> Arc<dyn KvIndex> {
 fn ready<T>(f: impl std::future::Future<Output = T>) -> T {
     f.now_or_never()
         .expect("in-memory index operations complete without waiting")
-}
-
-/// The vLLM KV events of one engine step, engine hashes being the pod's own block keys: the
-/// index treats engine hashes as opaque and re-keys blocks from their token ids.
-fn kv_batch(events: Vec<CacheEvent>, at_us: u64) -> KvEventBatch {
-    let events = events
-        .into_iter()
-        .map(|e| match e {
-            CacheEvent::BlockStored {
-                block_hashes,
-                parent_block_hash,
-                token_ids,
-                block_size,
-                ..
-            } => KvEvent::BlockStored {
-                block_hashes: block_hashes.iter().map(|k| BlockHash::Int(k.0)).collect(),
-                parent_block_hash: parent_block_hash.map(|k| BlockHash::Int(k.0)),
-                token_ids,
-                block_size: block_size as u32,
-                lora_id: None,
-                medium: Some("GPU".into()),
-                lora_name: None,
-                extra_keys: None,
-                group_idx: Some(0),
-                kv_cache_spec_kind: Some("full_attention".into()),
-                kv_cache_spec_sliding_window: None,
-            },
-            CacheEvent::BlockRemoved { block_hashes } => KvEvent::BlockRemoved {
-                block_hashes: block_hashes.iter().map(|k| BlockHash::Int(k.0)).collect(),
-                medium: Some("GPU".into()),
-                group_idx: Some(0),
-            },
-            CacheEvent::AllBlocksCleared => KvEvent::AllBlocksCleared,
-        })
-        .collect();
-    KvEventBatch {
-        ts: at_us as f64 / 1e6,
-        events,
-        data_parallel_rank: Some(0),
-    }
 }
 
 /// Adds one batch's counts to a run's totals.
@@ -782,6 +690,7 @@ struct Fleet<'a> {
     deliveries: VecDeque<(u64, usize, KvEventBatch)>,
     /// Forward cache events (precise strategy only).
     publish: bool,
+    translator: Translator,
     delay_us: u64,
     last_arrival_us: u64,
     ttft_us: Vec<u64>,
@@ -815,8 +724,12 @@ impl Fleet<'_> {
         let events = self.engines[p].drain_cache_events();
         // Events after the last decision can no longer matter.
         if self.publish && !events.is_empty() && now < self.last_arrival_us {
-            self.deliveries
-                .push_back((now + self.delay_us, p, kv_batch(events, now)));
+            let batch = KvEventBatch {
+                ts: now as f64 / 1e6,
+                events: self.translator.translate(events),
+                data_parallel_rank: Some(0),
+            };
+            self.deliveries.push_back((now + self.delay_us, p, batch));
         }
         let next = self.engines[p].next_event_time();
         if next != self.scheduled[p] {
@@ -856,20 +769,18 @@ fn simulate(
     let ids: Vec<PodId> = (0..pods).map(|i| PodId::new(format!("pod-{i}"))).collect();
     let mut views: Vec<PodView> = (0..pods).map(|_| PodView::default()).collect();
     if let Some(index) = &index {
-        // app.rs: capacity = num_gpu_blocks in router blocks, × capacity_factor.
-        let router_block = (cfg.blocks.size_chars / 4).max(1);
-        let cap = (ecfg.num_gpu_blocks as f64 * BLOCK_TOKENS as f64 / router_block as f64
-            * cfg.index.capacity_factor) as usize;
+        // As the router's maintenance loop does from the pods' `cache_config_info`.
+        let cap = index_capacity(&cfg, ecfg.num_gpu_blocks as u64, BLOCK_TOKENS as u64);
         for id in &ids {
-            let _ = ready(index.set_capacity(id, cap));
+            ready(index.set_capacity(id, cap)).expect("in-memory index");
         }
     }
     let salt = SplitMix64::derive(opts.seed, strategy.as_str(), pods as u64).next_u64();
     let mut rng = SimRng(SplitMix64::new(salt));
-    let stale_after_us = cfg.pods.stale_after_ms * 1000;
+    let stale_after = Duration::from_millis(cfg.pods.stale_after_ms);
     let scrape_us = opts.scrape_interval_ms.max(1) * 1000;
     let sweep_every = (1000 / opts.scrape_interval_ms.max(1)).max(1);
-    let prefill_tps = cfg.scorers.load.prefill_tokens_per_sec;
+    let prefill_tps = stages.prefill_tokens_per_sec();
     let max_blocks = cfg.blocks.max_blocks;
     let n = prep.at_us.len();
     let mut fleet = Fleet {
@@ -879,6 +790,7 @@ fn simulate(
         scheduled: vec![None; pods],
         deliveries: VecDeque::new(),
         publish: cfg.kv_events.enabled,
+        translator: Translator::new(Hashes::EngineKeys),
         delay_us: (opts.event_delay_ms.max(0.0) * 1e3).round() as u64,
         last_arrival_us: prep.at_us.last().copied().unwrap_or(0),
         ttft_us: vec![u64::MAX; n],
@@ -928,54 +840,63 @@ fn simulate(
         }
         if t_tick == Some(t) {
             for (v, e) in views.iter_mut().zip(&fleet.engines) {
-                v.scrape(t, e);
+                v.scrape(SimTime(t), e);
             }
             if ticks % sweep_every == 0 {
                 if let Some(index) = &index {
-                    let _ = ready(index.sweep(t / 1000));
+                    ready(index.sweep(t / 1000)).expect("in-memory index");
                 }
             }
             ticks += 1;
             next_tick = t + scrape_us;
             continue;
         }
-        // An arrival: decide as `Decider::decide_inner` does, then submit.
+        // An arrival: the router's lookup, then its own plan and commit, then submit.
         let i = next_req;
         next_req += 1;
         let now_ms = t / 1000;
         let oracle = &prep.oracle[i];
-        let keys: &[BlockKey] = &oracle.keys[..oracle.keys.len().min(max_blocks)];
+        let keys = Keys {
+            keys: oracle.keys[..oracle.keys.len().min(max_blocks)].to_vec(),
+            tokens_per_block: BLOCK_TOKENS,
+            prompt_tokens: oracle.prompt_tokens,
+            precise: cfg.kv_events.enabled,
+            tokenize_error: None,
+        };
         let matched = match &index {
-            Some(index) if !keys.is_empty() => {
-                ready(index.lookup(keys, &ids, now_ms)).unwrap_or_else(|_| vec![0.0; pods])
+            Some(index) if !keys.keys.is_empty() => {
+                ready(index.lookup(&keys.keys, &ids, now_ms)).expect("in-memory index")
             }
             _ => vec![0.0; pods],
         };
-        let input = ScoreInput {
-            total_blocks: keys.len(),
-            candidates: (0..pods)
-                .map(|p| Candidate {
-                    pod: ids[p].clone(),
-                    matched_blocks: matched[p],
-                    load: views[p].load(t, stale_after_us),
-                    session_pod: false,
-                })
-                .collect(),
+        let candidates = (0..pods)
+            .map(|p| Candidate {
+                pod: ids[p].clone(),
+                matched_blocks: matched[p],
+                load: views[p].load(SimTime(t), stale_after),
+                session_pod: false,
+            })
+            .collect();
+        let input = PlanInput {
+            keys,
+            body: Body::Parsed,
+            candidates,
+            session: None,
+            turn: i as u64,
         };
-        let (scores, busy) = stages.score(&input, |_| {});
-        let ranking = stages.picker().rank(&input, &scores, &busy, &mut rng);
-        if ranking.reason == PickReason::AllSaturated {
+        let plan = plan(&stages, input, &mut rng);
+        if plan.reason == Reason::AllSaturated {
             all_saturated += 1;
         }
-        let p = ranking.order[0];
+        let p = plan.primary;
         per_pod[p] += 1;
-        let cached = (matched[p] * BLOCK_TOKENS as f64) as u64;
-        views[p].routed(t, oracle.prompt_tokens.saturating_sub(cached), prefill_tps);
-        if let Some(index) = &index {
-            if !keys.is_empty() {
-                let _ = ready(index.record(&ids[p], keys, now_ms));
-            }
-        }
+        ready(commit(
+            &plan,
+            index.as_deref(),
+            None,
+            now_ms,
+            |p, tokens| views[p].routed(SimTime(t), tokens, prefill_tps),
+        ));
         let sub = Submission {
             tokens: prep.tokens[i].clone(),
             keys: oracle.keys.clone(),
@@ -1562,6 +1483,7 @@ pub fn cli(args: &SimulateArgs) -> Result<()> {
 mod tests {
     use super::*;
     use crate::bench::trace::TraceRecord;
+    use std::sync::Arc;
 
     /// Fast engines: small prompts still queue a little so load matters.
     fn opts(pods: usize) -> SimulateOptions {

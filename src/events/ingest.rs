@@ -170,7 +170,7 @@ async fn apply_loop(
                     }
                     Err(e) => {
                         warn!(pod = %id, error = %e, "applying KV events failed");
-                        metrics.error("index");
+                        metrics.error(crate::telemetry::ErrorKind::Index);
                     }
                 }
             }

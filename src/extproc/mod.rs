@@ -21,20 +21,57 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 use tracing::debug;
 
-use crate::decide::{DecideError, DecideRequest, Decider};
+use std::fmt::Write as _;
+
+use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue, LabelValueEncoder};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::registry::Registry;
+
+use crate::decide::{DecideRequest, Decider};
 use crate::pods::InflightGuard;
-use crate::telemetry::{Metrics, ModeLabels};
+use crate::telemetry::Errors;
+use reply::Rejection;
 
 pub use reply::{
     DESTINATION_HEADER, DESTINATION_SERVED_HEADER, LB_NAMESPACE, OWNED_HEADERS, SUBSET_KEY,
     SUBSET_NAMESPACE,
 };
 
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ModeLabels {
+    mode: BodyMode,
+}
+
+/// The ext_proc edge's metric families.
+#[derive(Debug, Clone)]
+pub struct ExtProcMetrics {
+    streams: Family<ModeLabels, Counter>,
+    errors: Errors,
+}
+
+impl ExtProcMetrics {
+    /// Registers `extproc_streams` (`registry` is the `kv_router` sub-registry); refusals go to
+    /// the shared error counter.
+    pub fn register(registry: &mut Registry, errors: Errors) -> Self {
+        let m = Self {
+            streams: Family::default(),
+            errors,
+        };
+        registry.register(
+            "extproc_streams",
+            "ext_proc streams by body mode",
+            m.streams.clone(),
+        );
+        m
+    }
+}
+
 /// ext_proc service state shared by all streams.
 #[derive(Clone)]
 pub struct ExtProc {
     decider: Arc<Decider>,
-    metrics: Arc<Metrics>,
+    metrics: ExtProcMetrics,
     body_limit: usize,
     destination_header: bool,
 }
@@ -43,7 +80,7 @@ impl ExtProc {
     /// A service over the shared decision path.
     pub fn new(
         decider: Arc<Decider>,
-        metrics: Arc<Metrics>,
+        metrics: ExtProcMetrics,
         body_limit: usize,
         destination_header: bool,
     ) -> Self {
@@ -74,11 +111,28 @@ impl ExternalProcessor for ExtProc {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// The request body mode Envoy announced (the `mode` label of `extproc_streams`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 enum BodyMode {
     Buffered,
     Streamed,
     FullDuplex,
+}
+
+impl BodyMode {
+    fn as_str(self) -> &'static str {
+        match self {
+            BodyMode::Buffered => "buffered",
+            BodyMode::Streamed => "streamed",
+            BodyMode::FullDuplex => "full_duplex",
+        }
+    }
+}
+
+impl EncodeLabelValue for BodyMode {
+    fn encode(&self, e: &mut LabelValueEncoder<'_>) -> std::fmt::Result {
+        e.write_str(self.as_str())
+    }
 }
 
 /// Per-HTTP-request state.
@@ -128,14 +182,9 @@ impl ExtProc {
                     st.response_full_duplex = BodySendMode::try_from(pc.response_body_mode)
                         == Ok(BodySendMode::FullDuplexStreamed);
                 }
-                let mode = match st.mode {
-                    BodyMode::Buffered => "buffered",
-                    BodyMode::Streamed => "streamed",
-                    BodyMode::FullDuplex => "full_duplex",
-                };
                 self.metrics
                     .streams
-                    .get_or_create(&ModeLabels { mode })
+                    .get_or_create(&ModeLabels { mode: st.mode })
                     .inc();
             }
             if let Some(subset) = subset_hint(msg.metadata_context.as_ref()) {
@@ -234,9 +283,9 @@ impl ExtProc {
             .await;
         }
         if st.body.len() + chunk.len() > self.body_limit {
-            let err = DecideError::BodyTooLarge(self.body_limit);
-            self.metrics.error(err.kind());
-            send(tx, reply::immediate_error(&err)).await;
+            let r = Rejection::BodyTooLarge(self.body_limit);
+            self.metrics.errors.inc(r.kind());
+            send(tx, reply::immediate_error(&r)).await;
             return false;
         }
         if st.body.is_empty() && eos {
@@ -287,17 +336,17 @@ impl ExtProc {
                 headers: &st.headers,
                 body: body.as_deref(),
                 subset: st.subset.as_deref(),
-                dry_run: false,
             })
             .await;
         let decision = match result {
             Ok(d) => d,
             Err(e) => {
-                send(tx, reply::immediate_error(&e)).await;
+                // The decision path counted the error.
+                send(tx, reply::immediate_error(&e.into())).await;
                 return false;
             }
         };
-        let destination = decision.destination();
+        let destination = decision.plan.destination();
         st.guard = decision.guard;
         let set_header = self.destination_header;
         match (st.mode, has_body) {

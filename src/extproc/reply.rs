@@ -1,4 +1,5 @@
-//! ProcessingResponse builders and the wire names we own.
+//! ProcessingResponse builders, the wire names we own, and how a refusal reaches the client
+//! (HTTP status and OpenAI error body: the edge decides them, not the decision path).
 
 use envoy_types::pb::envoy::config::core::v3::header_value_option::HeaderAppendAction;
 use envoy_types::pb::envoy::config::core::v3::{HeaderValue, HeaderValueOption};
@@ -12,6 +13,7 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
 use envoy_types::pb::google::protobuf::{value::Kind, Struct, Value};
 
 use crate::decide::DecideError;
+use crate::telemetry::ErrorKind;
 
 /// Dynamic-metadata namespace override_host reads.
 pub const LB_NAMESPACE: &str = "envoy.lb";
@@ -205,19 +207,82 @@ pub fn response_trailers_continue() -> ProcessingResponse {
     }
 }
 
+/// Why the router answers the client itself instead of routing the request.
+#[derive(Debug, PartialEq)]
+pub enum Rejection {
+    /// No decision could be made.
+    Decide(DecideError),
+    /// The body exceeds the configured limit (bytes).
+    BodyTooLarge(usize),
+}
+
+impl From<DecideError> for Rejection {
+    fn from(e: DecideError) -> Self {
+        Rejection::Decide(e)
+    }
+}
+
+impl Rejection {
+    /// HTTP status for the client.
+    pub fn status(&self) -> u16 {
+        match self {
+            Rejection::Decide(DecideError::NoHealthyPod | DecideError::EmptySubset) => 503,
+            Rejection::Decide(DecideError::ModelNotFound(_)) => 404,
+            Rejection::Decide(DecideError::BadRequest(_)) => 400,
+            Rejection::BodyTooLarge(_) => 413,
+        }
+    }
+
+    /// The error counter's kind.
+    pub fn kind(&self) -> ErrorKind {
+        match self {
+            Rejection::Decide(e) => e.kind(),
+            Rejection::BodyTooLarge(_) => ErrorKind::BodyTooLarge,
+        }
+    }
+
+    /// Client-facing message (never prompt text).
+    pub fn message(&self) -> String {
+        match self {
+            Rejection::Decide(e) => e.to_string(),
+            Rejection::BodyTooLarge(limit) => {
+                format!("request body exceeds the {limit}-byte limit")
+            }
+        }
+    }
+
+    /// OpenAI-style JSON error body.
+    pub fn openai_body(&self) -> Vec<u8> {
+        let (ty, code) = match self {
+            Rejection::Decide(DecideError::NoHealthyPod | DecideError::EmptySubset) => {
+                ("ServiceUnavailableError", "no_healthy_upstream")
+            }
+            Rejection::Decide(DecideError::ModelNotFound(_)) => {
+                ("NotFoundError", "model_not_found")
+            }
+            Rejection::Decide(DecideError::BadRequest(_)) => ("BadRequestError", "invalid_request"),
+            Rejection::BodyTooLarge(_) => ("RequestTooLargeError", "request_too_large"),
+        };
+        serde_json::to_vec(&serde_json::json!({
+            "error": { "message": self.message(), "type": ty, "param": null, "code": code }
+        }))
+        .expect("static JSON")
+    }
+}
+
 /// A client-visible error with an OpenAI-style JSON body.
-pub fn immediate_error(err: &DecideError) -> ProcessingResponse {
+pub fn immediate_error(r: &Rejection) -> ProcessingResponse {
     ProcessingResponse {
         response: Some(Out::ImmediateResponse(ImmediateResponse {
             status: Some(HttpStatus {
-                code: i32::from(err.status()),
+                code: i32::from(r.status()),
             }),
             headers: Some(HeaderMutation {
                 set_headers: vec![header("content-type", "application/json")],
                 remove_headers: vec![],
             }),
-            body: err.openai_body(),
-            details: format!("kv_router_{}", err.kind()),
+            body: r.openai_body(),
+            details: format!("kv_router_{}", r.kind().as_str()),
             ..Default::default()
         })),
         ..Default::default()
@@ -227,6 +292,41 @@ pub fn immediate_error(err: &DecideError) -> ProcessingResponse {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn rejections_map_to_statuses_and_openai_bodies() {
+        let cases = [
+            (
+                Rejection::Decide(DecideError::NoHealthyPod),
+                503,
+                "no_healthy_upstream",
+            ),
+            (
+                Rejection::Decide(DecideError::EmptySubset),
+                503,
+                "no_healthy_upstream",
+            ),
+            (
+                Rejection::Decide(DecideError::ModelNotFound("m".into())),
+                404,
+                "model_not_found",
+            ),
+            (
+                Rejection::Decide(DecideError::BadRequest(
+                    crate::request::RequestError::NotAnObject,
+                )),
+                400,
+                "invalid_request",
+            ),
+            (Rejection::BodyTooLarge(10), 413, "request_too_large"),
+        ];
+        for (r, status, code) in cases {
+            assert_eq!(r.status(), status, "{r:?}");
+            let body: serde_json::Value = serde_json::from_slice(&r.openai_body()).unwrap();
+            assert_eq!(body["error"]["code"], code, "{r:?}");
+            assert!(body["error"]["message"].is_string());
+        }
+    }
 
     #[test]
     fn echo_chunks_cover_the_body_and_end_once() {

@@ -1,6 +1,7 @@
 //! The prefix index: which pods hold which block keys. A trait at the seam so the in-memory
 //! index and a networked (Redis) index serve the same scorers unchanged.
 
+mod build;
 mod events;
 mod memory;
 
@@ -11,6 +12,7 @@ use thiserror::Error;
 use crate::blocks::BlockKey;
 use crate::pods::PodId;
 
+pub use build::{build_index, index_capacity};
 pub use events::{EventIndex, EventIndexConfig};
 pub use memory::MemoryIndex;
 

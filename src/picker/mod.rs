@@ -1,34 +1,54 @@
 //! The picker: saturation gate, weighted sum of scorer outputs, random tie-break among equals;
 //! and the baseline policies (round-robin, random, least-loaded) used for comparisons.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::fmt::Write as _;
 
+use prometheus_client::encoding::{EncodeLabelValue, LabelValueEncoder};
 use rand::seq::SliceRandom;
 use rand::Rng;
+use serde::{Serialize, Serializer};
 
 use crate::config::{GateConfig, Policy};
 use crate::pods::PodLoad;
 use crate::scoring::ScoreInput;
 
-/// Why the ranking looks the way it does (closed set, used as a metric label).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum PickReason {
-    /// Weighted scores over unsaturated candidates.
+/// Why the primary pod was chosen (closed set; the `reason` label of decisions).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Reason {
+    /// Weighted scores over the candidates the gates let through.
     Scored,
-    /// Every candidate was saturated; scored over all of them.
+    /// Every candidate was gated (saturated or hot); scored over all of them.
     AllSaturated,
-    /// A baseline policy chose.
+    /// A baseline policy (round-robin, random, least-loaded) chose.
     Policy,
+    /// No body: least-loaded.
+    NoBody,
+    /// Body not understood: least-loaded (the pod answers).
+    Unparsable,
 }
 
-impl PickReason {
-    /// Metric label.
+impl Reason {
+    /// The label value and wire name (the one place each is spelled).
     pub fn as_str(self) -> &'static str {
         match self {
-            PickReason::Scored => "scored",
-            PickReason::AllSaturated => "all-saturated",
-            PickReason::Policy => "policy",
+            Reason::Scored => "scored",
+            Reason::AllSaturated => "all-saturated",
+            Reason::Policy => "policy",
+            Reason::NoBody => "no-body",
+            Reason::Unparsable => "unparsable",
         }
+    }
+}
+
+impl Serialize for Reason {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(self.as_str())
+    }
+}
+
+impl EncodeLabelValue for Reason {
+    fn encode(&self, e: &mut LabelValueEncoder<'_>) -> std::fmt::Result {
+        e.write_str(self.as_str())
     }
 }
 
@@ -41,17 +61,16 @@ pub struct Ranking {
     pub totals: Vec<f64>,
     /// Candidates the gate marked saturated.
     pub saturated: Vec<bool>,
-    /// Why.
-    pub reason: PickReason,
+    /// Why: [`Reason::Scored`], [`Reason::AllSaturated`] or [`Reason::Policy`].
+    pub reason: Reason,
 }
 
-/// Combines scorer outputs into a ranking.
+/// Combines scorer outputs into a ranking. Holds no state: round robin's position is an input.
 #[derive(Debug)]
 pub struct Picker {
     policy: Policy,
     weights: Vec<f64>,
     gate: GateConfig,
-    next: AtomicUsize,
 }
 
 impl Picker {
@@ -61,13 +80,7 @@ impl Picker {
             policy,
             weights,
             gate,
-            next: AtomicUsize::new(0),
         }
-    }
-
-    /// The policy in force.
-    pub fn policy(&self) -> Policy {
-        self.policy
     }
 
     /// Whether a pod counts as saturated.
@@ -100,12 +113,14 @@ impl Picker {
     }
 
     /// Ranks candidates. `scores[s][i]` is scorer `s`'s score of candidate `i`; `busy[i]` is
-    /// candidate `i`'s load in [0, 1] (for least-loaded).
+    /// candidate `i`'s load in [0, 1] (for least-loaded); round robin starts at candidate
+    /// `turn % n`; `rng` breaks ties and drives the random policy.
     pub fn rank(
         &self,
         input: &ScoreInput,
         scores: &[Vec<f64>],
         busy: &[f64],
+        turn: u64,
         rng: &mut impl Rng,
     ) -> Ranking {
         let n = input.candidates.len();
@@ -135,25 +150,25 @@ impl Picker {
                 let gate = |i: usize| saturated[i] && !all_saturated;
                 order.sort_by(|&a, &b| gate(a).cmp(&gate(b)).then(totals[b].total_cmp(&totals[a])));
                 let reason = if all_saturated {
-                    PickReason::AllSaturated
+                    Reason::AllSaturated
                 } else {
-                    PickReason::Scored
+                    Reason::Scored
                 };
                 (totals, reason)
             }
-            Policy::Random => (vec![0.0; n], PickReason::Policy),
+            Policy::Random => (vec![0.0; n], Reason::Policy),
             Policy::RoundRobin => {
                 let start = if n == 0 {
                     0
                 } else {
-                    self.next.fetch_add(1, Ordering::Relaxed) % n
+                    (turn % n as u64) as usize
                 };
                 order = (0..n).map(|k| (start + k) % n).collect();
-                (vec![0.0; n], PickReason::Policy)
+                (vec![0.0; n], Reason::Policy)
             }
             Policy::LeastLoaded => {
                 order.sort_by(|&a, &b| busy[a].total_cmp(&busy[b]));
-                ((0..n).map(|i| 1.0 - busy[i]).collect(), PickReason::Policy)
+                ((0..n).map(|i| 1.0 - busy[i]).collect(), Reason::Policy)
             }
         };
         Ranking {
@@ -184,10 +199,16 @@ mod tests {
     fn weighted_sum_orders_candidates() {
         let p = Picker::new(Policy::Weighted, vec![3.0, 1.0], GateConfig::default());
         let scores = vec![vec![0.5, 1.0, 0.0], vec![1.0, 0.0, 0.0]];
-        let r = p.rank(&input(3), &scores, &[0.0; 3], &mut StdRng::seed_from_u64(1));
+        let r = p.rank(
+            &input(3),
+            &scores,
+            &[0.0; 3],
+            0,
+            &mut StdRng::seed_from_u64(1),
+        );
         assert_eq!(r.order, vec![1, 0, 2]);
         assert_eq!(r.totals, vec![2.5, 3.0, 0.0]);
-        assert_eq!(r.reason, PickReason::Scored);
+        assert_eq!(r.reason, Reason::Scored);
     }
 
     #[test]
@@ -197,7 +218,7 @@ mod tests {
         let mut firsts = std::collections::HashSet::new();
         let mut rng = StdRng::seed_from_u64(7);
         for _ in 0..200 {
-            firsts.insert(p.rank(&input(4), &scores, &[0.0; 4], &mut rng).order[0]);
+            firsts.insert(p.rank(&input(4), &scores, &[0.0; 4], 0, &mut rng).order[0]);
         }
         assert_eq!(firsts.len(), 4, "every tied pod must win sometimes");
     }
@@ -208,11 +229,11 @@ mod tests {
         let mut inp = input(2);
         inp.candidates[0].load.waiting = 100.0;
         let scores = vec![vec![1.0, 0.0]];
-        let r = p.rank(&inp, &scores, &[0.0; 2], &mut StdRng::seed_from_u64(1));
+        let r = p.rank(&inp, &scores, &[0.0; 2], 0, &mut StdRng::seed_from_u64(1));
         assert_eq!(r.order, vec![1, 0], "the hot pod becomes a fallback");
         inp.candidates[1].load.fresh = false;
-        let r = p.rank(&inp, &scores, &[0.0; 2], &mut StdRng::seed_from_u64(1));
-        assert_eq!((r.order[0], r.reason), (0, PickReason::AllSaturated));
+        let r = p.rank(&inp, &scores, &[0.0; 2], 0, &mut StdRng::seed_from_u64(1));
+        assert_eq!((r.order[0], r.reason), (0, Reason::AllSaturated));
     }
 
     #[test]
@@ -231,6 +252,7 @@ mod tests {
             &inp,
             &[vec![1.0, 0.0, 0.0]],
             &[0.0; 3],
+            0,
             &mut StdRng::seed_from_u64(1),
         );
         assert_eq!(r.order[0], 0);
@@ -240,6 +262,7 @@ mod tests {
             &inp,
             &[vec![1.0, 0.0, 0.0]],
             &[0.0; 3],
+            0,
             &mut StdRng::seed_from_u64(1),
         );
         assert_ne!(r.order[0], 0);
@@ -252,6 +275,7 @@ mod tests {
             &inp,
             &[vec![1.0, 0.0, 0.0]],
             &[0.0; 3],
+            0,
             &mut StdRng::seed_from_u64(1),
         );
         assert_eq!(r.order[0], 0);
@@ -261,17 +285,20 @@ mod tests {
     fn baselines() {
         let rr = Picker::new(Policy::RoundRobin, vec![], GateConfig::default());
         let mut rng = StdRng::seed_from_u64(1);
-        let firsts: Vec<usize> = (0..6)
-            .map(|_| rr.rank(&input(3), &[], &[0.0; 3], &mut rng).order[0])
+        let firsts: Vec<usize> = (0..6u64)
+            .map(|turn| rr.rank(&input(3), &[], &[0.0; 3], turn, &mut rng).order[0])
             .collect();
         assert_eq!(firsts, vec![0, 1, 2, 0, 1, 2]);
         let ll = Picker::new(Policy::LeastLoaded, vec![], GateConfig::default());
         assert_eq!(
-            ll.rank(&input(3), &[], &[0.5, 0.1, 0.9], &mut rng).order,
+            ll.rank(&input(3), &[], &[0.5, 0.1, 0.9], 0, &mut rng).order,
             vec![1, 0, 2]
         );
         let rnd = Picker::new(Policy::Random, vec![], GateConfig::default());
-        assert_eq!(rnd.rank(&input(3), &[], &[0.0; 3], &mut rng).order.len(), 3);
-        assert!(rr.rank(&input(0), &[], &[], &mut rng).order.is_empty());
+        assert_eq!(
+            rnd.rank(&input(3), &[], &[0.0; 3], 0, &mut rng).order.len(),
+            3
+        );
+        assert!(rr.rank(&input(0), &[], &[], 7, &mut rng).order.is_empty());
     }
 }

@@ -3,6 +3,9 @@
 //! When the stream ends without the response being observed (BUFFERED mode), the request stays
 //! counted until a scrape that started after that moment shows the pod's own view, and its
 //! uncached tokens stay counted for their estimated prefill time.
+//!
+//! The settling part is a plain queue with time passed in ([`Settling`]): the live pods run it on
+//! the router's monotonic clock, `kv-bench simulate` on virtual time.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicI64, Ordering};
@@ -14,12 +17,106 @@ use tokio::time::Instant;
 
 use super::Pod;
 
-#[derive(Debug)]
-struct Settling {
-    released_at: Instant,
+/// A point in time on some monotonic clock: the router's, or a simulation's virtual one.
+pub trait Timestamp: Copy + Ord {
+    /// Time from `earlier` to `self` (zero if `earlier` is later).
+    fn since(self, earlier: Self) -> Duration;
+    /// `self + d`.
+    fn after(self, d: Duration) -> Self;
+}
+
+impl Timestamp for Instant {
+    fn since(self, earlier: Self) -> Duration {
+        self.saturating_duration_since(earlier)
+    }
+
+    fn after(self, d: Duration) -> Self {
+        self + d
+    }
+}
+
+// Longest prefill a request is charged for: a bad rate cannot pin tokens on a pod for longer.
+const MAX_PREFILL: Duration = Duration::from_secs(3600);
+
+/// Estimated prefill time of `tokens` uncached tokens at `prefill_tokens_per_sec` (capped at an
+/// hour; zero when the rate is not positive).
+pub fn prefill_time(tokens: u64, prefill_tokens_per_sec: f64) -> Duration {
+    if prefill_tokens_per_sec > 0.0 {
+        Duration::from_secs_f64(
+            (tokens as f64 / prefill_tokens_per_sec).min(MAX_PREFILL.as_secs_f64()),
+        )
+    } else {
+        Duration::ZERO
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Entry<T> {
+    released_at: T,
     request_pending: bool,
     tokens: u64,
-    tokens_until: Instant,
+    tokens_until: T,
+}
+
+// Bound on settling entries per pod: beyond it the oldest are dropped (they are estimates anyway).
+const MAX_SETTLING: usize = 65_536;
+
+/// Requests whose stream ended unobserved, still counted against their pod: the request until a
+/// scrape that started after its release (or `stale_after`), its uncached tokens until their
+/// estimated prefill ends. Bounded; the oldest entries go first.
+#[derive(Debug)]
+pub struct Settling<T> {
+    entries: VecDeque<Entry<T>>,
+}
+
+impl<T> Default for Settling<T> {
+    fn default() -> Self {
+        Self {
+            entries: VecDeque::new(),
+        }
+    }
+}
+
+impl<T: Timestamp> Settling<T> {
+    /// A request released at `released_at`, its `tokens` still prefilling until `tokens_until`.
+    pub fn push(&mut self, released_at: T, tokens: u64, tokens_until: T) {
+        if self.entries.len() >= MAX_SETTLING {
+            self.entries.pop_front();
+        }
+        self.entries.push_back(Entry {
+            released_at,
+            request_pending: true,
+            tokens,
+            tokens_until,
+        });
+    }
+
+    /// Requests and tokens still counted at `now`; forgets entries that no longer count.
+    pub fn count(&mut self, now: T, stale_after: Duration) -> (u64, u64) {
+        let request = |e: &Entry<T>| e.request_pending && now.since(e.released_at) < stale_after;
+        self.entries.retain(|e| request(e) || e.tokens_until > now);
+        let (mut requests, mut tokens) = (0, 0);
+        for e in &self.entries {
+            if request(e) {
+                requests += 1;
+            }
+            if e.tokens_until > now {
+                tokens += e.tokens;
+            }
+        }
+        (requests, tokens)
+    }
+
+    /// A scrape sent at `started` succeeded: requests released before then are in its numbers.
+    pub fn observed_scrape(&mut self, started: T) {
+        for e in self.entries.iter_mut() {
+            if e.released_at < started {
+                e.request_pending = false;
+            }
+        }
+        self.entries
+            .retain(|e| e.request_pending || e.tokens_until > started);
+    }
 }
 
 /// Per-pod counters shared by guards and scorers.
@@ -27,44 +124,21 @@ struct Settling {
 pub(crate) struct Inflight {
     requests: AtomicI64,
     tokens: AtomicI64,
-    settling: Mutex<VecDeque<Settling>>,
+    settling: Mutex<Settling<Instant>>,
 }
-
-// Bound on settling entries per pod: beyond it the oldest are dropped (they are estimates anyway).
-const MAX_SETTLING: usize = 65_536;
 
 impl Inflight {
     /// Requests and uncached tokens to count at `now`.
-    pub(crate) fn current(&self, now: Instant, stale_after: Duration) -> (i64, i64) {
-        let mut requests = self.requests.load(Ordering::Relaxed).max(0);
-        let mut tokens = self.tokens.load(Ordering::Relaxed).max(0);
-        let mut settling = self.settling.lock();
-        settling.retain(|s| {
-            let request =
-                s.request_pending && now.saturating_duration_since(s.released_at) < stale_after;
-            let token = s.tokens_until > now;
-            request || token
-        });
-        for s in settling.iter() {
-            if s.request_pending && now.saturating_duration_since(s.released_at) < stale_after {
-                requests += 1;
-            }
-            if s.tokens_until > now {
-                tokens += s.tokens as i64;
-            }
-        }
-        (requests, tokens)
+    pub(crate) fn current(&self, now: Instant, stale_after: Duration) -> (u64, u64) {
+        let requests = self.requests.load(Ordering::Relaxed).max(0) as u64;
+        let tokens = self.tokens.load(Ordering::Relaxed).max(0) as u64;
+        let (r, t) = self.settling.lock().count(now, stale_after);
+        (requests + r, tokens + t)
     }
 
     /// A scrape sent at `started` succeeded: requests released before then are in its numbers.
     pub(crate) fn observed_scrape(&self, started: Instant) {
-        let mut settling = self.settling.lock();
-        for s in settling.iter_mut() {
-            if s.released_at < started {
-                s.request_pending = false;
-            }
-        }
-        settling.retain(|s| s.request_pending || s.tokens_until > started);
+        self.settling.lock().observed_scrape(started);
     }
 
     pub(crate) fn raw(&self) -> (i64, i64) {
@@ -97,20 +171,14 @@ impl InflightGuard {
         pod.inflight
             .tokens
             .fetch_add(tokens as i64, Ordering::Relaxed);
-        let secs = if prefill_tokens_per_sec > 0.0 {
-            tokens as f64 / prefill_tokens_per_sec
-        } else {
-            0.0
-        };
         Self {
             pod,
             tokens,
-            tokens_until: now + Duration::from_secs_f64(secs.min(3600.0)),
+            tokens_until: now + prefill_time(tokens, prefill_tokens_per_sec),
             prefill_done: false,
             completed: false,
         }
     }
-
     /// The pod's response has started: its prefill is over.
     pub fn prefill_done(&mut self) {
         if !self.prefill_done {
@@ -143,16 +211,12 @@ impl Drop for InflightGuard {
         let pending_tokens = if self.prefill_done { 0 } else { self.tokens };
         self.prefill_done();
         self.pod.inflight.requests.fetch_sub(1, Ordering::Relaxed);
-        let mut settling = self.pod.inflight.settling.lock();
-        if settling.len() >= MAX_SETTLING {
-            settling.pop_front();
-        }
-        settling.push_back(Settling {
-            released_at: Instant::now(),
-            request_pending: true,
-            tokens: pending_tokens,
-            tokens_until: self.tokens_until,
-        });
+        // Drop cannot take the time as an argument: the live clock is read here.
+        self.pod
+            .inflight
+            .settling
+            .lock()
+            .push(Instant::now(), pending_tokens, self.tokens_until);
     }
 }
 

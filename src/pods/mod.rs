@@ -2,6 +2,7 @@
 //! state (health, scraped load, router in-flight accounting) and the sources that list pods.
 
 mod inflight;
+mod metrics;
 mod probe;
 mod source;
 
@@ -17,7 +18,8 @@ use parking_lot::{Mutex, RwLock};
 use serde::Serialize;
 use tokio::time::Instant;
 
-pub use inflight::InflightGuard;
+pub use inflight::{prefill_time, InflightGuard, Settling, Timestamp};
+pub use metrics::PodMetrics;
 pub use probe::{parse_vllm_metrics, Prober};
 pub use source::{DnsSource, PodSource, PodSourceError, StaticSource};
 
@@ -96,6 +98,30 @@ pub struct PodLoad {
     pub inflight_tokens: f64,
     /// Whether the scrape is recent enough to trust.
     pub fresh: bool,
+}
+
+impl PodLoad {
+    /// The load at `now` from the last scrape (trusted while at most `stale_after` old) and the
+    /// router's own in-flight counts.
+    pub fn at<T: Timestamp>(
+        now: T,
+        sample: Option<(T, LoadSample)>,
+        (inflight_requests, inflight_tokens): (u64, u64),
+        stale_after: std::time::Duration,
+    ) -> Self {
+        let (fresh, s) = match sample {
+            Some((at, s)) => (now.since(at) <= stale_after, s),
+            None => (false, LoadSample::default()),
+        };
+        PodLoad {
+            waiting: s.waiting,
+            running: s.running,
+            kv_usage: s.kv_usage,
+            inflight_requests: inflight_requests as f64,
+            inflight_tokens: inflight_tokens as f64,
+            fresh,
+        }
+    }
 }
 
 /// A pod in the current set: its spec plus live state shared by probes, decisions and guards.
@@ -193,20 +219,8 @@ impl Pod {
 
     /// Load as the scorers see it at `now`.
     pub fn load(&self, now: Instant, stale_after: std::time::Duration) -> PodLoad {
-        let sample = self.last_sample();
-        let (inflight_requests, inflight_tokens) = self.inflight.current(now, stale_after);
-        let (fresh, s) = match sample {
-            Some((at, s)) => (now.saturating_duration_since(at) <= stale_after, s),
-            None => (false, LoadSample::default()),
-        };
-        PodLoad {
-            waiting: s.waiting,
-            running: s.running,
-            kv_usage: s.kv_usage,
-            inflight_requests: inflight_requests as f64,
-            inflight_tokens: inflight_tokens as f64,
-            fresh,
-        }
+        let inflight = self.inflight.current(now, stale_after);
+        PodLoad::at(now, self.last_sample(), inflight, stale_after)
     }
 
     /// Starts router-side accounting for one routed request.

@@ -36,7 +36,7 @@ pub struct ScoreInput {
 }
 
 /// A scorer produced an unusable value.
-#[derive(Debug, Error, PartialEq)]
+#[derive(Debug, Clone, Error, PartialEq)]
 pub enum ScoreError {
     /// NaN or infinite output.
     #[error("scorer {scorer} produced a non-finite score for {pod}")]

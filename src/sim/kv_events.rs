@@ -8,22 +8,20 @@
 //!   `seq >= start`, then `["", "", ff×8, ""]` (vLLM ≥ 0.26 layout). Malformed requests are
 //!   ignored.
 //!
-//! Cache events name blocks by the simulator's internal [`BlockKey`]; the [`Translator`] turns
-//! them into vLLM events with vLLM `sha256_cbor` block hashes and remembers which hash each
-//! cached key has, so evictions are reported under the hash the store announced.
+//! Cache events become vLLM events through [`super::translate::Translator`] (vLLM
+//! `sha256_cbor` block hashes).
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 
 use anyhow::{bail, Context};
 use bytes::Bytes;
 use tokio::sync::{mpsc, oneshot};
 use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
 
-use crate::blocks::BlockKey;
-use crate::events::{encode_batch, BlockHash, ExtraKey, KvEvent, KvEventBatch};
+use crate::events::{encode_batch, KvEventBatch};
 
 use super::cache::CacheEvent;
-use super::vllm_hash::{digest_u64, BlockDigest};
+use super::translate::{Hashes, Translator};
 
 /// Publisher settings (from the `--kv-events-*` flags).
 #[derive(Debug, Clone, PartialEq)]
@@ -105,135 +103,6 @@ fn socket_address(endpoint: &str) -> String {
     format!("tcp://{host}:{port}")
 }
 
-/// Turns the simulator's cache events into vLLM events.
-#[derive(Debug, Default)]
-pub struct Translator {
-    bytes_hashes: bool,
-    /// vLLM digest of every cached key that was announced.
-    by_key: HashMap<BlockKey, BlockDigest>,
-    /// How many cached keys share a digest (model aliases hash alike); a hash is announced
-    /// when its count leaves 0 and removed when it returns to 0.
-    refs: HashMap<BlockDigest, u32>,
-}
-
-impl Translator {
-    /// A translator publishing u64 hashes (`bytes_hashes = false`) or 32-byte digests.
-    pub fn new(bytes_hashes: bool) -> Self {
-        Self {
-            bytes_hashes,
-            ..Self::default()
-        }
-    }
-
-    fn hash(&self, d: &BlockDigest) -> BlockHash {
-        if self.bytes_hashes {
-            BlockHash::Bytes(d.to_vec())
-        } else {
-            BlockHash::Int(digest_u64(d))
-        }
-    }
-
-    /// The vLLM events for one engine step's cache events, in order.
-    pub fn translate(&mut self, events: Vec<CacheEvent>) -> Vec<KvEvent> {
-        let mut out = Vec::new();
-        for ev in events {
-            match ev {
-                CacheEvent::BlockStored {
-                    block_hashes,
-                    token_ids,
-                    block_size,
-                    vllm,
-                    ..
-                } => {
-                    let Some(v) = vllm else {
-                        // Engine without hashing info: nothing vLLM-like to say.
-                        continue;
-                    };
-                    // Blocks whose digest is newly cached, in runs of consecutive blocks.
-                    let mut run: Option<(usize, usize)> = None;
-                    let mut runs = Vec::new();
-                    for (i, (key, digest)) in block_hashes.iter().zip(&v.hashes).enumerate() {
-                        self.by_key.insert(*key, *digest);
-                        let count = self.refs.entry(*digest).or_insert(0);
-                        *count += 1;
-                        if *count == 1 {
-                            run = match run {
-                                Some((s, e)) if e == i => Some((s, i + 1)),
-                                Some(r) => {
-                                    runs.push(r);
-                                    Some((i, i + 1))
-                                }
-                                None => Some((i, i + 1)),
-                            };
-                        }
-                    }
-                    runs.extend(run);
-                    for (s, e) in runs {
-                        let parent = if s == 0 {
-                            v.parent
-                        } else {
-                            Some(v.hashes[s - 1])
-                        };
-                        out.push(KvEvent::BlockStored {
-                            block_hashes: v.hashes[s..e].iter().map(|d| self.hash(d)).collect(),
-                            parent_block_hash: parent.map(|d| self.hash(&d)),
-                            token_ids: token_ids[s * block_size..e * block_size].to_vec(),
-                            block_size: block_size as u32,
-                            lora_id: v.lora.as_ref().map(|(_, id)| *id),
-                            medium: Some("GPU".into()),
-                            lora_name: v.lora.as_ref().map(|(name, _)| name.clone()),
-                            extra_keys: Some(
-                                v.extra_keys[s..e]
-                                    .iter()
-                                    .map(|k| {
-                                        k.as_ref().map(|ks| {
-                                            ks.iter().map(|s| ExtraKey::Str(s.clone())).collect()
-                                        })
-                                    })
-                                    .collect(),
-                            ),
-                            group_idx: Some(0),
-                            kv_cache_spec_kind: Some("full_attention".into()),
-                            kv_cache_spec_sliding_window: None,
-                        });
-                    }
-                }
-                CacheEvent::BlockRemoved { block_hashes } => {
-                    for key in block_hashes {
-                        let Some(digest) = self.by_key.remove(&key) else {
-                            continue;
-                        };
-                        let gone = match self.refs.get_mut(&digest) {
-                            Some(c) if *c > 1 => {
-                                *c -= 1;
-                                false
-                            }
-                            _ => {
-                                self.refs.remove(&digest);
-                                true
-                            }
-                        };
-                        if gone {
-                            // vLLM emits one BlockRemoved per evicted hash.
-                            out.push(KvEvent::BlockRemoved {
-                                block_hashes: vec![self.hash(&digest)],
-                                medium: Some("GPU".into()),
-                                group_idx: Some(0),
-                            });
-                        }
-                    }
-                }
-                CacheEvent::AllBlocksCleared => {
-                    self.by_key.clear();
-                    self.refs.clear();
-                    out.push(KvEvent::AllBlocksCleared);
-                }
-            }
-        }
-        out
-    }
-}
-
 fn wall_clock() -> f64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -308,7 +177,11 @@ pub async fn start(
     let task = Publisher {
         topic: Bytes::from(cfg.topic.clone().into_bytes()),
         rank,
-        translator: Translator::new(cfg.bytes_hashes),
+        translator: Translator::new(if cfg.bytes_hashes {
+            Hashes::Bytes
+        } else {
+            Hashes::U64
+        }),
         seq: 0,
         buffer: VecDeque::new(),
         buffer_steps: cfg.buffer_steps,
@@ -441,7 +314,6 @@ impl Publisher {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::sim::cache::VllmStored;
 
     #[test]
     fn bind_rule_and_rank_offsets() {
@@ -459,63 +331,5 @@ mod tests {
             socket_address("tcp://127.0.0.1:5557"),
             "tcp://127.0.0.1:5557"
         );
-    }
-
-    fn stored(keys: &[u64], digests: &[u8], parent: Option<u8>) -> CacheEvent {
-        CacheEvent::BlockStored {
-            block_hashes: keys.iter().map(|&k| BlockKey(k)).collect(),
-            parent_block_hash: None,
-            token_ids: (0..keys.len() as u32 * 2).collect(),
-            block_size: 2,
-            vllm: Some(VllmStored {
-                hashes: digests.iter().map(|&d| [d; 32]).collect(),
-                parent: parent.map(|p| [p; 32]),
-                extra_keys: vec![None; keys.len()],
-                lora: None,
-            }),
-        }
-    }
-
-    #[test]
-    fn shared_digests_are_announced_once_and_removed_last() {
-        let mut t = Translator::new(false);
-        let h = |d: u8| BlockHash::Int(digest_u64(&[d; 32]));
-        let out = t.translate(vec![stored(&[1, 2], &[1, 2], None)]);
-        assert_eq!(out.len(), 1);
-        // Another model alias: same digests 1, 2 plus a new 3 → only 3, parent 2.
-        let out = t.translate(vec![stored(&[11, 12, 13], &[1, 2, 3], None)]);
-        match &out[..] {
-            [KvEvent::BlockStored {
-                block_hashes,
-                parent_block_hash,
-                token_ids,
-                ..
-            }] => {
-                assert_eq!(block_hashes, &vec![h(3)]);
-                assert_eq!(parent_block_hash, &Some(h(2)));
-                assert_eq!(token_ids, &vec![4, 5]);
-            }
-            other => panic!("{other:?}"),
-        }
-        let out = t.translate(vec![CacheEvent::BlockRemoved {
-            block_hashes: vec![BlockKey(2), BlockKey(13), BlockKey(99)],
-        }]);
-        assert_eq!(
-            out,
-            vec![KvEvent::BlockRemoved {
-                block_hashes: vec![h(3)],
-                medium: Some("GPU".into()),
-                group_idx: Some(0),
-            }]
-        );
-        let out = t.translate(vec![CacheEvent::BlockRemoved {
-            block_hashes: vec![BlockKey(12)],
-        }]);
-        assert_eq!(out.len(), 1);
-        assert_eq!(
-            t.translate(vec![CacheEvent::AllBlocksCleared]),
-            vec![KvEvent::AllBlocksCleared]
-        );
-        assert!(t.by_key.is_empty() && t.refs.is_empty());
     }
 }

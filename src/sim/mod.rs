@@ -13,6 +13,7 @@ pub mod engine;
 pub mod http;
 pub mod kv_events;
 pub mod metrics;
+pub mod translate;
 pub mod vllm_hash;
 
 use std::io::Write;

@@ -1,30 +1,92 @@
-//! Metric families (prometheus-client) with closed label sets, and logging setup.
-//! Labels never carry prompt text or raw error strings.
+//! Shared telemetry: the error counter with its closed kinds, the KV-event families, logging
+//! setup. Each component registers its own families (`decide`, `extproc`, `pods`, `app`); labels
+//! are closed enums or pod addresses, never prompt text or raw error strings.
 
-use prometheus_client::encoding::EncodeLabelSet;
+use std::fmt::Write as _;
+
+use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue, LabelValueEncoder};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
-use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
-use std::sync::atomic::AtomicU64;
 
 use crate::config::{LogConfig, LogFormat};
 
-/// `reason` and `pod` of a decision.
-#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct DecisionLabels {
-    /// Closed set: see `decide::Reason`.
-    pub reason: &'static str,
-    /// Primary pod (`ip:port`).
-    pub pod: String,
+/// What went wrong (closed set; the `kind` label of `kv_router_errors_total`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ErrorKind {
+    /// A body the request parser did not understand (routed by load).
+    Unparsable,
+    /// Tokenization failed; the keys fell back to text blocks.
+    Tokenize,
+    /// An index operation failed.
+    Index,
+    /// A scorer produced a non-finite score.
+    Scorer,
+    /// No pod passes its health probes.
+    NoHealthyPod,
+    /// The gateway's subset hint left no pod.
+    EmptySubset,
+    /// No healthy pod serves the model.
+    ModelNotFound,
+    /// Strict mode refused a body.
+    BadRequest,
+    /// The body exceeded the limit.
+    BodyTooLarge,
+    /// A pod source (static list, DNS) failed.
+    PodSource,
 }
 
-/// A closed error kind.
+impl ErrorKind {
+    /// The label value (the one place each is spelled).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ErrorKind::Unparsable => "unparsable",
+            ErrorKind::Tokenize => "tokenize",
+            ErrorKind::Index => "index",
+            ErrorKind::Scorer => "scorer",
+            ErrorKind::NoHealthyPod => "no_healthy_pod",
+            ErrorKind::EmptySubset => "empty_subset",
+            ErrorKind::ModelNotFound => "model_not_found",
+            ErrorKind::BadRequest => "bad_request",
+            ErrorKind::BodyTooLarge => "body_too_large",
+            ErrorKind::PodSource => "pod_source",
+        }
+    }
+}
+
+impl EncodeLabelValue for ErrorKind {
+    fn encode(&self, e: &mut LabelValueEncoder<'_>) -> std::fmt::Result {
+        e.write_str(self.as_str())
+    }
+}
+
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct KindLabels {
-    /// Closed set, e.g. `unparsable`, `no_healthy_pod`, `index`, `body_too_large`.
-    pub kind: &'static str,
+struct ErrorLabels {
+    kind: ErrorKind,
+}
+
+/// `kv_router_errors_total{kind}`: one family shared by every component that counts errors.
+#[derive(Debug, Clone, Default)]
+pub struct Errors(Family<ErrorLabels, Counter>);
+
+impl Errors {
+    /// Registers the family.
+    pub fn register(registry: &mut Registry) -> Self {
+        let errors = Self::default();
+        registry.register("errors", "Errors by kind", errors.0.clone());
+        errors
+    }
+
+    /// Counts one error.
+    pub fn inc(&self, kind: ErrorKind) {
+        self.0.get_or_create(&ErrorLabels { kind }).inc();
+    }
+
+    /// Errors of `kind` counted so far.
+    pub fn get(&self, kind: ErrorKind) -> u64 {
+        self.0.get_or_create(&ErrorLabels { kind }).get()
+    }
 }
 
 /// A pod.
@@ -32,13 +94,6 @@ pub struct KindLabels {
 pub struct PodLabels {
     /// `ip:port`.
     pub pod: String,
-}
-
-/// ext_proc body mode.
-#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct ModeLabels {
-    /// `buffered`, `full_duplex`, `headers_only`.
-    pub mode: &'static str,
 }
 
 /// A pod and an event type.
@@ -68,36 +123,11 @@ const EVENT_LABEL_TYPES: [&str; 13] = [
     "frames",
 ];
 
-/// Every metric the router exports.
+/// The KV-event families and the shared error counter (the other components register their
+/// own families: `decide`, `extproc`, `pods`, `app`).
 pub struct Metrics {
-    /// `kv_router_decisions_total{reason,pod}`.
-    pub decisions: Family<DecisionLabels, Counter>,
-    /// `kv_router_decision_duration_seconds`.
-    pub decision_seconds: Histogram,
-    /// `kv_router_predicted_matched_blocks` of the chosen pod.
-    pub matched_blocks: Histogram,
     /// `kv_router_errors_total{kind}`.
-    pub errors: Family<KindLabels, Counter>,
-    /// `kv_router_extproc_streams_total{mode}`.
-    pub streams: Family<ModeLabels, Counter>,
-    /// `kv_router_pod_healthy{pod}`.
-    pub pod_healthy: Family<PodLabels, Gauge>,
-    /// `kv_router_pod_waiting_requests{pod}` (scraped).
-    pub pod_waiting: Family<PodLabels, Gauge<f64, AtomicU64>>,
-    /// `kv_router_pod_running_requests{pod}` (scraped).
-    pub pod_running: Family<PodLabels, Gauge<f64, AtomicU64>>,
-    /// `kv_router_pod_kv_cache_usage_ratio{pod}` (scraped).
-    pub pod_kv_usage: Family<PodLabels, Gauge<f64, AtomicU64>>,
-    /// `kv_router_pod_inflight_requests{pod}` (this router).
-    pub pod_inflight_requests: Family<PodLabels, Gauge>,
-    /// `kv_router_pod_inflight_uncached_tokens{pod}` (this router).
-    pub pod_inflight_tokens: Family<PodLabels, Gauge>,
-    /// `kv_router_index_entries`.
-    pub index_entries: Gauge,
-    /// `kv_router_index_keys`.
-    pub index_keys: Gauge,
-    /// `kv_router_sessions`.
-    pub sessions: Gauge,
+    pub errors: Errors,
     /// `kv_router_kv_events_applied_total{pod,type}`.
     pub events_applied: Family<PodTypeLabels, Counter>,
     /// `kv_router_kv_event_gaps_total{pod}`.
@@ -113,23 +143,10 @@ pub struct Metrics {
 }
 
 impl Metrics {
-    /// Creates the families and registers them.
+    /// Creates the families and registers them (`registry` is the `kv_router` sub-registry).
     pub fn new(registry: &mut Registry) -> Self {
         let m = Self {
-            decisions: Family::default(),
-            decision_seconds: Histogram::new(exponential_buckets(1e-6, 2.0, 24)),
-            matched_blocks: Histogram::new(exponential_buckets(1.0, 2.0, 14)),
-            errors: Family::default(),
-            streams: Family::default(),
-            pod_healthy: Family::default(),
-            pod_waiting: Family::default(),
-            pod_running: Family::default(),
-            pod_kv_usage: Family::default(),
-            pod_inflight_requests: Family::default(),
-            pod_inflight_tokens: Family::default(),
-            index_entries: Gauge::default(),
-            index_keys: Gauge::default(),
-            sessions: Gauge::default(),
+            errors: Errors::register(registry),
             events_applied: Family::default(),
             event_gaps: Family::default(),
             event_replays: Family::default(),
@@ -137,69 +154,7 @@ impl Metrics {
             event_decode_errors: Family::default(),
             event_lag: Histogram::new(exponential_buckets(1e-4, 2.0, 18)),
         };
-        let r = registry.sub_registry_with_prefix("kv_router");
-        r.register(
-            "decisions",
-            "Routing decisions by reason and primary pod",
-            m.decisions.clone(),
-        );
-        r.register(
-            "decision_duration_seconds",
-            "Time to decide (parse, keys, lookup, score, pick)",
-            m.decision_seconds.clone(),
-        );
-        r.register(
-            "predicted_matched_blocks",
-            "Prompt blocks the index predicted the chosen pod holds",
-            m.matched_blocks.clone(),
-        );
-        r.register("errors", "Errors by kind", m.errors.clone());
-        r.register(
-            "extproc_streams",
-            "ext_proc streams by body mode",
-            m.streams.clone(),
-        );
-        r.register(
-            "pod_healthy",
-            "1 if the pod passed its health probes",
-            m.pod_healthy.clone(),
-        );
-        r.register(
-            "pod_waiting_requests",
-            "vllm:num_requests_waiting (scraped)",
-            m.pod_waiting.clone(),
-        );
-        r.register(
-            "pod_running_requests",
-            "vllm:num_requests_running (scraped)",
-            m.pod_running.clone(),
-        );
-        r.register(
-            "pod_kv_cache_usage_ratio",
-            "vllm:kv_cache_usage_perc (scraped)",
-            m.pod_kv_usage.clone(),
-        );
-        r.register(
-            "pod_inflight_requests",
-            "Requests this router routed to the pod and still counts",
-            m.pod_inflight_requests.clone(),
-        );
-        r.register(
-            "pod_inflight_uncached_tokens",
-            "Uncached prompt tokens this router routed to the pod, still prefilling",
-            m.pod_inflight_tokens.clone(),
-        );
-        r.register(
-            "index_entries",
-            "(block key, pod) entries in the prefix index",
-            m.index_entries.clone(),
-        );
-        r.register(
-            "index_keys",
-            "Distinct block keys in the prefix index",
-            m.index_keys.clone(),
-        );
-        r.register("sessions", "Sessions remembered", m.sessions.clone());
+        let r = registry;
         r.register(
             "kv_events_applied",
             "vLLM KV events applied, by pod and type",
@@ -233,23 +188,16 @@ impl Metrics {
         m
     }
 
-    /// Counts an error of a closed kind.
-    pub fn error(&self, kind: &'static str) {
-        self.errors.get_or_create(&KindLabels { kind }).inc();
+    /// Counts an error.
+    pub fn error(&self, kind: ErrorKind) {
+        self.errors.inc(kind);
     }
 
-    /// Drops the series of a pod that left.
+    /// Drops the KV-event series of a pod that left.
     pub fn forget_pod(&self, pod: &str) {
-        let l = PodLabels {
+        self.event_gaps.remove(&PodLabels {
             pod: pod.to_string(),
-        };
-        self.pod_healthy.remove(&l);
-        self.pod_waiting.remove(&l);
-        self.pod_running.remove(&l);
-        self.pod_kv_usage.remove(&l);
-        self.pod_inflight_requests.remove(&l);
-        self.pod_inflight_tokens.remove(&l);
-        self.event_gaps.remove(&l);
+        });
         // The KV-event families are keyed by pod and a closed type set: drop every combination.
         for t in EVENT_LABEL_TYPES {
             let l = PodTypeLabels {

@@ -1,0 +1,138 @@
+//! The pods' metric families: health, scraped load and this router's in-flight accounting, one
+//! series per pod, dropped when the pod leaves.
+
+use std::sync::atomic::AtomicU64;
+use std::time::Duration;
+
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+use tokio::time::Instant;
+
+use super::{Pod, PodId};
+use crate::telemetry::PodLabels;
+
+type FloatGauge = Gauge<f64, AtomicU64>;
+
+/// `kv_router_pod_*{pod}`.
+#[derive(Debug, Clone, Default)]
+pub struct PodMetrics {
+    healthy: Family<PodLabels, Gauge>,
+    waiting: Family<PodLabels, FloatGauge>,
+    running: Family<PodLabels, FloatGauge>,
+    kv_usage: Family<PodLabels, FloatGauge>,
+    inflight_requests: Family<PodLabels, Gauge>,
+    inflight_tokens: Family<PodLabels, Gauge>,
+}
+
+impl PodMetrics {
+    /// Registers the families (`registry` is the `kv_router` sub-registry).
+    pub fn register(registry: &mut Registry) -> Self {
+        let m = Self::default();
+        registry.register(
+            "pod_healthy",
+            "1 if the pod passed its health probes",
+            m.healthy.clone(),
+        );
+        registry.register(
+            "pod_waiting_requests",
+            "vllm:num_requests_waiting (scraped)",
+            m.waiting.clone(),
+        );
+        registry.register(
+            "pod_running_requests",
+            "vllm:num_requests_running (scraped)",
+            m.running.clone(),
+        );
+        registry.register(
+            "pod_kv_cache_usage_ratio",
+            "vllm:kv_cache_usage_perc (scraped)",
+            m.kv_usage.clone(),
+        );
+        registry.register(
+            "pod_inflight_requests",
+            "Requests this router routed to the pod and still counts",
+            m.inflight_requests.clone(),
+        );
+        registry.register(
+            "pod_inflight_uncached_tokens",
+            "Uncached prompt tokens this router routed to the pod, still prefilling",
+            m.inflight_tokens.clone(),
+        );
+        m
+    }
+
+    /// Sets a pod's gauges to its state at `now`.
+    pub fn observe(&self, pod: &Pod, now: Instant, stale_after: Duration) {
+        let l = PodLabels {
+            pod: pod.id().to_string(),
+        };
+        self.healthy
+            .get_or_create(&l)
+            .set(i64::from(pod.is_healthy()));
+        let load = pod.load(now, stale_after);
+        self.waiting.get_or_create(&l).set(load.waiting);
+        self.running.get_or_create(&l).set(load.running);
+        self.kv_usage.get_or_create(&l).set(load.kv_usage);
+        self.inflight_requests
+            .get_or_create(&l)
+            .set(load.inflight_requests as i64);
+        self.inflight_tokens
+            .get_or_create(&l)
+            .set(load.inflight_tokens as i64);
+    }
+
+    /// Drops the series of a pod that left.
+    pub fn forget(&self, pod: &PodId) {
+        let l = PodLabels {
+            pod: pod.to_string(),
+        };
+        self.healthy.remove(&l);
+        self.waiting.remove(&l);
+        self.running.remove(&l);
+        self.kv_usage.remove(&l);
+        self.inflight_requests.remove(&l);
+        self.inflight_tokens.remove(&l);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::pods::{LoadSample, PodSpec};
+
+    #[test]
+    fn a_departed_pods_series_are_dropped() {
+        let mut reg = Registry::default();
+        let m = PodMetrics::register(&mut reg);
+        let pod = Pod::new(PodSpec {
+            id: PodId::new("127.0.0.1:7"),
+            addr: "127.0.0.1:7".parse().unwrap(),
+            models: vec![],
+            labels: Default::default(),
+            kv_events_endpoint: None,
+            kv_events_replay_endpoint: None,
+        });
+        pod.record_probe(true, 1);
+        let now = Instant::now();
+        pod.record_sample(
+            now,
+            LoadSample {
+                waiting: 3.0,
+                ..LoadSample::default()
+            },
+        );
+        m.observe(&pod, now, Duration::from_secs(1));
+        let mut out = String::new();
+        prometheus_client::encoding::text::encode(&mut out, &reg).unwrap();
+        assert!(
+            out.contains(r#"pod_waiting_requests{pod="127.0.0.1:7"} 3.0"#),
+            "{out}"
+        );
+        assert!(out.contains(r#"pod_healthy{pod="127.0.0.1:7"} 1"#), "{out}");
+        m.forget(pod.id());
+        out.clear();
+        prometheus_client::encoding::text::encode(&mut out, &reg).unwrap();
+        assert!(!out.contains("127.0.0.1:7"), "{out}");
+    }
+}
