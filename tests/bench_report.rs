@@ -76,3 +76,58 @@ fn quick_report_is_produced_and_well_formed() {
     let md = std::fs::read_to_string(out.path().join("results.md")).unwrap();
     assert!(md.contains("Machine: "), "names the machine");
 }
+
+/// `kv-bench compare --endpoint … --json` against one pod started here; returns the JSON.
+fn compare_endpoint(pod: &kv_router::bench::deploy::SimPod, extra: &[String]) -> Value {
+    let out = tempfile::tempdir().expect("temp dir");
+    let json = out.path().join("cmp.json");
+    let status = Command::new(env!("CARGO_BIN_EXE_kv-bench"))
+        .args([
+            "compare",
+            "--workload",
+            "multiturn",
+            "--sessions",
+            "2",
+            "--turns",
+            "2",
+        ])
+        .args(["--max-tokens", "4", "--system-bytes", "2000"])
+        .arg(format!("--endpoint=direct={}", pod.url()))
+        .args(extra)
+        .arg("--json")
+        .arg(&json)
+        .status()
+        .expect("run kv-bench");
+    assert!(
+        status.success(),
+        "kv-bench compare --endpoint failed: {status}"
+    );
+    serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap()
+}
+
+#[test]
+fn compare_endpoint_describes_the_fleet_it_measured() {
+    let bins = common::bins();
+    let args: Vec<String> = common::FAST_SIM
+        .iter()
+        .map(|s| s.to_string())
+        .chain(["--num-gpu-blocks".into(), "300".into()])
+        .collect();
+    let pod =
+        kv_router::bench::deploy::SimPod::spawn(&bins.vllm_sim, &args).expect("start vllm-sim");
+    // Nothing given: one pod seen in the responses, its size unknown, no oracle claimed.
+    let v = compare_endpoint(&pod, &[]);
+    assert_eq!(v["pods"], 1, "{v}");
+    assert!(v["gpu_blocks"].is_null(), "{v}");
+    assert!(v["summaries"][0]["oracles"].is_null(), "{v}");
+    let fleet = v["fleet"].as_str().unwrap();
+    assert!(fleet.starts_with("1 pods (seen serving"), "{fleet}");
+    // With the pod to reset: its KV size is read from its own /metrics.
+    let v = compare_endpoint(&pod, &[format!("--reset-pod={}", pod.addr)]);
+    assert_eq!(
+        (v["pods"].as_u64(), v["gpu_blocks"].as_u64()),
+        (Some(1), Some(300)),
+        "{v}"
+    );
+    assert_eq!(v["summaries"][0]["oracles"]["pooled_blocks"], 300, "{v}");
+}

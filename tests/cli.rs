@@ -43,5 +43,9 @@ fn invalid_configs_exit_64_in_check_config_and_serve() {
     }
     let good = config(dir.path(), "good.yaml", POD);
     let out = kv_router(&["check-config", &good]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }

@@ -14,90 +14,9 @@ use serde::Serialize;
 use super::deploy::{self, Binaries, EnvoyOptions, EnvoyProc, RouterProc, SimPod};
 use super::report::Summary;
 use super::runner::{self, RunOptions, RunResult};
+use super::strategy::Strategy;
 use super::workload::Workload;
-use crate::config::{Config, Policy, TokenizerConfig};
-
-/// A routing strategy under comparison.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, clap::ValueEnum)]
-#[serde(rename_all = "kebab-case")]
-pub enum Strategy {
-    /// Envoy's round robin, no ext_proc.
-    RoundRobin,
-    /// kv-router `policy: random`.
-    Random,
-    /// kv-router `policy: least-loaded`.
-    LeastLoaded,
-    /// kv-router weighted policy with only the prefix scorer and no gates (pure prefix affinity).
-    PrefixOnly,
-    /// kv-router defaults: prefix + session + load scorers behind the gates, approximate index.
-    Weighted,
-    /// The weighted policy on the precise index fed by the pods' KV events.
-    Precise,
-    /// The weighted policy on the shared Redis index.
-    Redis,
-}
-
-impl Strategy {
-    /// Every strategy, baseline first.
-    pub const ALL: [Strategy; 7] = [
-        Strategy::RoundRobin,
-        Strategy::Random,
-        Strategy::LeastLoaded,
-        Strategy::PrefixOnly,
-        Strategy::Weighted,
-        Strategy::Precise,
-        Strategy::Redis,
-    ];
-
-    /// Label in reports.
-    pub fn label(self) -> &'static str {
-        match self {
-            Strategy::RoundRobin => "round-robin",
-            Strategy::Random => "random",
-            Strategy::LeastLoaded => "least-loaded",
-            Strategy::PrefixOnly => "prefix-only",
-            Strategy::Weighted => "weighted",
-            Strategy::Precise => "precise",
-            Strategy::Redis => "redis",
-        }
-    }
-
-    /// Why the strategy cannot run in this build, if it cannot.
-    pub fn unavailable(self) -> Option<&'static str> {
-        match self {
-            Strategy::Redis => Some("the Redis index backend is not built yet"),
-            _ => None,
-        }
-    }
-
-    /// The router config of this strategy on top of `base` (None for Envoy round robin).
-    pub fn router_config(self, base: &Config, model: &str) -> Option<Config> {
-        let mut cfg = base.clone();
-        match self {
-            Strategy::RoundRobin | Strategy::Redis => return None,
-            Strategy::Random => cfg.policy = Policy::Random,
-            Strategy::LeastLoaded => cfg.policy = Policy::LeastLoaded,
-            Strategy::PrefixOnly => {
-                cfg.policy = Policy::Weighted;
-                cfg.scorers.prefix.weight = 1.0;
-                cfg.scorers.session.weight = 0.0;
-                cfg.scorers.load.weight = 0.0;
-                cfg.gate.enabled = false;
-            }
-            Strategy::Weighted => cfg.policy = Policy::Weighted,
-            Strategy::Precise => {
-                cfg.policy = Policy::Weighted;
-                cfg.kv_events.enabled = true;
-                cfg.kv_events.block_tokens = 16;
-                let tok: TokenizerConfig =
-                    serde_json::from_value(serde_json::json!({"model": model, "builtin": true}))
-                        .expect("static tokenizer config");
-                cfg.tokenizers = vec![tok];
-            }
-        }
-        Some(cfg)
-    }
-}
+use crate::config::Config;
 
 /// How to run a comparison.
 #[derive(Debug, Clone)]
@@ -242,10 +161,12 @@ pub struct Comparison {
     pub workload: String,
     /// Workload parameters.
     pub description: String,
-    /// Pods.
-    pub pods: usize,
-    /// Blocks per pod.
-    pub gpu_blocks: usize,
+    /// Pods measured (None: unknown).
+    pub pods: Option<usize>,
+    /// KV blocks per pod (None: unknown; then no oracle is computed).
+    pub gpu_blocks: Option<usize>,
+    /// One sentence saying what the fleet was and how that is known.
+    pub fleet: String,
     /// One entry per strategy, in run order.
     pub runs: Vec<StrategyRun>,
 }
@@ -283,16 +204,20 @@ pub async fn compare(
     let mut out = Comparison {
         workload: sample.name.clone(),
         description: sample.description.clone(),
-        pods: opts.pods,
-        gpu_blocks: opts.gpu_blocks,
+        pods: Some(opts.pods),
+        gpu_blocks: Some(opts.gpu_blocks),
+        fleet: format!(
+            "{} vllm-sim pods x {} KV blocks of 16 tokens",
+            opts.pods, opts.gpu_blocks
+        ),
         runs: Vec::new(),
     };
     drop(sample);
     for &strategy in &opts.strategies {
         if let Some(why) = strategy.unavailable() {
-            eprintln!("kv-bench: {}: skipped ({why})", strategy.label());
+            eprintln!("kv-bench: {}: skipped ({why})", strategy.as_str());
             out.runs.push(StrategyRun {
-                label: strategy.label().into(),
+                label: strategy.as_str().into(),
                 summary: None,
                 run: None,
                 skipped: Some(why.into()),
@@ -304,12 +229,14 @@ pub async fn compare(
             .context("resetting pod caches")?;
         // Router and its Envoy live only for this strategy (dropping them stops them).
         let mut stack: Option<(RouterProc, EnvoyProc)> = None;
-        let target = match strategy.router_config(&base, &opts.model) {
-            None => fleet.rr_envoy.url(),
-            Some(cfg) => {
+        // Round robin needs no router: Envoy's own round robin is the baseline.
+        let target = match strategy {
+            Strategy::RoundRobin => fleet.rr_envoy.url(),
+            _ => {
+                let cfg = strategy.router_config(&base, &opts.model);
                 let router = RouterProc::spawn(&bins.kv_router, &cfg)
                     .await
-                    .with_context(|| format!("starting kv-router for {}", strategy.label()))?;
+                    .with_context(|| format!("starting kv-router for {}", strategy.as_str()))?;
                 router
                     .wait_pods_ready(addrs.len(), Duration::from_secs(20))
                     .await?;
@@ -330,7 +257,7 @@ pub async fn compare(
         if opts.progress {
             eprintln!(
                 "kv-bench: {} ({} requests) through {}",
-                strategy.label(),
+                strategy.as_str(),
                 w.requests,
                 target
             );
@@ -341,7 +268,7 @@ pub async fn compare(
                 target,
                 concurrency,
                 request_timeout: opts.request_timeout,
-                label: strategy.label().into(),
+                label: strategy.as_str().into(),
                 progress: opts.progress,
             },
         )
@@ -350,7 +277,7 @@ pub async fn compare(
         let summary =
             Summary::of(&run, Some(opts.pods)).with_oracles(&run, opts.pods, opts.gpu_blocks);
         out.runs.push(StrategyRun {
-            label: strategy.label().into(),
+            label: strategy.as_str().into(),
             summary: Some(summary),
             run: Some(run),
             skipped: None,
@@ -359,27 +286,59 @@ pub async fn compare(
     Ok(out)
 }
 
+/// What is known of a fleet managed elsewhere, from the flags or measured.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct FleetHint {
+    /// `--pods`.
+    pub pods: Option<usize>,
+    /// `--gpu-blocks`.
+    pub gpu_blocks: Option<usize>,
+}
+
+/// KV blocks per pod as the pods' own `/metrics` state them (`vllm:cache_config_info`), when
+/// every pod answers and they agree.
+async fn scraped_gpu_blocks(pods: &[SocketAddr]) -> Option<usize> {
+    let client = runner::client();
+    let mut seen = None;
+    for p in pods {
+        let text = client
+            .get(format!("http://{p}/metrics"))
+            .send()
+            .await
+            .ok()?
+            .text()
+            .await
+            .ok()?;
+        let blocks = crate::pods::parse_vllm_metrics(&text).num_gpu_blocks? as usize;
+        if seen.is_some_and(|b| b != blocks) {
+            return None;
+        }
+        seen = Some(blocks);
+    }
+    seen
+}
+
 /// Runs `workload()` once against each `(label, base URL)` of deployments managed elsewhere
 /// ("pointed at" mode). Pod caches are reset between runs through `reset_pods` (vLLM's
-/// `POST /reset_prefix_cache`) when given; `pods` × `gpu_blocks` sizes the pooled oracle.
+/// `POST /reset_prefix_cache`) when given. The report describes the fleet it measured: pods and
+/// blocks per pod as given, else from the `reset_pods` (their count, their `/metrics`), else the
+/// pods seen in responses; with blocks per pod unknown, no oracle is computed.
 pub async fn compare_endpoints(
     endpoints: &[(String, String)],
     reset_pods: &[SocketAddr],
-    pods: usize,
-    gpu_blocks: usize,
+    hint: FleetHint,
     request_timeout: Duration,
     workload: impl Fn() -> Workload,
     concurrency: Option<usize>,
 ) -> Result<Comparison> {
     let sample = workload();
-    let mut out = Comparison {
-        workload: sample.name.clone(),
-        description: sample.description.clone(),
-        pods,
-        gpu_blocks,
-        runs: Vec::new(),
-    };
+    let (workload_name, description) = (sample.name.clone(), sample.description.clone());
     drop(sample);
+    let scraped = match hint.gpu_blocks {
+        None if !reset_pods.is_empty() => scraped_gpu_blocks(reset_pods).await,
+        _ => None,
+    };
+    let mut runs = Vec::new();
     for (label, url) in endpoints {
         if !reset_pods.is_empty() {
             deploy::reset_caches(reset_pods)
@@ -397,47 +356,54 @@ pub async fn compare_endpoints(
             },
         )
         .await?;
-        let summary = Summary::of(&run, Some(pods)).with_oracles(&run, pods, gpu_blocks);
-        out.runs.push(StrategyRun {
-            label: label.clone(),
-            summary: Some(summary),
-            run: Some(run),
-            skipped: None,
-        });
+        runs.push((label.clone(), run));
     }
-    Ok(out)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn strategies_map_to_router_configs() {
-        let base = deploy::local_router_config(&["127.0.0.1:1".parse().unwrap()]).unwrap();
-        assert!(Strategy::RoundRobin.router_config(&base, "m").is_none());
-        assert_eq!(
-            Strategy::Random.router_config(&base, "m").unwrap().policy,
-            Policy::Random
-        );
-        let p = Strategy::PrefixOnly.router_config(&base, "m").unwrap();
-        assert_eq!(
-            (
-                p.scorers.session.weight,
-                p.scorers.load.weight,
-                p.gate.enabled
-            ),
-            (0.0, 0.0, false)
-        );
-        let w = Strategy::Weighted.router_config(&base, "m").unwrap();
-        assert!(!w.kv_events.enabled);
-        assert_eq!(w.scorers, base.scorers, "weighted is the defaults");
-        let precise = Strategy::Precise.router_config(&base, "m").unwrap();
-        assert!(precise.kv_events.enabled);
-        assert_eq!(precise.tokenizers[0].model, "m");
-        precise.validate().expect("precise config is valid");
-        assert!(Strategy::Redis.unavailable().is_some());
-        let labels: Vec<&str> = Strategy::ALL.iter().map(|s| s.label()).collect();
-        assert_eq!(labels.len(), 7);
-    }
+    let seen: std::collections::BTreeSet<&str> = runs
+        .iter()
+        .flat_map(|(_, r)| r.records.iter().filter_map(|x| x.pod.as_deref()))
+        .collect();
+    let (pods, pods_how) = match (hint.pods, reset_pods.len(), seen.len()) {
+        (Some(n), _, _) => (Some(n), "as given by --pods"),
+        (None, n, _) if n > 0 => (Some(n), "the --reset-pod pods"),
+        (None, _, n) if n > 0 => (Some(n), "seen serving in responses"),
+        _ => (None, "unknown"),
+    };
+    let (gpu_blocks, blocks_how) = match (hint.gpu_blocks, scraped) {
+        (Some(b), _) => (Some(b), "as given by --gpu-blocks"),
+        (None, Some(b)) => (Some(b), "from the pods' /metrics"),
+        (None, None) => (None, "unknown, so no oracle is computed"),
+    };
+    let fleet = format!(
+        "{} pods ({pods_how}) x {} KV blocks per pod ({blocks_how}), behind {}",
+        pods.map_or("?".into(), |n| n.to_string()),
+        gpu_blocks.map_or("?".into(), |n| n.to_string()),
+        endpoints
+            .iter()
+            .map(|(l, u)| format!("`{l}` = {u}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    let runs = runs
+        .into_iter()
+        .map(|(label, run)| {
+            let mut summary = Summary::of(&run, pods);
+            if let (Some(p), Some(b)) = (pods, gpu_blocks) {
+                summary = summary.with_oracles(&run, p, b);
+            }
+            StrategyRun {
+                label,
+                summary: Some(summary),
+                run: Some(run),
+                skipped: None,
+            }
+        })
+        .collect();
+    Ok(Comparison {
+        workload: workload_name,
+        description,
+        pods,
+        gpu_blocks,
+        fleet,
+        runs,
+    })
 }

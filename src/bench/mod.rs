@@ -11,6 +11,7 @@ pub mod report;
 pub mod results;
 pub mod runner;
 pub mod simulate;
+pub mod strategy;
 pub mod trace;
 pub mod workload;
 

@@ -76,8 +76,8 @@ pub fn comparison_section(
 ) -> Result<Section> {
     let summaries = cmp.summaries();
     let mut body = format!(
-        "Workload: {} ({}). Fleet: {} vllm-sim pods x {} KV blocks of 16 tokens.\n\n",
-        cmp.workload, cmp.description, cmp.pods, cmp.gpu_blocks
+        "Workload: {} ({}). Fleet: {}.\n\n",
+        cmp.workload, cmp.description, cmp.fleet
     );
     body.push_str(&report::table(&summaries, Style::Markdown));
     let note = cmp.skipped_note();
@@ -102,10 +102,17 @@ pub fn comparison_section(
     let load: Vec<(String, Vec<usize>)> = summaries
         .iter()
         .map(|s| {
-            // Fleet order pod-0, pod-1, …; pods that served nothing show as 0.
-            let counts = (0..s.pods)
-                .map(|i| s.per_pod.get(&format!("pod-{i}")).copied().unwrap_or(0))
-                .collect();
+            // Fleet order pod-0, pod-1, …; pods that served nothing show as 0. Pods named
+            // otherwise (a fleet managed elsewhere) in name order, padded to the fleet size.
+            let counts = if s.per_pod.keys().all(|k| k.starts_with("pod-")) {
+                (0..s.pods)
+                    .map(|i| s.per_pod.get(&format!("pod-{i}")).copied().unwrap_or(0))
+                    .collect()
+            } else {
+                let mut c: Vec<usize> = s.per_pod.values().copied().collect();
+                c.resize(c.len().max(s.pods), 0);
+                c
+            };
             (s.label.clone(), counts)
         })
         .collect();
@@ -130,6 +137,7 @@ pub fn comparison_section(
             "description": cmp.description,
             "pods": cmp.pods,
             "gpu_blocks": cmp.gpu_blocks,
+            "fleet": cmp.fleet,
             "summaries": summaries,
             "skipped": cmp.runs.iter().filter(|r| r.skipped.is_some())
                 .map(|r| serde_json::json!({"strategy": r.label, "why": r.skipped}))

@@ -33,10 +33,11 @@ use thiserror::Error;
 
 use super::oracle::{OracleRequest, Oracles};
 use super::report::{percentile, Style};
+use super::strategy::Strategy;
 use super::trace::{self, Expansion, Trace};
 use super::workload::SplitMix64;
 use crate::blocks::{namespace_seed, token_keys};
-use crate::config::{Config, Policy, TokenizerConfig};
+use crate::config::Config;
 use crate::decide::{commit, plan, Body, PlanInput, Stages};
 use crate::events::KvEventBatch;
 use crate::index::{build_index, index_capacity, ApplyStats};
@@ -53,79 +54,10 @@ pub const MODEL: &str = "sim-model";
 /// Tokens per KV block, for pods and router alike (vLLM's default).
 pub const BLOCK_TOKENS: usize = 16;
 
-/// A routing strategy: the router's configuration for one policy or mode.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, clap::ValueEnum)]
-#[serde(rename_all = "kebab-case")]
-pub enum Strategy {
-    /// `policy: round-robin`.
-    RoundRobin,
-    /// `policy: random`.
-    Random,
-    /// `policy: least-loaded` (the load scorer's busy signal).
-    LeastLoaded,
-    /// Weighted policy with the prefix scorer alone and the hot-pod gate off (saturation gate on).
-    PrefixOnly,
-    /// Default config: approximate index learned from the router's own decisions.
-    Weighted,
-    /// Default config with KV events: the event-fed index (plus speculative entries).
-    Precise,
-}
-
-impl Strategy {
-    /// Every strategy, baselines first.
-    pub const ALL: [Strategy; 6] = [
-        Strategy::RoundRobin,
-        Strategy::Random,
-        Strategy::LeastLoaded,
-        Strategy::PrefixOnly,
-        Strategy::Weighted,
-        Strategy::Precise,
-    ];
-
-    /// Stable name (CLI value, report label).
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Strategy::RoundRobin => "round-robin",
-            Strategy::Random => "random",
-            Strategy::LeastLoaded => "least-loaded",
-            Strategy::PrefixOnly => "prefix-only",
-            Strategy::Weighted => "weighted",
-            Strategy::Precise => "precise",
-        }
-    }
-
-    /// The router configuration this strategy runs (defaults otherwise).
-    pub fn config(self) -> Config {
-        let mut c = Config::default();
-        match self {
-            Strategy::RoundRobin => c.policy = Policy::RoundRobin,
-            Strategy::Random => c.policy = Policy::Random,
-            Strategy::LeastLoaded => c.policy = Policy::LeastLoaded,
-            Strategy::PrefixOnly => {
-                c.scorers.session.weight = 0.0;
-                c.scorers.load.weight = 0.0;
-                // Never "hot": the imbalance test needs a finite margin.
-                c.gate.hot_abs = f64::INFINITY;
-            }
-            Strategy::Weighted => {}
-            Strategy::Precise => {
-                c.kv_events.enabled = true;
-                c.tokenizers = vec![TokenizerConfig {
-                    model: MODEL.into(),
-                    tokenizer_json: None,
-                    tokenizer_config: None,
-                    chat_template: None,
-                    builtin: true,
-                }];
-            }
-        }
-        c
-    }
-
-    /// Whether the outcome depends on the index at all (round robin and random ignore it).
-    fn uses_index(self) -> bool {
-        !matches!(self, Strategy::RoundRobin | Strategy::Random)
-    }
+/// Whether a strategy's outcome depends on the index at all (round robin and random ignore it,
+/// so their runs skip it).
+fn uses_index(s: Strategy) -> bool {
+    !matches!(s, Strategy::RoundRobin | Strategy::Random)
 }
 
 /// Invalid simulation options.
@@ -137,6 +69,9 @@ pub enum SimulateError {
     /// Nothing to compare.
     #[error("no strategy to simulate")]
     NoStrategies,
+    /// A strategy this build cannot run.
+    #[error("{0}: {1}")]
+    Unavailable(&'static str, &'static str),
     /// Arrival compression must be a positive finite number.
     #[error("speedup must be positive and finite, got {0}")]
     BadSpeedup(f64),
@@ -228,7 +163,7 @@ impl Default for SimulateOptions {
             speedup: 1.0,
             output_scale: 1.0,
             pods: 64,
-            strategies: Strategy::ALL.to_vec(),
+            strategies: Strategy::available(),
             engine: EngineConfig::default(),
             event_delay_ms: 5.0,
             scrape_interval_ms: crate::config::PodsConfig::default().scrape_interval_ms,
@@ -255,6 +190,12 @@ impl SimulateOptions {
         }
         if self.strategies.is_empty() {
             return Err(SimulateError::NoStrategies);
+        }
+        let planned = self.capacity.iter().map(|c| c.strategy);
+        for s in self.strategies.iter().copied().chain(planned) {
+            if let Some(why) = s.unavailable() {
+                return Err(SimulateError::Unavailable(s.as_str(), why));
+            }
         }
         if !(self.speedup.is_finite() && self.speedup > 0.0) {
             return Err(SimulateError::BadSpeedup(self.speedup));
@@ -759,9 +700,9 @@ fn simulate(
     pods: usize,
     opts: &SimulateOptions,
 ) -> Result<RunOutcome, SimulateError> {
-    let cfg = strategy.config();
+    let cfg = strategy.router_config(&Config::default(), MODEL);
     let stages = Stages::new(&cfg);
-    let index = strategy.uses_index().then(|| build_index(&cfg));
+    let index = uses_index(strategy).then(|| build_index(&cfg));
     let ecfg = EngineConfig {
         block_size: BLOCK_TOKENS,
         ..opts.engine.clone()
@@ -1372,7 +1313,7 @@ pub struct SimulateArgs {
     #[arg(long, default_value_t = 1.0)]
     pub output_scale: f64,
     /// Strategies to compare (comma-separated).
-    #[arg(long, value_enum, value_delimiter = ',', default_values_t = Strategy::ALL.to_vec())]
+    #[arg(long, value_enum, value_delimiter = ',', default_values_t = Strategy::available())]
     pub strategies: Vec<Strategy>,
     /// Capacity planning: TTFT target in ms at --ttft-percentile.
     #[arg(long, default_value_t = DEFAULT_TTFT_TARGET_MS)]
@@ -1612,7 +1553,7 @@ mod tests {
             usize::MAX,
         );
         for s in [Strategy::Weighted, Strategy::Precise] {
-            let cfg = s.config();
+            let cfg = s.router_config(&Config::default(), MODEL);
             let keyer = crate::keys::Keyer::new(
                 crate::blocks::BlockScheme {
                     size_chars: cfg.blocks.size_chars,
@@ -1713,7 +1654,7 @@ mod tests {
         });
         let r = run_trace(&t, &o).unwrap();
         let md = r.markdown();
-        for s in Strategy::ALL {
+        for s in Strategy::available() {
             assert!(md.contains(&format!("| {} |", s.as_str())), "{md}");
         }
         assert!(md.contains("Answer: 1 pods"), "{md}");

@@ -9,12 +9,13 @@ use clap::{Args, Parser, Subcommand};
 
 use kv_router::bench::{
     self,
-    compare::{self, CompareOptions, Strategy},
+    compare::{self, CompareOptions},
     deploy::Binaries,
     overhead,
     report::{self, JsonReport, Style, Summary},
     results,
     runner::{self, RunOptions, RunResult},
+    strategy::Strategy,
     trace::{self, Expansion, Trace},
     workload::{Arrivals, MultiturnSpec, SharedPrefixSpec, TraceSpec, Workload, WorkloadKind},
 };
@@ -51,12 +52,15 @@ struct CompareArgs {
     /// Envoy binary (default: $KV_ROUTER_ENVOY, .venv/bin/envoy, PATH).
     #[arg(long)]
     envoy: Option<PathBuf>,
-    /// Simulated pods.
-    #[arg(long, default_value_t = 8)]
-    pods: usize,
-    /// KV-cache blocks (16 tokens) per simulated pod.
-    #[arg(long, default_value_t = 4096)]
-    gpu_blocks: usize,
+    /// Simulated pods [default: 8]. With --endpoint: the size of the fleet behind them
+    /// (default: the --reset-pod count, else the pods seen in responses).
+    #[arg(long)]
+    pods: Option<usize>,
+    /// KV-cache blocks (16 tokens) per simulated pod [default: 4096]. With --endpoint: per pod
+    /// of that fleet (default: read from the --reset-pod pods' /metrics, else unknown and no
+    /// oracle is computed).
+    #[arg(long)]
+    gpu_blocks: Option<usize>,
     /// Extra vllm-sim argument (repeatable), e.g. --sim-arg=--prefill-us-per-token=20.
     #[arg(long = "sim-arg", allow_hyphen_values = true)]
     sim_args: Vec<String>,
@@ -463,8 +467,8 @@ async fn compare_section(
         workload_factory(a.workload, &a.args, &a.shared_prefix, &a.trace, &a.arrivals)?;
     let opts = CompareOptions {
         envoy: a.envoy.clone(),
-        pods: a.pods,
-        gpu_blocks: a.gpu_blocks,
+        pods: a.pods.unwrap_or(8),
+        gpu_blocks: a.gpu_blocks.unwrap_or(4096),
         sim_args: a.sim_args.clone(),
         strategies: a.strategies.clone(),
         request_timeout: Duration::from_secs(a.timeout_s),
@@ -477,8 +481,10 @@ async fn compare_section(
         compare::compare_endpoints(
             &a.endpoints,
             &a.reset_pods,
-            a.pods,
-            a.gpu_blocks,
+            compare::FleetHint {
+                pods: a.pods,
+                gpu_blocks: a.gpu_blocks,
+            },
             opts.request_timeout,
             workload,
             concurrency,

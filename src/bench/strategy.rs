@@ -1,0 +1,145 @@
+//! Routing strategies under comparison: a name and the router configuration it stands for. One
+//! type for `kv-bench compare` (live processes) and `kv-bench simulate` (virtual time).
+
+use serde::Serialize;
+
+use crate::config::{Config, Policy, TokenizerConfig};
+
+/// A routing strategy: one router configuration, named.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum Strategy {
+    /// Round robin (`compare` runs it as Envoy's own round robin, without ext_proc).
+    RoundRobin,
+    /// `policy: random`.
+    Random,
+    /// `policy: least-loaded` (the load scorer's busy signal).
+    LeastLoaded,
+    /// Pure prefix affinity: the weighted policy with the prefix scorer alone and every gate
+    /// off (no saturation gate, no hot-pod spill). Shows what load awareness adds.
+    PrefixOnly,
+    /// Router defaults: prefix + session + load scorers behind the gates, approximate index
+    /// learned from the router's own decisions.
+    Weighted,
+    /// The defaults on the precise index fed by the pods' KV events (exact token blocks).
+    Precise,
+    /// The defaults on the shared Redis index.
+    Redis,
+}
+
+impl Strategy {
+    /// Every strategy, baselines first.
+    pub const ALL: [Strategy; 7] = [
+        Strategy::RoundRobin,
+        Strategy::Random,
+        Strategy::LeastLoaded,
+        Strategy::PrefixOnly,
+        Strategy::Weighted,
+        Strategy::Precise,
+        Strategy::Redis,
+    ];
+
+    /// Stable name (CLI value, report label).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Strategy::RoundRobin => "round-robin",
+            Strategy::Random => "random",
+            Strategy::LeastLoaded => "least-loaded",
+            Strategy::PrefixOnly => "prefix-only",
+            Strategy::Weighted => "weighted",
+            Strategy::Precise => "precise",
+            Strategy::Redis => "redis",
+        }
+    }
+
+    /// Why the strategy cannot run in this build, if it cannot.
+    pub fn unavailable(self) -> Option<&'static str> {
+        match self {
+            Strategy::Redis => Some("the Redis index backend is not built yet"),
+            _ => None,
+        }
+    }
+
+    /// Every strategy this build can run, baselines first.
+    pub fn available() -> Vec<Strategy> {
+        Self::ALL
+            .into_iter()
+            .filter(|s| s.unavailable().is_none())
+            .collect()
+    }
+
+    /// The router configuration of this strategy on top of `base`, for requests naming `model`
+    /// (precise mode gets vllm-sim's pseudo tokenizer for it).
+    pub fn router_config(self, base: &Config, model: &str) -> Config {
+        let mut cfg = base.clone();
+        cfg.policy = Policy::Weighted;
+        match self {
+            Strategy::RoundRobin => cfg.policy = Policy::RoundRobin,
+            Strategy::Random => cfg.policy = Policy::Random,
+            Strategy::LeastLoaded => cfg.policy = Policy::LeastLoaded,
+            Strategy::PrefixOnly => {
+                cfg.scorers.prefix.weight = 1.0;
+                cfg.scorers.session.weight = 0.0;
+                cfg.scorers.load.weight = 0.0;
+                cfg.gate.enabled = false;
+            }
+            Strategy::Weighted | Strategy::Redis => {}
+            Strategy::Precise => {
+                cfg.kv_events.enabled = true;
+                cfg.kv_events.block_tokens = 16;
+                cfg.tokenizers = vec![TokenizerConfig {
+                    model: model.into(),
+                    tokenizer_json: None,
+                    tokenizer_config: None,
+                    chat_template: None,
+                    builtin: true,
+                }];
+            }
+        }
+        cfg
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::ValueEnum;
+
+    #[test]
+    fn strategies_map_to_router_configs() {
+        let base = Config::default();
+        let cfg = |s: Strategy| s.router_config(&base, "m");
+        assert_eq!(cfg(Strategy::RoundRobin).policy, Policy::RoundRobin);
+        assert_eq!(cfg(Strategy::Random).policy, Policy::Random);
+        let p = cfg(Strategy::PrefixOnly);
+        assert_eq!(
+            (
+                p.policy,
+                p.scorers.prefix.weight,
+                p.scorers.session.weight,
+                p.scorers.load.weight,
+                p.gate.enabled
+            ),
+            (Policy::Weighted, 1.0, 0.0, 0.0, false)
+        );
+        let w = cfg(Strategy::Weighted);
+        assert!(!w.kv_events.enabled);
+        assert_eq!(w.scorers, base.scorers, "weighted is the defaults");
+        assert_eq!(w.gate, base.gate);
+        let precise = cfg(Strategy::Precise);
+        assert!(precise.kv_events.enabled);
+        assert_eq!(precise.tokenizers[0].model, "m");
+        assert!(precise.tokenizers[0].builtin);
+        assert!(Strategy::Redis.unavailable().is_some());
+        assert!(!Strategy::available().contains(&Strategy::Redis));
+    }
+
+    #[test]
+    fn one_name_per_strategy_everywhere() {
+        for s in Strategy::ALL {
+            let cli = s.to_possible_value().unwrap();
+            assert_eq!(cli.get_name(), s.as_str());
+            assert_eq!(serde_json::to_value(s).unwrap(), s.as_str());
+        }
+    }
+}
