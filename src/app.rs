@@ -27,7 +27,7 @@ use crate::telemetry::{ErrorKind, Errors, Metrics};
 use crate::tokenize::TokenizerRegistry;
 
 /// gRPC health service names (Endpoint Picker Protocol).
-pub const HEALTH_SERVICES: [&str; 3] = [
+const HEALTH_SERVICES: [&str; 3] = [
     "liveness",
     "readiness",
     "envoy.service.ext_proc.v3.ExternalProcessor",

@@ -64,11 +64,6 @@ impl Keyer {
         }
     }
 
-    /// Whether requests for `model` get exact token keys.
-    pub fn is_precise(&self, model: &str) -> bool {
-        self.tokenizers.get(model).is_some()
-    }
-
     /// Keys of a request.
     pub fn keys(&self, req: &RoutingRequest) -> Keys {
         let model = req.model.as_deref().unwrap_or("");

@@ -8,10 +8,8 @@
 //! ```
 //! Only [`decide`] calls the stages in order; only [`app`] constructs them.
 
-pub mod admin;
+pub(crate) mod admin;
 pub mod app;
-/// kv-bench harness (deployments, workloads, runner, reports); not part of the router itself.
-pub mod bench;
 pub mod blocks;
 pub mod config;
 pub mod decide;
@@ -19,11 +17,10 @@ pub mod events;
 pub mod extproc;
 pub mod index;
 pub mod keys;
-pub mod pick_api;
+pub(crate) mod pick_api;
 pub mod picker;
 pub mod pods;
 pub mod request;
 pub mod scoring;
-pub mod sim;
 pub mod telemetry;
 pub mod tokenize;

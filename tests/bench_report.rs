@@ -24,8 +24,8 @@ fn quick_report_is_produced_and_well_formed() {
     let json: Value =
         serde_json::from_slice(&std::fs::read(out.path().join("results.json")).unwrap()).unwrap();
     let sections = json["sections"].as_array().expect("sections");
-    let n = sections.len();
-    kv_router::bench::results::check(out.path(), n).expect("well-formed report");
+    // `kv-bench report` itself checks what it wrote (commands, tables, linked SVGs) and fails
+    // otherwise; here: what each section holds.
     let comparisons: Vec<&Value> = sections
         .iter()
         .filter(|s| {
@@ -78,7 +78,7 @@ fn quick_report_is_produced_and_well_formed() {
 }
 
 /// `kv-bench compare --endpoint … --json` against one pod started here; returns the JSON.
-fn compare_endpoint(pod: &kv_router::bench::deploy::SimPod, extra: &[String]) -> Value {
+fn compare_endpoint(pod: &common::deploy::SimPod, extra: &[String]) -> Value {
     let out = tempfile::tempdir().expect("temp dir");
     let json = out.path().join("cmp.json");
     let status = Command::new(env!("CARGO_BIN_EXE_kv-bench"))
@@ -113,8 +113,7 @@ fn compare_endpoint_describes_the_fleet_it_measured() {
         .map(|s| s.to_string())
         .chain(["--num-gpu-blocks".into(), "300".into()])
         .collect();
-    let pod =
-        kv_router::bench::deploy::SimPod::spawn(&bins.vllm_sim, &args).expect("start vllm-sim");
+    let pod = common::deploy::SimPod::spawn(&bins.vllm_sim, &args).expect("start vllm-sim");
     // Nothing given: one pod seen in the responses, its size unknown, no oracle claimed.
     let v = compare_endpoint(&pod, &[]);
     assert_eq!(v["pods"], 1, "{v}");

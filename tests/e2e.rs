@@ -9,11 +9,11 @@ mod common;
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
+use common::deploy::reset_caches;
+use common::runner::{self, RunOptions};
+use common::workload::MultiturnSpec;
 use common::{chat_stream, completion, served_by, text, Deployment};
 use futures::StreamExt;
-use kv_router::bench::deploy::reset_caches;
-use kv_router::bench::runner::{self, RunOptions};
-use kv_router::bench::workload::MultiturnSpec;
 use serde_json::Value;
 
 const BUFFERED: &str = "override-host-buffered.yaml";

@@ -14,9 +14,9 @@ use std::net::SocketAddr;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use common::deploy::{self, free_port, EnvoyProc, RouterProc, SimPod};
+use common::runner;
 use common::{bins, completion, envoy_bin, post_to, served_by, text, FAST_SIM};
-use kv_router::bench::deploy::{self, free_port, EnvoyProc, RouterProc, SimPod};
-use kv_router::bench::runner;
 use kv_router::config::{Config, TokenizerConfig};
 use serde_json::{json, Value};
 

@@ -12,9 +12,13 @@ use std::time::Duration;
 
 use kv_router::blocks::pseudo_tokens;
 use kv_router::events::{encode_batch, BlockHash, ExtraKey, KvEvent, KvEventBatch};
-use kv_router::sim::vllm_hash::{chain, digest_u64, none_hash, HashExtras, DEFAULT_SEED};
+#[path = "../src/sim/vllm_hash.rs"]
+#[allow(dead_code)]
+mod vllm_hash;
+
 use rmpv::Value as Mp;
 use serde_json::{json, Value};
+use vllm_hash::{chain, digest_u64, none_hash, HashExtras, DEFAULT_SEED};
 use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
 
 fn fixtures() -> Option<PathBuf> {

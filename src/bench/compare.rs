@@ -16,7 +16,7 @@ use super::report::Summary;
 use super::runner::{self, RunOptions, RunResult};
 use super::strategy::Strategy;
 use super::workload::Workload;
-use crate::config::Config;
+use kv_router::config::Config;
 
 /// How to run a comparison.
 #[derive(Debug, Clone)]
@@ -309,7 +309,7 @@ async fn scraped_gpu_blocks(pods: &[SocketAddr]) -> Option<usize> {
             .text()
             .await
             .ok()?;
-        let blocks = crate::pods::parse_vllm_metrics(&text).num_gpu_blocks? as usize;
+        let blocks = kv_router::pods::parse_vllm_metrics(&text).num_gpu_blocks? as usize;
         if seen.is_some_and(|b| b != blocks) {
             return None;
         }

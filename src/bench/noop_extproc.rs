@@ -20,7 +20,7 @@ use thiserror::Error;
 use tokio::sync::oneshot;
 use tonic::{Request, Response, Status, Streaming};
 
-use crate::extproc::reply;
+use kv_router::extproc::reply;
 
 /// Why the no-op processor could not start.
 #[derive(Debug, Error)]
@@ -217,11 +217,11 @@ mod tests {
             .unwrap();
         assert!(matches!(b.response, Some(Out::RequestBody(_))));
         let md = b.dynamic_metadata.expect("destination metadata");
-        let Some(Kind::StructValue(lb)) = &md.fields[crate::extproc::LB_NAMESPACE].kind else {
+        let Some(Kind::StructValue(lb)) = &md.fields[kv_router::extproc::LB_NAMESPACE].kind else {
             panic!("envoy.lb struct")
         };
         assert!(matches!(
-            &lb.fields[crate::extproc::DESTINATION_HEADER].kind,
+            &lb.fields[kv_router::extproc::DESTINATION_HEADER].kind,
             Some(Kind::StringValue(s)) if s == "127.0.0.1:8000,127.0.0.1:8001"
         ));
         assert!(n.reply(ProcessingRequest::default()).is_none());

@@ -13,7 +13,7 @@ use lru::LruCache;
 use serde::Serialize;
 use serde_json::Value;
 
-use crate::blocks::{namespace_seed, token_keys, BlockKey};
+use kv_router::blocks::{namespace_seed, token_keys, BlockKey};
 
 /// One request as the oracles see it.
 #[derive(Debug, Clone, PartialEq)]
@@ -28,10 +28,10 @@ impl OracleRequest {
     /// The request the sim would see for `body` sent to `path` (None if the sim would reject it).
     pub fn from_body(path: &str, body: &Value, block_size: usize) -> Option<Self> {
         let bytes = serde_json::to_vec(body).ok()?;
-        let req = crate::request::parse(path, &bytes).ok()?;
+        let req = crate::sim::openai::parse(path.ends_with("/chat/completions"), &bytes).ok()?;
         let model = req.model.clone().unwrap_or_default();
         let seed = namespace_seed(&model, req.cache_salt.as_deref());
-        let tokens = crate::sim::prompt_token_ids(req.prompt);
+        let tokens = req.tokens;
         if tokens.is_empty() {
             return None;
         }
@@ -169,7 +169,7 @@ mod tests {
 
     #[test]
     fn pooled_never_beats_infinite() {
-        let mut rng = crate::bench::workload::SplitMix64::new(7);
+        let mut rng = crate::bench::splitmix::SplitMix64::new(7);
         let reqs: Vec<OracleRequest> = (0..300)
             .map(|_| {
                 let root = rng.range(0, 5) as u64;

@@ -20,8 +20,9 @@ use thiserror::Error;
 
 use super::deploy::{self, Binaries, EnvoyOptions, EnvoyProc, RouterProc, SimPod};
 use super::noop_extproc::NoopServer;
+use super::prose::prose;
 use super::report::percentile;
-use super::workload::{prose, SplitMix64};
+use super::splitmix::SplitMix64;
 
 /// A way to reach the pods.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize)]

@@ -4,8 +4,11 @@ use std::collections::BTreeMap;
 
 use serde::Serialize;
 
-use super::oracle::Oracles;
+use super::oracle::{OracleRequest, Oracles};
 use super::runner::RunResult;
+
+/// Block size the oracle inputs are keyed with (vllm-sim's and vLLM's GPU default).
+const ORACLE_BLOCK_SIZE: usize = 16;
 
 /// Summary of one run.
 #[derive(Debug, Clone, Serialize)]
@@ -119,9 +122,14 @@ impl Summary {
     /// Adds the oracles of the run's own prompt sequence for a fleet of `pods` pods with
     /// `blocks_per_pod` blocks each.
     pub fn with_oracles(mut self, run: &RunResult, pods: usize, blocks_per_pod: usize) -> Self {
+        let prompts: Vec<OracleRequest> = run
+            .sent
+            .iter()
+            .filter_map(|(path, body)| OracleRequest::from_body(path, body, ORACLE_BLOCK_SIZE))
+            .collect();
         self.oracles = Some(Oracles::compute(
-            &run.prompts,
-            super::runner::ORACLE_BLOCK_SIZE,
+            &prompts,
+            ORACLE_BLOCK_SIZE,
             pods * blocks_per_pod,
         ));
         self
@@ -325,7 +333,7 @@ mod tests {
             description: String::new(),
             target: String::new(),
             duration_s: 2.0,
-            prompts: Vec::new(),
+            sent: Vec::new(),
             records: vec![
                 rec("a", 100, 50, 10.0, false),
                 rec("a", 100, 100, 20.0, false),

@@ -10,7 +10,6 @@ use futures::StreamExt;
 use serde::Serialize;
 use serde_json::Value;
 
-use super::oracle::OracleRequest;
 use super::workload::{PlannedRequest, Previous, Workload};
 
 /// Header every simulated pod puts on its responses.
@@ -56,6 +55,7 @@ impl StreamOutcome {
     }
 
     /// 2xx with a complete stream.
+    #[allow(dead_code)] // the end-to-end tests' harness (tests/common mounts this file)
     pub fn ok(&self) -> bool {
         self.error.is_none() && matches!(self.status, Some(200..=299)) && self.done
     }
@@ -323,13 +323,10 @@ pub struct RunResult {
     pub duration_s: f64,
     /// Per-request measurements, in send order.
     pub records: Vec<RequestRecord>,
-    /// Every prompt as the sim keys it (16-token blocks), in send order, for the oracles.
+    /// Every request sent (path, body), in send order: what the oracles replay.
     #[serde(skip)]
-    pub prompts: Vec<OracleRequest>,
+    pub sent: Vec<(&'static str, Value)>,
 }
-
-/// Block size the oracle inputs are keyed with (vllm-sim's and vLLM's GPU default).
-pub const ORACLE_BLOCK_SIZE: usize = 16;
 
 /// Runs `workload` against `opts.target`.
 pub async fn run(workload: Workload, opts: &RunOptions) -> Result<RunResult> {
@@ -363,10 +360,7 @@ pub async fn run(workload: Workload, opts: &RunOptions) -> Result<RunResult> {
             let mut records = Vec::new();
             let mut last: Option<StreamOutcome> = None;
             loop {
-                let prev = last.as_ref().map(|o| Previous {
-                    ok: o.ok(),
-                    text: &o.text,
-                });
+                let prev = last.as_ref().map(|o| Previous { text: &o.text });
                 let Some(PlannedRequest {
                     api,
                     body,
@@ -381,7 +375,6 @@ pub async fn run(workload: Workload, opts: &RunOptions) -> Result<RunResult> {
                     tokio::time::sleep_until((start + at).into()).await;
                 }
                 let url = format!("{base}{}", api.path());
-                let prompt = OracleRequest::from_body(api.path(), &body, ORACLE_BLOCK_SIZE);
                 let sent = start.elapsed().as_secs_f64() * 1e3;
                 let o = stream_request(&client, &url, &body, &headers, timeout).await;
                 let record = RequestRecord::from_outcome(session.id(), turn, sent, &o);
@@ -389,7 +382,7 @@ pub async fn run(workload: Workload, opts: &RunOptions) -> Result<RunResult> {
                     bar.set_message("(errors)");
                 }
                 bar.inc(1);
-                records.push((record, prompt));
+                records.push((record, (api.path(), body)));
                 last = Some(o);
             }
             records
@@ -402,7 +395,7 @@ pub async fn run(workload: Workload, opts: &RunOptions) -> Result<RunResult> {
     let duration_s = start.elapsed().as_secs_f64();
     bar.finish_and_clear();
     records.sort_by(|a, b| a.0.start_ms.total_cmp(&b.0.start_ms));
-    let (records, prompts): (Vec<_>, Vec<_>) = records.into_iter().unzip();
+    let (records, sent): (Vec<_>, Vec<_>) = records.into_iter().unzip();
     Ok(RunResult {
         label: opts.label.clone(),
         workload: workload.name,
@@ -410,7 +403,7 @@ pub async fn run(workload: Workload, opts: &RunOptions) -> Result<RunResult> {
         target: base,
         duration_s,
         records,
-        prompts: prompts.into_iter().flatten().collect(),
+        sent,
     })
 }
 

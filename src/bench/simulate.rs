@@ -33,20 +33,20 @@ use thiserror::Error;
 
 use super::oracle::{OracleRequest, Oracles};
 use super::report::{percentile, Style};
+use super::splitmix::SplitMix64;
 use super::strategy::Strategy;
 use super::trace::{self, Expansion, Trace};
-use super::workload::SplitMix64;
-use crate::blocks::{namespace_seed, token_keys};
-use crate::config::Config;
-use crate::decide::{commit, plan, Body, PlanInput, Stages};
-use crate::events::KvEventBatch;
-use crate::index::{build_index, index_capacity, ApplyStats};
-use crate::keys::Keys;
-use crate::picker::Reason;
-use crate::pods::{prefill_time, LoadSample, PodId, PodLoad, Settling, Timestamp};
-use crate::scoring::Candidate;
 use crate::sim::engine::{Engine, EngineConfig, Output, Submission};
 use crate::sim::translate::{Hashes, Translator};
+use kv_router::blocks::{namespace_seed, token_keys};
+use kv_router::config::Config;
+use kv_router::decide::{commit, plan, Body, PlanInput, Stages};
+use kv_router::events::KvEventBatch;
+use kv_router::index::{build_index, index_capacity, ApplyStats};
+use kv_router::keys::Keys;
+use kv_router::picker::Reason;
+use kv_router::pods::{prefill_time, LoadSample, PodId, PodLoad, Settling, Timestamp};
+use kv_router::scoring::Candidate;
 
 /// Model name of every simulated request (seeds the block keys of router and pods alike).
 pub const MODEL: &str = "sim-model";
@@ -166,7 +166,7 @@ impl Default for SimulateOptions {
             strategies: Strategy::available(),
             engine: EngineConfig::default(),
             event_delay_ms: 5.0,
-            scrape_interval_ms: crate::config::PodsConfig::default().scrape_interval_ms,
+            scrape_interval_ms: kv_router::config::PodsConfig::default().scrape_interval_ms,
             seed: 1,
             threads: 0,
             capacity: Some(CapacityOptions::default()),
@@ -520,26 +520,6 @@ impl Prepared {
     }
 }
 
-/// `rand` adapter over [`SplitMix64`], whose stream never changes with crate versions.
-struct SimRng(SplitMix64);
-
-impl rand::RngCore for SimRng {
-    fn next_u32(&mut self) -> u32 {
-        (self.0.next_u64() >> 32) as u32
-    }
-
-    fn next_u64(&mut self) -> u64 {
-        self.0.next_u64()
-    }
-
-    fn fill_bytes(&mut self, dst: &mut [u8]) {
-        for chunk in dst.chunks_mut(8) {
-            let b = self.0.next_u64().to_le_bytes();
-            chunk.copy_from_slice(&b[..chunk.len()]);
-        }
-    }
-}
-
 /// Virtual time in microseconds, as the router's in-flight accounting sees it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 struct SimTime(u64);
@@ -717,7 +697,7 @@ fn simulate(
         }
     }
     let salt = SplitMix64::derive(opts.seed, strategy.as_str(), pods as u64).next_u64();
-    let mut rng = SimRng(SplitMix64::new(salt));
+    let mut rng = SplitMix64::new(salt);
     let stale_after = Duration::from_millis(cfg.pods.stale_after_ms);
     let scrape_us = opts.scrape_interval_ms.max(1) * 1000;
     let sweep_every = (1000 / opts.scrape_interval_ms.max(1)).max(1);
@@ -1545,7 +1525,7 @@ mod tests {
             .collect();
         let body =
             serde_json::to_vec(&serde_json::json!({"model": MODEL, "prompt": tokens})).unwrap();
-        let req = crate::request::parse("/v1/completions", &body).unwrap();
+        let req = kv_router::request::parse("/v1/completions", &body).unwrap();
         let pod_keys = token_keys(
             namespace_seed(MODEL, None),
             &tokens,
@@ -1554,13 +1534,13 @@ mod tests {
         );
         for s in [Strategy::Weighted, Strategy::Precise] {
             let cfg = s.router_config(&Config::default(), MODEL);
-            let keyer = crate::keys::Keyer::new(
-                crate::blocks::BlockScheme {
+            let keyer = kv_router::keys::Keyer::new(
+                kv_router::blocks::BlockScheme {
                     size_chars: cfg.blocks.size_chars,
                     max_blocks: cfg.blocks.max_blocks,
                 },
                 cfg.kv_events.block_tokens,
-                Arc::new(crate::keys::load_tokenizers(&cfg.tokenizers).unwrap()),
+                Arc::new(kv_router::keys::load_tokenizers(&cfg.tokenizers).unwrap()),
             );
             let k = keyer.keys(&req);
             assert_eq!(k.precise, s == Strategy::Precise);

@@ -3,7 +3,7 @@
 
 use serde::Serialize;
 
-use crate::config::{Config, Policy, TokenizerConfig};
+use kv_router::config::{Config, Policy, TokenizerConfig};
 
 /// A routing strategy: one router configuration, named.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, clap::ValueEnum)]

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 
-use super::workload::SplitMix64;
+use super::splitmix::SplitMix64;
 
 /// Tokens per trace hash id.
 pub const TRACE_BLOCK_TOKENS: usize = 512;
@@ -39,7 +39,9 @@ pub struct Trace {
     pub records: Vec<TraceRecord>,
 }
 
-/// Summary figures of a trace (workloads.md §1.1 table).
+/// Summary figures of a trace (workloads.md §1.1 table): the tests check the loader against
+/// them.
+#[cfg(test)]
 #[derive(Debug, Clone, Serialize)]
 pub struct TraceStats {
     /// Requests.
@@ -118,6 +120,7 @@ impl Trace {
     }
 
     /// Statistics, including the infinite-cache ideal hit ratio computed as in workloads.md §1.2.
+    #[cfg(test)]
     pub fn stats(&self) -> TraceStats {
         let mut seen = ahash::AHashSet::new();
         let (mut hit, mut total, mut input, mut output) = (0u64, 0u64, 0u64, 0u64);

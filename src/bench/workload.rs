@@ -10,6 +10,9 @@ use std::time::Duration;
 use serde::Serialize;
 use serde_json::{json, Value};
 
+use super::prose::{prose, prose_tokens};
+use super::splitmix::SplitMix64;
+
 /// OpenAI endpoint a request goes to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "kebab-case")]
@@ -48,8 +51,6 @@ pub struct PlannedRequest {
 /// What a session learns about its previous request.
 #[derive(Debug, Clone, Copy)]
 pub struct Previous<'a> {
-    /// The request succeeded (HTTP 2xx and a complete stream).
-    pub ok: bool,
     /// Generated text (possibly empty).
     pub text: &'a str,
 }
@@ -94,277 +95,6 @@ pub enum WorkloadKind {
     SharedPrefix,
     /// Replay of a Mooncake trace (token-id prompts).
     Trace,
-}
-
-// ------------------------------------------------------------------------------------------------
-// Deterministic text
-
-/// SplitMix64: tiny, portable, and stable across crate versions (unlike `StdRng`).
-#[derive(Debug, Clone)]
-pub struct SplitMix64(u64);
-
-impl SplitMix64 {
-    /// A generator seeded with `seed`.
-    pub fn new(seed: u64) -> Self {
-        Self(seed)
-    }
-
-    /// A generator for a named sub-stream of `seed` (independent of call order elsewhere).
-    pub fn derive(seed: u64, stream: &str, index: u64) -> Self {
-        let mut h = seed ^ 0x5851_F42D_4C95_7F2D;
-        for b in stream.bytes() {
-            h = splitmix64(h ^ u64::from(b));
-        }
-        Self(splitmix64(h ^ index.wrapping_mul(0x9E37_79B9_7F4A_7C15)))
-    }
-
-    /// Next 64 random bits.
-    pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform integer in `lo..=hi`.
-    pub fn range(&mut self, lo: usize, hi: usize) -> usize {
-        debug_assert!(lo <= hi);
-        lo + (self.next_u64() % (hi - lo + 1) as u64) as usize
-    }
-}
-
-fn splitmix64(x: u64) -> u64 {
-    SplitMix64::new(x).next_u64()
-}
-
-/// Common English words; prose is assembled from these.
-const WORDS: &[&str] = &[
-    "the",
-    "and",
-    "that",
-    "for",
-    "you",
-    "with",
-    "this",
-    "have",
-    "from",
-    "they",
-    "will",
-    "would",
-    "there",
-    "their",
-    "what",
-    "about",
-    "which",
-    "when",
-    "make",
-    "can",
-    "like",
-    "time",
-    "just",
-    "know",
-    "take",
-    "people",
-    "into",
-    "year",
-    "your",
-    "good",
-    "some",
-    "could",
-    "them",
-    "see",
-    "other",
-    "than",
-    "then",
-    "now",
-    "look",
-    "only",
-    "come",
-    "its",
-    "over",
-    "think",
-    "also",
-    "back",
-    "after",
-    "use",
-    "two",
-    "how",
-    "our",
-    "work",
-    "first",
-    "well",
-    "way",
-    "even",
-    "new",
-    "want",
-    "because",
-    "any",
-    "these",
-    "give",
-    "day",
-    "most",
-    "system",
-    "model",
-    "cache",
-    "request",
-    "server",
-    "memory",
-    "token",
-    "prompt",
-    "answer",
-    "question",
-    "value",
-    "number",
-    "program",
-    "example",
-    "result",
-    "process",
-    "method",
-    "change",
-    "point",
-    "problem",
-    "place",
-    "world",
-    "country",
-    "water",
-    "house",
-    "market",
-    "simple",
-    "clear",
-    "small",
-    "large",
-    "early",
-    "young",
-    "important",
-    "public",
-    "private",
-    "common",
-    "general",
-    "careful",
-    "quiet",
-    "rapid",
-    "steady",
-    "bright",
-    "ancient",
-    "modern",
-    "local",
-    "global",
-    "ready",
-    "latency",
-    "network",
-    "cluster",
-    "router",
-    "policy",
-    "pattern",
-    "record",
-    "signal",
-    "budget",
-    "design",
-    "engine",
-    "garden",
-    "river",
-    "mountain",
-    "forest",
-    "window",
-    "letter",
-    "story",
-    "history",
-    "science",
-    "picture",
-    "message",
-    "language",
-    "reason",
-    "season",
-    "summer",
-    "winter",
-    "morning",
-    "evening",
-    "always",
-    "often",
-    "never",
-    "rarely",
-    "between",
-    "through",
-    "during",
-    "before",
-    "under",
-    "against",
-    "without",
-    "within",
-    "across",
-    "toward",
-    "explain",
-    "describe",
-    "consider",
-    "compare",
-    "measure",
-    "improve",
-    "reduce",
-    "increase",
-    "follow",
-    "remember",
-    "believe",
-    "provide",
-    "include",
-    "continue",
-    "develop",
-    "support",
-    "require",
-    "suggest",
-    "allow",
-    "expect",
-    "build",
-    "keep",
-    "hold",
-    "bring",
-    "write",
-    "read",
-    "learn",
-    "teach",
-    "travel",
-    "carry",
-    "gather",
-    "balance",
-    "detail",
-    "feature",
-    "layer",
-    "stream",
-    "batch",
-    "queue",
-    "worker",
-    "schedule",
-    "policy",
-    "option",
-    "setting",
-    "default",
-    "limit",
-    "window",
-];
-
-/// Appends English-like prose of about `bytes` bytes (never less) to `out`.
-pub fn prose(rng: &mut SplitMix64, bytes: usize, out: &mut String) {
-    let target = out.len() + bytes;
-    let mut sentence_left = 0;
-    while out.len() < target {
-        if sentence_left == 0 {
-            if !out.is_empty() && !out.ends_with(' ') {
-                out.push_str(". ");
-            }
-            sentence_left = rng.range(6, 16);
-            let w = WORDS[rng.range(0, WORDS.len() - 1)];
-            let mut c = w.chars();
-            if let Some(f) = c.next() {
-                out.extend(f.to_uppercase());
-                out.push_str(c.as_str());
-            }
-        } else {
-            out.push(' ');
-            out.push_str(WORDS[rng.range(0, WORDS.len() - 1)]);
-        }
-        sentence_left -= 1;
-    }
-    out.push('.');
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -644,14 +374,6 @@ impl Default for SharedPrefixSpec {
     }
 }
 
-/// Exactly `tokens × 4` bytes of prose (the sim's pseudo tokenizer: 4 bytes per token).
-fn prose_tokens(rng: &mut SplitMix64, tokens: usize) -> String {
-    let mut s = String::new();
-    prose(rng, tokens * 4, &mut s);
-    s.truncate(tokens * 4);
-    s
-}
-
 impl SharedPrefixSpec {
     /// Builds the requests, groups interleaved in a seeded random order.
     pub fn build(&self) -> Workload {
@@ -795,21 +517,12 @@ mod tests {
                 while let Some(r) = s.next_request(prev) {
                     prev_text = format!("answer {}", r.turn);
                     out.push(r);
-                    prev = Some(Previous {
-                        ok: true,
-                        text: &prev_text,
-                    });
+                    prev = Some(Previous { text: &prev_text });
                 }
                 let _ = &prev_text;
                 out
             })
             .collect()
-    }
-
-    #[test]
-    fn splitmix_matches_reference_value() {
-        // workloads.md §2.1: splitmix64(0) = 16294208416658607535.
-        assert_eq!(splitmix64(0), 16_294_208_416_658_607_535);
     }
 
     #[test]

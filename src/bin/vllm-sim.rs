@@ -1,7 +1,9 @@
 //! `vllm-sim`: a simulated vLLM pod. See `docs/vllm-sim.md`.
 
 use clap::Parser;
-use kv_router::sim::{run, Args};
+
+#[path = "../sim/mod.rs"]
+mod sim;
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
@@ -12,5 +14,5 @@ async fn main() -> anyhow::Result<()> {
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
         )
         .init();
-    run(Args::parse()).await
+    sim::run(sim::Args::parse()).await
 }

@@ -54,7 +54,7 @@ impl EncodeLabelValue for Reason {
 
 /// The picker's output: candidate indices best first, with their combined scores.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Ranking {
+pub(crate) struct Ranking {
     /// Indices into the candidates, best first (saturated ones after all others).
     pub order: Vec<usize>,
     /// Combined score per candidate (same order as the candidates).
@@ -67,7 +67,7 @@ pub struct Ranking {
 
 /// Combines scorer outputs into a ranking. Holds no state: round robin's position is an input.
 #[derive(Debug)]
-pub struct Picker {
+pub(crate) struct Picker {
     policy: Policy,
     weights: Vec<f64>,
     gate: GateConfig,

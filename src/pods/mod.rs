@@ -20,7 +20,8 @@ use tokio::time::Instant;
 
 pub use inflight::{prefill_time, InflightGuard, Settling, Timestamp};
 pub use metrics::PodMetrics;
-pub use probe::{parse_vllm_metrics, Prober};
+pub use probe::parse_vllm_metrics;
+pub(crate) use probe::Prober;
 pub use source::{DnsSource, PodSource, PodSourceError, StaticSource};
 
 /// A pod's identity: the `ip:port` Envoy knows it by.

@@ -9,7 +9,7 @@ mod canonical;
 use serde_json::{Map, Value};
 use thiserror::Error;
 
-pub use canonical::{canonical_chat, canonical_responses};
+pub(crate) use canonical::{canonical_chat, canonical_responses};
 
 /// Which OpenAI-compatible API a request targets, from its path.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -5,7 +5,7 @@ use crate::config::LoadScorerConfig;
 
 /// `1 − weighted mean of (queue, KV usage, in-flight uncached tokens)`, each in [0, 1].
 #[derive(Debug, Clone)]
-pub struct LoadScorer {
+pub(crate) struct LoadScorer {
     cfg: LoadScorerConfig,
 }
 

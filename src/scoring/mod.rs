@@ -9,9 +9,10 @@ use thiserror::Error;
 
 use crate::pods::{PodId, PodLoad};
 
-pub use load::LoadScorer;
-pub use prefix::PrefixScorer;
-pub use session::{SessionKey, SessionScorer, SessionStore};
+pub(crate) use load::LoadScorer;
+pub(crate) use prefix::PrefixScorer;
+pub(crate) use session::SessionScorer;
+pub use session::{SessionKey, SessionStore};
 
 /// One candidate pod as the scorers see it.
 #[derive(Debug, Clone)]
@@ -28,7 +29,7 @@ pub struct Candidate {
 
 /// Everything scorers read for one request.
 #[derive(Debug, Clone)]
-pub struct ScoreInput {
+pub(crate) struct ScoreInput {
     /// Full blocks in the prompt.
     pub total_blocks: usize,
     /// Candidates, in a fixed order shared with the output slices.
@@ -49,7 +50,7 @@ pub enum ScoreError {
 }
 
 /// Scores candidates; `out[i]` belongs to `input.candidates[i]`.
-pub trait Scorer: Send + Sync {
+pub(crate) trait Scorer: Send + Sync {
     /// Stable name (metrics, explain output, config key).
     fn name(&self) -> &'static str;
     /// Fills `out` (same length as the candidates) with raw scores.
@@ -57,7 +58,7 @@ pub trait Scorer: Send + Sync {
 }
 
 /// Runs a scorer and clamps its output to [0, 1]; non-finite output is an error.
-pub fn run_scorer(scorer: &dyn Scorer, input: &ScoreInput) -> Result<Vec<f64>, ScoreError> {
+pub(crate) fn run_scorer(scorer: &dyn Scorer, input: &ScoreInput) -> Result<Vec<f64>, ScoreError> {
     let mut out = vec![0.0; input.candidates.len()];
     scorer.score(input, &mut out);
     for (v, c) in out.iter_mut().zip(&input.candidates) {

@@ -4,7 +4,7 @@ use super::{ScoreInput, Scorer};
 
 /// `matched consecutive blocks / total blocks` (0 for prompts shorter than one block).
 #[derive(Debug, Default, Clone, Copy)]
-pub struct PrefixScorer;
+pub(crate) struct PrefixScorer;
 
 impl Scorer for PrefixScorer {
     fn name(&self) -> &'static str {

@@ -96,7 +96,7 @@ impl SessionStore {
 
 /// 1 for the session's pod, 0 for the others.
 #[derive(Debug, Default, Clone, Copy)]
-pub struct SessionScorer;
+pub(crate) struct SessionScorer;
 
 impl Scorer for SessionScorer {
     fn name(&self) -> &'static str {

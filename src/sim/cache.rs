@@ -18,7 +18,7 @@ use std::collections::HashMap;
 
 use lru::LruCache;
 
-use crate::blocks::BlockKey;
+use kv_router::blocks::BlockKey;
 
 use super::vllm_hash::BlockDigest;
 
@@ -92,27 +92,19 @@ impl PrefixCache {
         }
     }
 
-    /// Total blocks (`num_gpu_blocks`).
-    pub fn capacity(&self) -> usize {
-        self.capacity
-    }
-
-    /// Tokens per block.
-    pub fn block_size(&self) -> usize {
-        self.block_size
-    }
-
     /// Cached blocks (pinned or not).
     pub fn len(&self) -> usize {
         self.entries.len()
     }
 
     /// True when nothing is cached.
+    #[cfg(test)]
     pub fn is_empty(&self) -> bool {
         self.entries.is_empty()
     }
 
     /// Cached blocks no running request references (evictable).
+    #[cfg(test)]
     pub fn evictable(&self) -> usize {
         self.free.len()
     }
@@ -123,6 +115,7 @@ impl PrefixCache {
     }
 
     /// Whether `key` is cached.
+    #[cfg(test)]
     pub fn contains(&self, key: BlockKey) -> bool {
         self.entries.contains_key(&key)
     }

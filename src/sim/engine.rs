@@ -20,7 +20,7 @@
 
 use std::collections::{BTreeSet, HashMap, VecDeque};
 
-use crate::blocks::{token_keys, BlockKey};
+use kv_router::blocks::{token_keys, BlockKey};
 
 use super::cache::{CacheEvent, PrefixCache, VllmStored};
 use super::vllm_hash::{BlockDigest, HashExtras};
@@ -251,12 +251,8 @@ impl Engine {
         }
     }
 
-    /// The configuration in effect.
-    pub fn config(&self) -> &EngineConfig {
-        &self.cfg
-    }
-
     /// Read access to the prefix cache.
+    #[cfg(test)]
     pub fn cache(&self) -> &PrefixCache {
         &self.cache
     }

@@ -17,12 +17,12 @@ use serde::Serialize;
 use serde_json::Value;
 use xxhash_rust::xxh3::{xxh3_64_with_seed, Xxh3};
 
-use crate::blocks::namespace_seed;
-use crate::request::{self, Api};
+use kv_router::blocks::namespace_seed;
 
 use super::actor::{EngineHandle, RequestEvent, RequestStream};
 use super::engine::{Submission, Usage, VllmInfo};
 use super::metrics::{self, MetricsInfo};
+use super::openai;
 use super::vllm_hash::{chain, BlockDigest, HashExtras};
 
 /// Header naming the pod that served a response.
@@ -264,6 +264,13 @@ async fn chat_completions(State(state): State<Arc<AppState>>, body: Bytes) -> Re
     generate(state, Api::ChatCompletions, body).await
 }
 
+/// The generation API a request came in on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Api {
+    Completions,
+    ChatCompletions,
+}
+
 /// A validated generation request.
 struct Job {
     api: Api,
@@ -276,11 +283,7 @@ struct Job {
 }
 
 fn parse_job(state: &AppState, api: Api, body: &[u8]) -> Result<Job, ApiError> {
-    let path = match api {
-        Api::ChatCompletions => "/v1/chat/completions",
-        _ => "/v1/completions",
-    };
-    let req = request::parse(path, body).map_err(|e| bad_request(e.to_string()))?;
+    let req = openai::parse(api == Api::ChatCompletions, body).map_err(bad_request)?;
     let value: Value = serde_json::from_slice(body).map_err(|e| bad_request(e.to_string()))?;
     let model = match req.model {
         None => state.models[0].clone(),
@@ -326,7 +329,7 @@ fn parse_job(state: &AppState, api: Api, body: &[u8]) -> Result<Job, ApiError> {
             }
         }
     }
-    let tokens = super::prompt_token_ids(req.prompt);
+    let tokens = req.tokens;
     if tokens.is_empty() {
         return Err(bad_request("The decoder prompt cannot be empty"));
     }

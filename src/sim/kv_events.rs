@@ -18,7 +18,7 @@ use bytes::Bytes;
 use tokio::sync::{mpsc, oneshot};
 use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
 
-use crate::events::{encode_batch, KvEventBatch};
+use kv_router::events::{encode_batch, KvEventBatch};
 
 use super::cache::CacheEvent;
 use super::translate::{Hashes, Translator};

@@ -1,7 +1,7 @@
 //! `vllm-sim`: a simulated vLLM pod for tests, demos and benchmarks (no GPU needed).
 //!
 //! ```text
-//! HTTP (http) ─► request::parse + pseudo_tokens ─► actor (tokio task) ─► engine (pure) ─► cache
+//! HTTP (http) ─► openai (own parser, pseudo tokens) ─► actor (tokio task) ─► engine (pure) ─► cache
 //! ```
 //! The [`engine`] is a deterministic scheduler (prefix cache, continuous batching, latency
 //! model) driven by explicit timestamps; the [`actor`] drives it with real timers; [`http`]
@@ -13,6 +13,7 @@ pub mod engine;
 pub mod http;
 pub mod kv_events;
 pub mod metrics;
+pub mod openai;
 pub mod translate;
 pub mod vllm_hash;
 
@@ -24,19 +25,6 @@ use std::sync::Arc;
 use clap::Parser;
 
 use engine::{Engine, EngineConfig};
-
-use crate::blocks::pseudo_tokens;
-use crate::request::Prompt;
-
-/// The token ids the sim serves for a parsed prompt: text through the pseudo tokenizer (4 bytes
-/// per token), token-id prompts as given. Benchmarks use it to compute oracles the sim's way.
-pub fn prompt_token_ids(prompt: Prompt) -> Vec<u32> {
-    match prompt {
-        Prompt::Text(text) => pseudo_tokens(text.as_bytes()),
-        Prompt::Tokens(ids) => ids,
-        Prompt::Empty => Vec::new(),
-    }
-}
 
 /// Command-line flags of `vllm-sim` (defaults documented in `docs/vllm-sim.md`).
 #[derive(Debug, Clone, Parser)]

@@ -4,8 +4,8 @@
 
 use std::collections::HashMap;
 
-use crate::blocks::BlockKey;
-use crate::events::{BlockHash, ExtraKey, KvEvent};
+use kv_router::blocks::BlockKey;
+use kv_router::events::{BlockHash, ExtraKey, KvEvent};
 
 use super::cache::CacheEvent;
 use super::vllm_hash::{digest_u64, BlockDigest};

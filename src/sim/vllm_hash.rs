@@ -22,16 +22,10 @@ pub const DEFAULT_SEED: &str = "vllm-none-hash";
 /// One element of a block's hashed extra keys (a CBOR value).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Cbor {
-    /// Unsigned integer.
-    Uint(u64),
     /// Text string.
     Text(String),
-    /// Byte string.
-    Bytes(Vec<u8>),
     /// Array.
     Array(Vec<Cbor>),
-    /// `null`.
-    Null,
 }
 
 fn head(out: &mut Vec<u8>, major: u8, v: u64) {
@@ -56,11 +50,6 @@ impl Cbor {
     /// Appends the canonical (shortest-form, definite-length) CBOR encoding.
     pub fn encode(&self, out: &mut Vec<u8>) {
         match self {
-            Cbor::Uint(v) => head(out, 0, *v),
-            Cbor::Bytes(b) => {
-                head(out, 2, b.len() as u64);
-                out.extend_from_slice(b);
-            }
             Cbor::Text(s) => {
                 head(out, 3, s.len() as u64);
                 out.extend_from_slice(s.as_bytes());
@@ -71,7 +60,6 @@ impl Cbor {
                     item.encode(out);
                 }
             }
-            Cbor::Null => out.push(0xf6),
         }
     }
 
@@ -229,7 +217,7 @@ mod tests {
         Cbor::Text(DEFAULT_SEED.into()).encode(&mut b);
         assert_eq!(hex(&b), "6e766c6c6d2d6e6f6e652d68617368");
         let mut b = Vec::new();
-        Cbor::Uint(151644).encode(&mut b);
+        head(&mut b, 0, 151644);
         assert_eq!(hex(&b), "1a0002505c");
         let none = none_hash(DEFAULT_SEED);
         let tokens: Vec<u32> = (0..16).collect();

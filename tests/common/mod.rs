@@ -1,16 +1,34 @@
 //! Shared helpers for the end-to-end tests: one deployment (simulated pods, kv-router, Envoys)
 //! per test, all real processes on 127.0.0.1, all killed when the deployment is dropped.
-#![allow(dead_code)]
+//!
+//! The process harness is kv-bench's own (deployments, the load runner, workloads), mounted
+//! here from its files: the router library does not export the benchmark. Each test binary
+//! uses part of it.
+#![allow(dead_code, unused_imports)]
+
+#[path = "../../src/bench/deploy/mod.rs"]
+pub mod deploy;
+#[path = "../../src/bench/prose.rs"]
+pub mod prose;
+#[path = "../../src/bench/runner.rs"]
+pub mod runner;
+#[path = "../../src/bench/splitmix.rs"]
+pub mod splitmix;
+#[path = "../../src/bench/trace.rs"]
+pub mod trace;
+#[path = "../../src/bench/workload.rs"]
+pub mod workload;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use kv_router::bench::deploy::{self, Binaries, EnvoyProc, RouterProc, SimPod};
-use kv_router::bench::runner::{self, StreamOutcome};
-use kv_router::bench::workload::{prose, SplitMix64};
+use deploy::{Binaries, EnvoyProc, RouterProc, SimPod};
 use kv_router::config::Config;
+use prose::prose;
+use runner::StreamOutcome;
 use serde_json::{json, Value};
+use splitmix::SplitMix64;
 
 /// Fast simulated pods: tests assert routing, not latency.
 pub const FAST_SIM: [&str; 6] = [

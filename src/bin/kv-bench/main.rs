@@ -7,8 +7,12 @@ use std::time::Duration;
 use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand};
 
-use kv_router::bench::{
-    self,
+#[path = "../../bench/mod.rs"]
+mod bench;
+
+mod sim;
+
+use bench::{
     compare::{self, CompareOptions},
     deploy::Binaries,
     overhead,
