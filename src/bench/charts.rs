@@ -1,5 +1,8 @@
 //! SVG charts for the reports (plotters' SVG backend: no font files needed, text stays text).
 
+use plotters::coord::ranged1d::SegmentedCoord;
+use plotters::coord::types::{RangedCoordf64, RangedCoordusize};
+use plotters::coord::Shift;
 use plotters::prelude::*;
 
 /// Chart errors (plotters' own error type borrows the backend, so it is flattened to text).
@@ -101,6 +104,59 @@ pub fn ttft_cdf(title: &str, series: &[(String, Vec<f64>)]) -> Result<String, Ch
     Ok(svg)
 }
 
+/// A bar chart's frame: one labelled segment per group on x, `0..top` on y.
+type Bars<'a, 'b> =
+    ChartContext<'a, SVGBackend<'b>, Cartesian2d<SegmentedCoord<RangedCoordusize>, RangedCoordf64>>;
+
+/// Builds the frame of a segmented bar chart once (background, caption, axes, group labels),
+/// lets `draw` draw into it, adds the legend of its labelled series if asked, and returns the SVG.
+fn segmented_chart(
+    chart: &'static str,
+    title: &str,
+    labels: &[String],
+    top: f64,
+    y_desc: &str,
+    legend: bool,
+    draw: impl FnOnce(&DrawingArea<SVGBackend, Shift>, &mut Bars) -> Result<(), ChartError>,
+) -> Result<String, ChartError> {
+    let e = err(chart);
+    let mut svg = String::new();
+    {
+        let root = SVGBackend::with_string(&mut svg, SIZE).into_drawing_area();
+        root.fill(&WHITE).map_err(|x| e(&x))?;
+        let mut frame = ChartBuilder::on(&root)
+            .caption(title, ("sans-serif", 20))
+            .margin(12)
+            .x_label_area_size(40)
+            .y_label_area_size(50)
+            .build_cartesian_2d(segments(labels.len()).into_segmented(), 0.0..top)
+            .map_err(|x| e(&x))?;
+        frame
+            .configure_mesh()
+            .disable_x_mesh()
+            .x_labels(labels.len())
+            .x_label_formatter(&|v| match v {
+                SegmentValue::CenterOf(i) => labels.get(*i).cloned().unwrap_or_default(),
+                _ => String::new(),
+            })
+            .y_desc(y_desc)
+            .draw()
+            .map_err(|x| e(&x))?;
+        draw(&root, &mut frame)?;
+        if legend {
+            frame
+                .configure_series_labels()
+                .position(SeriesLabelPosition::UpperRight)
+                .background_style(WHITE.mix(0.85))
+                .border_style(BLACK)
+                .draw()
+                .map_err(|x| e(&x))?;
+        }
+        root.present().map_err(|x| e(&x))?;
+    }
+    Ok(svg)
+}
+
 /// Hit ratio per strategy as bars, with the infinite and pooled oracles as horizontal lines.
 pub fn hit_vs_oracle(
     title: &str,
@@ -109,140 +165,107 @@ pub fn hit_vs_oracle(
     pooled: f64,
 ) -> Result<String, ChartError> {
     let e = err("hit-vs-oracle");
-    let mut svg = String::new();
-    {
-        let top = bars
-            .iter()
-            .map(|b| b.1)
-            .chain([infinite, pooled])
-            .filter(|v| v.is_finite())
-            .fold(0.0, f64::max)
-            .max(0.05)
-            * 100.0
-            * 1.15;
-        let root = SVGBackend::with_string(&mut svg, SIZE).into_drawing_area();
-        root.fill(&WHITE).map_err(|x| e(&x))?;
-        let labels: Vec<String> = bars.iter().map(|b| b.0.clone()).collect();
-        let mut chart = ChartBuilder::on(&root)
-            .caption(title, ("sans-serif", 20))
-            .margin(12)
-            .x_label_area_size(40)
-            .y_label_area_size(50)
-            .build_cartesian_2d(segments(bars.len()).into_segmented(), 0.0..top)
-            .map_err(|x| e(&x))?;
-        chart
-            .configure_mesh()
-            .disable_x_mesh()
-            .x_labels(bars.len())
-            .x_label_formatter(&|v| match v {
-                SegmentValue::CenterOf(i) => labels.get(*i).cloned().unwrap_or_default(),
-                _ => String::new(),
-            })
-            .y_desc("prefix hit ratio (% of prompt tokens)")
-            .draw()
-            .map_err(|x| e(&x))?;
-        chart
-            .draw_series(bars.iter().enumerate().map(|(i, (_, v))| {
-                let mut r = Rectangle::new(
-                    [
-                        (SegmentValue::Exact(i), 0.0),
-                        (SegmentValue::Exact(i + 1), v * 100.0),
-                    ],
-                    colour(i).filled(),
-                );
-                r.set_margin(0, 0, 8, 8);
-                r
-            }))
-            .map_err(|x| e(&x))?;
-        for (name, value, c) in [
-            ("infinite oracle", infinite, RGBColor(0, 0, 0)),
-            ("pooled oracle", pooled, RGBColor(200, 0, 0)),
-        ] {
-            if !value.is_finite() {
-                continue;
-            }
+    let top = bars
+        .iter()
+        .map(|b| b.1)
+        .chain([infinite, pooled])
+        .filter(|v| v.is_finite())
+        .fold(0.0, f64::max)
+        .max(0.05)
+        * 100.0
+        * 1.15;
+    let labels: Vec<String> = bars.iter().map(|b| b.0.clone()).collect();
+    let y_desc = "prefix hit ratio (% of prompt tokens)";
+    segmented_chart(
+        "hit-vs-oracle",
+        title,
+        &labels,
+        top,
+        y_desc,
+        true,
+        |_, chart| {
             chart
-                .draw_series(LineSeries::new(
-                    [
-                        (SegmentValue::Exact(0), value * 100.0),
-                        (SegmentValue::Last, value * 100.0),
-                    ],
-                    c.stroke_width(2),
-                ))
-                .map_err(|x| e(&x))?
-                .label(format!("{name} {:.1} %", value * 100.0))
-                .legend(move |(x, y)| {
-                    PathElement::new(vec![(x, y), (x + 18, y)], c.stroke_width(2))
-                });
-        }
-        chart
-            .configure_series_labels()
-            .position(SeriesLabelPosition::UpperRight)
-            .background_style(WHITE.mix(0.85))
-            .border_style(BLACK)
-            .draw()
-            .map_err(|x| e(&x))?;
-        root.present().map_err(|x| e(&x))?;
-    }
-    Ok(svg)
+                .draw_series(bars.iter().enumerate().map(|(i, (_, v))| {
+                    let mut r = Rectangle::new(
+                        [
+                            (SegmentValue::Exact(i), 0.0),
+                            (SegmentValue::Exact(i + 1), v * 100.0),
+                        ],
+                        colour(i).filled(),
+                    );
+                    r.set_margin(0, 0, 8, 8);
+                    r
+                }))
+                .map_err(|x| e(&x))?;
+            for (name, value, c) in [
+                ("infinite oracle", infinite, RGBColor(0, 0, 0)),
+                ("pooled oracle", pooled, RGBColor(200, 0, 0)),
+            ] {
+                if !value.is_finite() {
+                    continue;
+                }
+                chart
+                    .draw_series(LineSeries::new(
+                        [
+                            (SegmentValue::Exact(0), value * 100.0),
+                            (SegmentValue::Last, value * 100.0),
+                        ],
+                        c.stroke_width(2),
+                    ))
+                    .map_err(|x| e(&x))?
+                    .label(format!("{name} {:.1} %", value * 100.0))
+                    .legend(move |(x, y)| {
+                        PathElement::new(vec![(x, y), (x + 18, y)], c.stroke_width(2))
+                    });
+            }
+            Ok(())
+        },
+    )
 }
 
 /// Requests per pod, one group of bars per strategy (pods in fleet order within a group).
 pub fn per_pod_load(title: &str, series: &[(String, Vec<usize>)]) -> Result<String, ChartError> {
     let e = err("per-pod-load");
-    let mut svg = String::new();
-    {
-        let pods = series.iter().map(|s| s.1.len()).max().unwrap_or(1).max(1);
-        let top = series
-            .iter()
-            .flat_map(|s| s.1.iter().copied())
-            .max()
-            .unwrap_or(1)
-            .max(1) as f64
-            * 1.1;
-        let root = SVGBackend::with_string(&mut svg, SIZE).into_drawing_area();
-        root.fill(&WHITE).map_err(|x| e(&x))?;
-        let labels: Vec<String> = series.iter().map(|s| s.0.clone()).collect();
-        let mut chart = ChartBuilder::on(&root)
-            .caption(title, ("sans-serif", 20))
-            .margin(12)
-            .x_label_area_size(40)
-            .y_label_area_size(50)
-            .build_cartesian_2d(segments(series.len()).into_segmented(), 0.0..top)
-            .map_err(|x| e(&x))?;
-        chart
-            .configure_mesh()
-            .disable_x_mesh()
-            .x_labels(series.len())
-            .x_label_formatter(&|v| match v {
-                SegmentValue::CenterOf(i) => labels.get(*i).cloned().unwrap_or_default(),
-                _ => String::new(),
-            })
-            .y_desc("requests served, per pod")
-            .draw()
-            .map_err(|x| e(&x))?;
-        // Each strategy's segment [g, g+1) split into `pods` thin bars.
-        let w = 0.8 / pods as f64;
-        let area = chart.plotting_area();
-        let (px0, _) = area.map_coordinate(&(SegmentValue::Exact(0), 0.0));
-        let (px1, _) = area.map_coordinate(&(SegmentValue::Exact(1), 0.0));
-        let seg_px = (px1 - px0) as f64;
-        for (g, (_, counts)) in series.iter().enumerate() {
-            for (p, &n) in counts.iter().enumerate() {
-                let x0 = seg_px * (0.1 + w * p as f64);
-                let x1 = seg_px * (0.1 + w * (p as f64 + 0.9));
-                let (bx, by) = area.map_coordinate(&(SegmentValue::Exact(g), n as f64));
-                let (_, base) = area.map_coordinate(&(SegmentValue::Exact(g), 0.0));
-                root.draw(&Rectangle::new(
-                    [(bx + x0 as i32, by), (bx + x1 as i32, base)],
-                    colour(g).filled(),
-                ))
-                .map_err(|x| e(&x))?;
+    let pods = series.iter().map(|s| s.1.len()).max().unwrap_or(1).max(1);
+    let top = series
+        .iter()
+        .flat_map(|s| s.1.iter().copied())
+        .max()
+        .unwrap_or(1)
+        .max(1) as f64
+        * 1.1;
+    let labels: Vec<String> = series.iter().map(|s| s.0.clone()).collect();
+    let y_desc = "requests served, per pod";
+    segmented_chart(
+        "per-pod-load",
+        title,
+        &labels,
+        top,
+        y_desc,
+        false,
+        |root, chart| {
+            // Each strategy's segment [g, g+1) split into `pods` thin bars.
+            let w = 0.8 / pods as f64;
+            let area = chart.plotting_area();
+            let (px0, _) = area.map_coordinate(&(SegmentValue::Exact(0), 0.0));
+            let (px1, _) = area.map_coordinate(&(SegmentValue::Exact(1), 0.0));
+            let seg_px = (px1 - px0) as f64;
+            for (g, (_, counts)) in series.iter().enumerate() {
+                for (p, &n) in counts.iter().enumerate() {
+                    let x0 = seg_px * (0.1 + w * p as f64);
+                    let x1 = seg_px * (0.1 + w * (p as f64 + 0.9));
+                    let (bx, by) = area.map_coordinate(&(SegmentValue::Exact(g), n as f64));
+                    let (_, base) = area.map_coordinate(&(SegmentValue::Exact(g), 0.0));
+                    root.draw(&Rectangle::new(
+                        [(bx + x0 as i32, by), (bx + x1 as i32, base)],
+                        colour(g).filled(),
+                    ))
+                    .map_err(|x| e(&x))?;
+                }
             }
-        }
-        root.present().map_err(|x| e(&x))?;
-    }
-    Ok(svg)
+            Ok(())
+        },
+    )
 }
 
 #[cfg(test)]

@@ -7,6 +7,7 @@ pub mod deploy;
 pub mod noop_extproc;
 pub mod oracle;
 pub mod overhead;
+pub mod pipeline;
 pub mod prose;
 pub mod report;
 pub mod results;
@@ -14,6 +15,7 @@ pub mod runner;
 pub mod simulate;
 pub mod splitmix;
 pub mod strategy;
+pub mod table;
 pub mod trace;
 pub mod workload;
 

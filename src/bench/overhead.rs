@@ -23,6 +23,7 @@ use super::noop_extproc::NoopServer;
 use super::prose::prose;
 use super::report::percentile;
 use super::splitmix::SplitMix64;
+use super::table::{Style, Table};
 
 /// A way to reach the pods.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize)]
@@ -717,12 +718,12 @@ impl OverheadReport {
             "ext_proc CPU ms/req",
             "Envoy CPU ms/req",
         ];
-        let mut rows: Vec<Vec<String>> = vec![header.iter().map(|h| h.to_string()).collect()];
+        let mut t = Table::new(header).left(2);
         for c in &self.cells {
             let proc_cpu = c
                 .router_cpu_net_ms_per_request
                 .or(c.noop_cpu_ms_per_request);
-            rows.push(vec![
+            t.row(vec![
                 size_label(c.prompt_bytes),
                 c.concurrency.to_string(),
                 c.path.label().to_string(),
@@ -738,41 +739,7 @@ impl OverheadReport {
                 c.envoy_cpu_ms_per_request.map_or("–".into(), |v| num(v, 3)),
             ]);
         }
-        // Padded so the same text reads well in a terminal.
-        let widths: Vec<usize> = (0..header.len())
-            .map(|i| rows.iter().map(|r| r[i].chars().count()).max().unwrap_or(0))
-            .collect();
-        let line = |r: &[String]| {
-            let cells: Vec<String> = r
-                .iter()
-                .zip(&widths)
-                .enumerate()
-                .map(|(i, (v, &w))| {
-                    if i == 2 || i == 0 {
-                        format!("{v:<w$}")
-                    } else {
-                        format!("{v:>w$}")
-                    }
-                })
-                .collect();
-            format!("| {} |\n", cells.join(" | "))
-        };
-        let mut s = line(&rows[0]);
-        let rule: Vec<String> = widths
-            .iter()
-            .enumerate()
-            .map(|(i, &w)| {
-                if i == 2 || i == 0 {
-                    "-".repeat(w)
-                } else {
-                    format!("{}:", "-".repeat(w - 1))
-                }
-            })
-            .collect();
-        s.push_str(&format!("| {} |\n", rule.join(" | ")));
-        for r in &rows[1..] {
-            s.push_str(&line(r));
-        }
+        let mut s = t.render(Style::Markdown);
         s.push_str(&format!(
             "\n{} measured requests per cell ({} round(s), path order rotating, {} warm-up \
              requests per round, at least the concurrency); {} instant simulated pods; \

@@ -6,6 +6,7 @@ use serde::Serialize;
 
 use super::oracle::{OracleRequest, Oracles};
 use super::runner::RunResult;
+use super::table::{Style, Table};
 
 /// Block size the oracle inputs are keyed with (vllm-sim's and vLLM's GPU default).
 const ORACLE_BLOCK_SIZE: usize = 16;
@@ -156,15 +157,6 @@ fn pct(v: f64) -> String {
     }
 }
 
-/// Output style of [`table`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Style {
-    /// Aligned plain text.
-    Plain,
-    /// GitHub-flavoured markdown.
-    Markdown,
-}
-
 fn ms(v: f64) -> String {
     if v.is_nan() {
         "-".into()
@@ -235,64 +227,13 @@ pub fn table(runs: &[Summary], style: Style) -> String {
         rows.extend(oracle_rows);
     }
     rows.extend(rest);
-    let mut grid: Vec<Vec<String>> = Vec::new();
-    let mut header = vec!["metric".to_string()];
-    header.extend(runs.iter().map(|r| r.label.clone()));
-    grid.push(header);
+    let mut t = Table::new(std::iter::once("metric").chain(runs.iter().map(|r| r.label.as_str())));
     for (name, f) in &rows {
         let mut line = vec![name.to_string()];
         line.extend(runs.iter().map(f));
-        grid.push(line);
+        t.row(line);
     }
-    let cols = grid[0].len();
-    let width: Vec<usize> = (0..cols)
-        .map(|c| grid.iter().map(|r| r[c].chars().count()).max().unwrap_or(0))
-        .collect();
-    let pad = |s: &str, w: usize, left: bool| {
-        let n = w.saturating_sub(s.chars().count());
-        if left {
-            format!("{s}{}", " ".repeat(n))
-        } else {
-            format!("{}{s}", " ".repeat(n))
-        }
-    };
-    let mut out = String::new();
-    for (i, row) in grid.iter().enumerate() {
-        let cells: Vec<String> = row
-            .iter()
-            .enumerate()
-            .map(|(c, s)| pad(s, width[c], c == 0))
-            .collect();
-        match style {
-            Style::Plain => {
-                out.push_str(cells.join("   ").trim_end());
-                out.push('\n');
-                if i == 0 {
-                    let total = width.iter().sum::<usize>() + 3 * (cols - 1);
-                    out.push_str(&"-".repeat(total));
-                    out.push('\n');
-                }
-            }
-            Style::Markdown => {
-                out.push_str(&format!("| {} |\n", cells.join(" | ")));
-                if i == 0 {
-                    let seps: Vec<String> = width
-                        .iter()
-                        .enumerate()
-                        .map(|(c, w)| {
-                            if c == 0 {
-                                "-".repeat(*w)
-                            } else {
-                                format!("{}:", "-".repeat(w.saturating_sub(1)))
-                            }
-                        })
-                        .collect();
-                    out.push_str(&format!("| {} |\n", seps.join(" | ")));
-                }
-            }
-        }
-    }
-    out
+    t.render(style)
 }
 
 /// JSON document written by `--json`: summaries plus every request record.

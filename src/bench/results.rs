@@ -8,7 +8,8 @@ use serde::Serialize;
 
 use super::charts;
 use super::compare::Comparison;
-use super::report::{self, Style};
+use super::report;
+use super::table::Style;
 
 /// One chart of a section.
 #[derive(Debug, Clone, Serialize)]

@@ -1,0 +1,306 @@
+//! One run: a strategy's router (index, plan, commit) over a fleet of engines, driven by one
+//! discrete-event loop over virtual microseconds.
+
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, VecDeque};
+use std::time::Duration;
+
+use futures::FutureExt;
+use kv_router::config::Config;
+use kv_router::decide::{commit, plan, Body, PlanInput, Stages};
+use kv_router::events::KvEventBatch;
+use kv_router::index::{build_index, index_capacity, ApplyStats};
+use kv_router::keys::Keys;
+use kv_router::picker::Reason;
+use kv_router::pods::PodId;
+use kv_router::scoring::Candidate;
+
+use super::super::splitmix::SplitMix64;
+use super::super::strategy::Strategy;
+use super::options::{SimulateError, SimulateOptions, BLOCK_TOKENS, MODEL};
+use super::prepare::Prepared;
+use super::router::{PodView, SimTime};
+use crate::sim::engine::{Engine, EngineConfig, Output, Submission};
+use crate::sim::translate::{Hashes, Translator};
+
+/// Whether a strategy's outcome depends on the index at all (round robin and random ignore it,
+/// so their runs skip it).
+pub(super) fn uses_index(s: Strategy) -> bool {
+    !matches!(s, Strategy::RoundRobin | Strategy::Random)
+}
+
+/// Runs an in-memory index call: those backends never wait, so the future is ready at once.
+pub(super) fn ready<T>(f: impl std::future::Future<Output = T>) -> T {
+    f.now_or_never()
+        .expect("in-memory index operations complete without waiting")
+}
+
+/// Adds one batch's counts to a run's totals.
+pub(super) fn add_stats(total: &mut ApplyStats, a: &ApplyStats) {
+    total.stored += a.stored;
+    total.removed += a.removed;
+    total.cleared += a.cleared;
+    total.unknown_parent += a.unknown_parent;
+    total.unknown += a.unknown;
+    total.ignored += a.ignored;
+    total.overflow += a.overflow;
+}
+
+/// Raw per-request outcome of one run.
+pub(super) struct RunOutcome {
+    pub(super) ttft_us: Vec<u64>,
+    pub(super) e2e_us: Vec<u64>,
+    pub(super) prompt_tokens: u64,
+    pub(super) cached_tokens: u64,
+    pub(super) per_pod: Vec<usize>,
+    pub(super) all_saturated: usize,
+    pub(super) makespan_us: u64,
+    pub(super) kv_events: Option<ApplyStats>,
+}
+
+/// The fleet side of one run: engines, their event schedule, and what they reported.
+pub(super) struct Fleet<'a> {
+    pub(super) prep: &'a Prepared,
+    pub(super) engines: Vec<Engine>,
+    /// Pending engine wake-ups (lazily invalidated: only `scheduled[p]` is current).
+    pub(super) heap: BinaryHeap<Reverse<(u64, usize)>>,
+    pub(super) scheduled: Vec<Option<u64>>,
+    /// KV-event batches on their way to the precise index: (delivery time, pod, batch).
+    pub(super) deliveries: VecDeque<(u64, usize, KvEventBatch)>,
+    /// Forward cache events (precise strategy only).
+    pub(super) publish: bool,
+    pub(super) translator: Translator,
+    pub(super) delay_us: u64,
+    pub(super) last_arrival_us: u64,
+    pub(super) ttft_us: Vec<u64>,
+    pub(super) e2e_us: Vec<u64>,
+    pub(super) prompt_tokens: u64,
+    pub(super) cached_tokens: u64,
+    pub(super) done: usize,
+    pub(super) makespan_us: u64,
+}
+
+impl Fleet<'_> {
+    /// After pod `p` was touched at `now`: its outputs, its cache events, its next wake-up.
+    pub(super) fn settle(&mut self, p: usize, now: u64) {
+        for out in self.engines[p].step(now) {
+            match out {
+                Output::Token { id, index: 0, at } => {
+                    let i = id as usize;
+                    self.ttft_us[i] = at - self.prep.at_us[i];
+                }
+                Output::Token { .. } => {}
+                Output::Finished { id, usage, at } => {
+                    let i = id as usize;
+                    self.e2e_us[i] = at - self.prep.at_us[i];
+                    self.prompt_tokens += u64::from(usage.prompt_tokens);
+                    self.cached_tokens += u64::from(usage.cached_tokens);
+                    self.done += 1;
+                    self.makespan_us = self.makespan_us.max(at);
+                }
+            }
+        }
+        let events = self.engines[p].drain_cache_events();
+        // Events after the last decision can no longer matter.
+        if self.publish && !events.is_empty() && now < self.last_arrival_us {
+            let batch = KvEventBatch {
+                ts: now as f64 / 1e6,
+                events: self.translator.translate(events),
+                data_parallel_rank: Some(0),
+            };
+            self.deliveries.push_back((now + self.delay_us, p, batch));
+        }
+        let next = self.engines[p].next_event_time();
+        if next != self.scheduled[p] {
+            self.scheduled[p] = next;
+            if let Some(t) = next {
+                self.heap.push(Reverse((t, p)));
+            }
+        }
+    }
+
+    /// The earliest current wake-up, dropping superseded heap entries.
+    pub(super) fn next_wakeup(&mut self) -> Option<(u64, usize)> {
+        while let Some(&Reverse((t, p))) = self.heap.peek() {
+            if self.scheduled[p] == Some(t) {
+                return Some((t, p));
+            }
+            self.heap.pop();
+        }
+        None
+    }
+}
+
+/// Simulates `strategy` on `pods` pods over the prepared requests.
+pub(super) fn simulate(
+    prep: &Prepared,
+    strategy: Strategy,
+    pods: usize,
+    opts: &SimulateOptions,
+) -> Result<RunOutcome, SimulateError> {
+    let cfg = strategy.router_config(&Config::default(), MODEL);
+    let stages = Stages::new(&cfg);
+    let index = uses_index(strategy).then(|| build_index(&cfg));
+    let ecfg = EngineConfig {
+        block_size: BLOCK_TOKENS,
+        ..opts.engine.clone()
+    };
+    let ids: Vec<PodId> = (0..pods).map(|i| PodId::new(format!("pod-{i}"))).collect();
+    let mut views: Vec<PodView> = (0..pods).map(|_| PodView::default()).collect();
+    if let Some(index) = &index {
+        // As the router's maintenance loop does from the pods' `cache_config_info`.
+        let cap = index_capacity(&cfg, ecfg.num_gpu_blocks as u64, BLOCK_TOKENS as u64);
+        for id in &ids {
+            ready(index.set_capacity(id, cap)).expect("in-memory index");
+        }
+    }
+    let salt = SplitMix64::derive(opts.seed, strategy.as_str(), pods as u64).next_u64();
+    let mut rng = SplitMix64::new(salt);
+    let stale_after = Duration::from_millis(cfg.pods.stale_after_ms);
+    let scrape_us = opts.scrape_interval_ms.max(1) * 1000;
+    let sweep_every = (1000 / opts.scrape_interval_ms.max(1)).max(1);
+    let prefill_tps = stages.prefill_tokens_per_sec();
+    let max_blocks = cfg.blocks.max_blocks;
+    let n = prep.at_us.len();
+    let mut fleet = Fleet {
+        prep,
+        engines: (0..pods).map(|_| Engine::new(ecfg.clone())).collect(),
+        heap: BinaryHeap::new(),
+        scheduled: vec![None; pods],
+        deliveries: VecDeque::new(),
+        publish: cfg.kv_events.enabled,
+        translator: Translator::new(Hashes::EngineKeys),
+        delay_us: (opts.event_delay_ms.max(0.0) * 1e3).round() as u64,
+        last_arrival_us: prep.at_us.last().copied().unwrap_or(0),
+        ttft_us: vec![u64::MAX; n],
+        e2e_us: vec![u64::MAX; n],
+        prompt_tokens: 0,
+        cached_tokens: 0,
+        done: 0,
+        makespan_us: 0,
+    };
+    let mut per_pod = vec![0usize; pods];
+    let mut all_saturated = 0usize;
+    let mut applied = ApplyStats::default();
+    let (mut next_req, mut next_tick, mut ticks) = (0usize, 0u64, 0u64);
+
+    loop {
+        let wake = fleet.next_wakeup();
+        let t_pod = wake.map(|w| w.0);
+        let t_arr = prep.at_us.get(next_req).copied();
+        if t_pod.is_none() && t_arr.is_none() {
+            break;
+        }
+        // Router-side events only matter while requests are still to be routed.
+        let t_tick = t_arr.map(|_| next_tick);
+        let t_del = t_arr.and(fleet.deliveries.front().map(|d| d.0));
+        let t = [t_pod, t_del, t_tick, t_arr]
+            .into_iter()
+            .flatten()
+            .min()
+            .expect("something is pending");
+        // At equal times: pods first, then event delivery, scrape, and the new request, so the
+        // router sees everything that happened up to and including `t`.
+        if let Some((_, p)) = wake.filter(|w| w.0 == t) {
+            fleet.heap.pop();
+            fleet.scheduled[p] = None;
+            fleet.settle(p, t);
+            continue;
+        }
+        if t_del == Some(t) {
+            let (_, p, batch) = fleet.deliveries.pop_front().expect("peeked");
+            if let Some(Ok(a)) = index
+                .as_ref()
+                .map(|index| ready(index.apply_events(&ids[p], 0, MODEL, &batch)))
+            {
+                add_stats(&mut applied, &a);
+            }
+            continue;
+        }
+        if t_tick == Some(t) {
+            for (v, e) in views.iter_mut().zip(&fleet.engines) {
+                v.scrape(SimTime(t), e);
+            }
+            if ticks % sweep_every == 0 {
+                if let Some(index) = &index {
+                    ready(index.sweep(t / 1000)).expect("in-memory index");
+                }
+            }
+            ticks += 1;
+            next_tick = t + scrape_us;
+            continue;
+        }
+        // An arrival: the router's lookup, then its own plan and commit, then submit.
+        let i = next_req;
+        next_req += 1;
+        let now_ms = t / 1000;
+        let oracle = &prep.oracle[i];
+        let keys = Keys {
+            keys: oracle.keys[..oracle.keys.len().min(max_blocks)].to_vec(),
+            tokens_per_block: BLOCK_TOKENS,
+            prompt_tokens: oracle.prompt_tokens,
+            precise: cfg.kv_events.enabled,
+            tokenize_error: None,
+        };
+        let matched = match &index {
+            Some(index) if !keys.keys.is_empty() => {
+                ready(index.lookup(&keys.keys, &ids, now_ms)).expect("in-memory index")
+            }
+            _ => vec![0.0; pods],
+        };
+        let candidates = (0..pods)
+            .map(|p| Candidate {
+                pod: ids[p].clone(),
+                matched_blocks: matched[p],
+                load: views[p].load(SimTime(t), stale_after),
+                session_pod: false,
+            })
+            .collect();
+        let input = PlanInput {
+            keys,
+            body: Body::Parsed,
+            candidates,
+            session: None,
+            turn: i as u64,
+        };
+        let plan = plan(&stages, input, &mut rng);
+        if plan.reason == Reason::AllSaturated {
+            all_saturated += 1;
+        }
+        let p = plan.primary;
+        per_pod[p] += 1;
+        ready(commit(
+            &plan,
+            index.as_deref(),
+            None,
+            now_ms,
+            |p, tokens| views[p].routed(SimTime(t), tokens, prefill_tps),
+        ));
+        let sub = Submission {
+            tokens: prep.tokens[i].clone(),
+            keys: oracle.keys.clone(),
+            max_tokens: prep.max_tokens[i],
+            vllm: None,
+        };
+        fleet.engines[p].submit(t, i as u64, sub);
+        fleet.settle(p, t);
+    }
+    if fleet.done != n {
+        return Err(SimulateError::Unfinished {
+            strategy: strategy.as_str(),
+            pods,
+            done: fleet.done,
+            submitted: n,
+        });
+    }
+    Ok(RunOutcome {
+        ttft_us: fleet.ttft_us,
+        e2e_us: fleet.e2e_us,
+        prompt_tokens: fleet.prompt_tokens,
+        cached_tokens: fleet.cached_tokens,
+        per_pod,
+        all_saturated,
+        makespan_us: fleet.makespan_us,
+        kv_events: fleet.publish.then_some(applied),
+    })
+}

@@ -1,0 +1,252 @@
+//! The simulation end to end on small synthetic traces.
+
+use std::sync::Arc;
+
+use kv_router::blocks::{namespace_seed, token_keys};
+use kv_router::config::Config;
+
+use super::capacity::PlanOutcome;
+use super::options::MODEL;
+use super::outcome::Timing;
+use super::*;
+use crate::bench::splitmix::SplitMix64;
+use crate::bench::strategy::Strategy;
+use crate::bench::trace::{Trace, TraceRecord};
+use crate::sim::engine::EngineConfig;
+
+/// Fast engines: small prompts still queue a little so load matters.
+fn opts(pods: usize) -> SimulateOptions {
+    SimulateOptions {
+        pods,
+        threads: 2,
+        capacity: None,
+        engine: EngineConfig {
+            num_gpu_blocks: 512,
+            ..EngineConfig::default()
+        },
+        ..SimulateOptions::default()
+    }
+}
+
+/// `groups` shared 1024-token prefixes (2 trace blocks), each request adding its own block;
+/// groups come in a pseudo-random order (no pattern a round robin could align with).
+fn grouped_trace(groups: u64, per_group: u64, gap_ms: u64) -> Trace {
+    let mut records = Vec::new();
+    let mut next_id = 1_000;
+    let mut rng = SplitMix64::new(groups * 31 + per_group);
+    for i in 0..groups * per_group {
+        let g = rng.range(0, groups as usize - 1) as u64;
+        next_id += 1;
+        records.push(TraceRecord {
+            timestamp: i * gap_ms,
+            input_length: 1_300,
+            output_length: 20,
+            hash_ids: vec![g * 2, g * 2 + 1, next_id],
+        });
+    }
+    Trace {
+        name: "grouped".into(),
+        offset: 0,
+        records,
+    }
+}
+
+fn zero_timing(mut r: SimulateReport) -> SimulateReport {
+    r.wall_s = 0.0;
+    r.threads = 0;
+    for s in &mut r.strategies {
+        s.timing = Timing::default();
+    }
+    r
+}
+
+#[test]
+fn same_seed_same_report_whatever_the_threads() {
+    let t = grouped_trace(6, 10, 40);
+    let mut o = opts(4);
+    o.capacity = Some(CapacityOptions {
+        pods: vec![1, 2, 4],
+        ttft_target_ms: 1e9,
+        ..CapacityOptions::default()
+    });
+    let a = zero_timing(run_trace(&t, &o).unwrap());
+    o.threads = 1;
+    let b = zero_timing(run_trace(&t, &o).unwrap());
+    assert_eq!(a, b);
+    assert_eq!(a.capacity.as_ref().unwrap().answer, Some(1));
+    o.seed = 2;
+    let c = zero_timing(run_trace(&t, &o).unwrap());
+    let random = |r: &SimulateReport| r.strategies[1].per_pod.clone();
+    assert_ne!(random(&a), random(&c), "the seed drives the random policy");
+}
+
+#[test]
+fn one_pod_makes_every_strategy_equal() {
+    let t = grouped_trace(4, 8, 30);
+    let r = run_trace(&t, &opts(1)).unwrap();
+    let first = &r.strategies[0];
+    for s in &r.strategies {
+        assert_eq!(s.cached_tokens, first.cached_tokens, "{:?}", s.strategy);
+        assert_eq!(s.ttft_cdf_ms, first.ttft_cdf_ms, "{:?}", s.strategy);
+        assert_eq!(s.per_pod, vec![32]);
+    }
+}
+
+#[test]
+fn prefix_aware_routing_beats_round_robin_and_stays_under_the_oracle() {
+    // 8 groups on 4 pods: round robin spreads each group over every pod (cold prefixes
+    // everywhere); prefix-aware strategies keep a group where its prefix is.
+    let t = grouped_trace(8, 12, 200);
+    let mut o = opts(4);
+    // Room for about three prefixes per pod: spreading every group everywhere thrashes.
+    o.engine.num_gpu_blocks = 256;
+    let r = run_trace(&t, &o).unwrap();
+    let get = |s: Strategy| r.strategies.iter().find(|x| x.strategy == s).unwrap();
+    let rr = get(Strategy::RoundRobin).hit_ratio;
+    for s in [Strategy::PrefixOnly, Strategy::Weighted, Strategy::Precise] {
+        assert!(
+            get(s).hit_ratio > rr + 0.05,
+            "{s:?}: {} vs round robin {rr}",
+            get(s).hit_ratio
+        );
+    }
+    let inf = r.oracles.infinite.ratio();
+    for s in &r.strategies {
+        assert!(
+            s.hit_ratio <= inf + 1e-12,
+            "{:?} {} > {inf}",
+            s.strategy,
+            s.hit_ratio
+        );
+        assert_eq!(s.requests, t.records.len(), "requests conserved");
+        assert_eq!(s.per_pod.iter().sum::<usize>(), t.records.len());
+        assert_eq!(s.ttft_cdf_ms.len(), 101);
+    }
+}
+
+#[test]
+fn router_keys_are_the_keyers_keys() {
+    // The simulation's shortcut (pod keys cut at max_blocks) must equal what the router
+    // computes from a token-id request, in approximate and precise mode alike.
+    let tokens: Vec<u32> = (0..(5000 * BLOCK_TOKENS as u32 + 7))
+        .map(|i| i % 977 + 3)
+        .collect();
+    let body = serde_json::to_vec(&serde_json::json!({"model": MODEL, "prompt": tokens})).unwrap();
+    let req = kv_router::request::parse("/v1/completions", &body).unwrap();
+    let pod_keys = token_keys(
+        namespace_seed(MODEL, None),
+        &tokens,
+        BLOCK_TOKENS,
+        usize::MAX,
+    );
+    for s in [Strategy::Weighted, Strategy::Precise] {
+        let cfg = s.router_config(&Config::default(), MODEL);
+        let keyer = kv_router::keys::Keyer::new(
+            kv_router::blocks::BlockScheme {
+                size_chars: cfg.blocks.size_chars,
+                max_blocks: cfg.blocks.max_blocks,
+            },
+            cfg.kv_events.block_tokens,
+            Arc::new(kv_router::keys::load_tokenizers(&cfg.tokenizers).unwrap()),
+        );
+        let k = keyer.keys(&req);
+        assert_eq!(k.precise, s == Strategy::Precise);
+        assert_eq!(k.tokens_per_block, BLOCK_TOKENS);
+        assert_eq!(k.prompt_tokens, tokens.len() as u64);
+        assert_eq!(k.keys[..], pod_keys[..cfg.blocks.max_blocks], "{s:?}");
+    }
+}
+
+#[test]
+fn capacity_plan_stops_at_the_first_fleet_meeting_the_target() {
+    let t = grouped_trace(4, 20, 5);
+    let mut o = opts(2);
+    o.strategies = vec![Strategy::Weighted];
+    let base = zero_timing(run_trace(&t, &o).unwrap());
+    let p90 = |pods: usize| {
+        let mut o = o.clone();
+        o.pods = pods;
+        run_trace(&t, &o).unwrap().strategies[0].ttft_p90_ms
+    };
+    // A target between the 1-pod and 8-pod p90: the plan must pick a size in between.
+    let target = (p90(1) + p90(8)) / 2.0;
+    o.capacity = Some(CapacityOptions {
+        strategy: Strategy::Weighted,
+        percentile: 90.0,
+        ttft_target_ms: target,
+        pods: vec![8, 1, 2, 4],
+    });
+    let r = run_trace(&t, &o).unwrap();
+    let plan = r.capacity.clone().unwrap();
+    assert_eq!(plan.outcome, PlanOutcome::Met);
+    let answer = plan.answer.unwrap();
+    assert!(answer > 1 && answer <= 8, "{plan:?}");
+    assert_eq!(plan.points.last().unwrap().pods, answer);
+    assert!(plan.points.iter().rev().skip(1).all(|p| !p.meets));
+    assert_eq!(zero_timing(r.clone()).strategies, base.strategies);
+}
+
+#[test]
+fn capacity_plan_gives_up_when_more_pods_stop_helping() {
+    let t = grouped_trace(3, 4, 300);
+    let mut o = opts(2);
+    o.strategies = vec![Strategy::RoundRobin];
+    o.capacity = Some(CapacityOptions {
+        strategy: Strategy::Weighted,
+        ttft_target_ms: 1.0,
+        pods: vec![1, 2, 4, 8, 16, 32, 64],
+        ..CapacityOptions::default()
+    });
+    let plan = run_trace(&t, &o).unwrap().capacity.unwrap();
+    assert_eq!(plan.outcome, PlanOutcome::LevelledOff, "{plan:?}");
+    assert_eq!(plan.answer, None);
+    assert!(plan.points.len() < 7, "{plan:?}");
+    let text = run_trace(&t, &o).unwrap().plain();
+    assert!(text.contains("no fleet size meets"), "{text}");
+}
+
+#[test]
+fn precise_index_follows_the_events() {
+    let t = grouped_trace(4, 10, 100);
+    let mut o = opts(2);
+    o.strategies = vec![Strategy::Precise];
+    let r = run_trace(&t, &o).unwrap();
+    let k = r.strategies[0].kv_events.unwrap();
+    assert!(k.stored > 0, "{k:?}");
+    assert_eq!(k.unknown_parent + k.ignored + k.overflow, 0, "{k:?}");
+}
+
+#[test]
+fn bad_options_are_typed_errors() {
+    let t = grouped_trace(1, 1, 1);
+    let mut o = opts(0);
+    let e = run_trace(&t, &o).unwrap_err();
+    assert_eq!(e.downcast_ref(), Some(&SimulateError::NoPods));
+    o.pods = 1;
+    o.speedup = 0.0;
+    let e = run_trace(&t, &o).unwrap_err();
+    assert!(matches!(
+        e.downcast_ref(),
+        Some(SimulateError::BadSpeedup(_))
+    ));
+}
+
+#[test]
+fn report_renders_every_strategy() {
+    let t = grouped_trace(2, 4, 50);
+    let mut o = opts(2);
+    o.capacity = Some(CapacityOptions {
+        pods: vec![1, 2],
+        ..CapacityOptions::default()
+    });
+    let r = run_trace(&t, &o).unwrap();
+    let md = r.markdown();
+    for s in Strategy::available() {
+        let row = format!("| {} ", s.as_str());
+        assert!(md.lines().any(|l| l.starts_with(&row)), "{md}");
+    }
+    assert!(md.contains("Answer: 1 pods"), "{md}");
+    assert!(r.plain().contains("prefix-only"));
+    let json = serde_json::to_value(&r).unwrap();
+    assert_eq!(json["strategies"][0]["strategy"], "round-robin");
+}

@@ -1,0 +1,454 @@
+//! kv-bench's command line: every subcommand's flags, and the options and workloads they
+//! describe.
+
+use std::path::PathBuf;
+
+use anyhow::Result;
+use clap::{Args, Parser, Subcommand};
+
+use crate::bench::simulate::{
+    CapacityOptions, SimulateOptions, BLOCK_TOKENS, DEFAULT_TTFT_TARGET_MS,
+};
+use crate::bench::strategy::Strategy;
+use crate::bench::trace::{self, Expansion, Trace};
+use crate::bench::workload::{
+    Arrivals, MultiturnSpec, SharedPrefixSpec, TraceSpec, Workload, WorkloadKind,
+};
+use crate::sim::engine::EngineConfig;
+
+#[derive(Parser)]
+#[command(name = "kv-bench", version, about = "Benchmarks for kv-router")]
+pub(crate) struct Cli {
+    #[command(subcommand)]
+    pub(crate) cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+pub(crate) enum Cmd {
+    /// Start simulated pods, Envoy (round robin) and kv-router (+ Envoy); run the workload through
+    /// both and print a side-by-side table. Stops everything it started.
+    Demo(DemoArgs),
+    /// Run a workload against an existing OpenAI-compatible endpoint.
+    Run(RunArgs),
+    /// Start a fleet of simulated pods and run the same workload once per routing strategy
+    /// (Envoy round robin, kv-router random / least-loaded / prefix-only / weighted / precise);
+    /// report hit ratio against the oracles, TTFT, load balance.
+    Compare(CompareArgs),
+    /// Run every benchmark of `make bench` and write results.md, results.json and images/.
+    Report(ReportArgs),
+    /// Added latency through real Envoy: direct, round robin, no-op ext_proc, kv-router.
+    Overhead(OverheadArgs),
+    /// Virtual-time simulation of a fleet on a trace with the router's own scoring and index (no
+    /// sockets): hit ratio vs oracles, modeled TTFT and load balance per strategy, capacity plan.
+    Simulate(SimulateArgs),
+}
+
+#[derive(Args)]
+pub(crate) struct CompareArgs {
+    /// Envoy binary (default: $KV_ROUTER_ENVOY, .venv/bin/envoy, PATH).
+    #[arg(long)]
+    pub(crate) envoy: Option<PathBuf>,
+    /// Simulated pods [default: 8]. With --endpoint: the size of the fleet behind them
+    /// (default: the --reset-pod count, else the pods seen in responses).
+    #[arg(long)]
+    pub(crate) pods: Option<usize>,
+    /// KV-cache blocks (16 tokens) per simulated pod [default: 4096]. With --endpoint: per pod
+    /// of that fleet (default: read from the --reset-pod pods' /metrics, else unknown and no
+    /// oracle is computed).
+    #[arg(long)]
+    pub(crate) gpu_blocks: Option<usize>,
+    /// Extra vllm-sim argument (repeatable), e.g. --sim-arg=--prefill-us-per-token=20.
+    #[arg(long = "sim-arg", allow_hyphen_values = true)]
+    pub(crate) sim_args: Vec<String>,
+    /// Strategies to run, comma-separated, in order.
+    #[arg(long, value_enum, value_delimiter = ',', default_values_t = Strategy::ALL)]
+    pub(crate) strategies: Vec<Strategy>,
+    /// Workload.
+    #[arg(long, value_enum, default_value_t = WorkloadKind::Multiturn)]
+    pub(crate) workload: WorkloadKind,
+    /// Per-request timeout in seconds.
+    #[arg(long, default_value_t = 120)]
+    pub(crate) timeout_s: u64,
+    /// Write the three SVG charts into this directory.
+    #[arg(long)]
+    pub(crate) charts: Option<PathBuf>,
+    /// Compare existing deployments instead of starting a fleet: LABEL=URL (repeatable).
+    #[arg(long = "endpoint", value_parser = parse_endpoint)]
+    pub(crate) endpoints: Vec<(String, String)>,
+    /// With --endpoint: pod address (ip:port) whose prefix cache is reset between runs (repeatable).
+    #[arg(long = "reset-pod")]
+    pub(crate) reset_pods: Vec<std::net::SocketAddr>,
+    #[command(flatten)]
+    pub(crate) args: WorkloadArgs,
+    #[command(flatten)]
+    pub(crate) shared_prefix: SharedPrefixArgs,
+    #[command(flatten)]
+    pub(crate) trace: TraceArgs,
+    #[command(flatten)]
+    pub(crate) arrivals: ArrivalArgs,
+}
+
+#[derive(Args)]
+pub(crate) struct ReportArgs {
+    /// Envoy binary (default: $KV_ROUTER_ENVOY, .venv/bin/envoy, PATH).
+    #[arg(long)]
+    pub(crate) envoy: Option<PathBuf>,
+    /// Directory receiving results.md, results.json and images/.
+    #[arg(long, default_value = "docs")]
+    pub(crate) out: PathBuf,
+    /// Small fleets and workloads (a minute or two): checks the pipeline, not the numbers.
+    #[arg(long)]
+    pub(crate) quick: bool,
+}
+
+#[derive(Args)]
+pub(crate) struct OverheadArgs {
+    /// Envoy binary (default: $KV_ROUTER_ENVOY, .venv/bin/envoy, PATH).
+    #[arg(long)]
+    pub(crate) envoy: Option<PathBuf>,
+    /// Measured requests per cell (default: 1000, or 40 with --quick).
+    #[arg(long)]
+    pub(crate) requests: Option<usize>,
+    /// A few requests per cell (CI: checks the report, not speed).
+    #[arg(long)]
+    pub(crate) quick: bool,
+    /// Write the report as JSON here.
+    #[arg(long)]
+    pub(crate) json: Option<PathBuf>,
+    /// Print the table as markdown with a heading (command, machine).
+    #[arg(long)]
+    pub(crate) markdown: bool,
+}
+
+#[derive(Args, Clone)]
+pub(crate) struct WorkloadArgs {
+    /// Conversations.
+    #[arg(long, default_value_t = 16)]
+    pub(crate) sessions: usize,
+    /// Turns per conversation.
+    #[arg(long, default_value_t = 8)]
+    pub(crate) turns: usize,
+    /// Seed of every generated text.
+    #[arg(long, default_value_t = 1)]
+    pub(crate) seed: u64,
+    /// Shared system prompt size in bytes.
+    #[arg(long, default_value_t = 6144)]
+    pub(crate) system_bytes: usize,
+    /// max_tokens per request.
+    #[arg(long, default_value_t = 256)]
+    pub(crate) max_tokens: u32,
+    /// Model name sent in requests.
+    #[arg(long, default_value = "sim-model")]
+    pub(crate) model: String,
+    /// Most sessions in flight (default: all).
+    #[arg(long)]
+    pub(crate) concurrency: Option<usize>,
+    /// Write summaries and every request record as JSON here.
+    #[arg(long)]
+    pub(crate) json: Option<PathBuf>,
+    /// Also print the table as markdown.
+    #[arg(long)]
+    pub(crate) markdown: bool,
+}
+
+impl WorkloadArgs {
+    pub(crate) fn spec(&self) -> MultiturnSpec {
+        MultiturnSpec {
+            sessions: self.sessions,
+            turns: self.turns,
+            system_bytes: self.system_bytes,
+            max_tokens: self.max_tokens,
+            model: self.model.clone(),
+            seed: self.seed,
+            ..Default::default()
+        }
+    }
+}
+
+#[derive(Args)]
+pub(crate) struct DemoArgs {
+    /// Envoy binary (default: $KV_ROUTER_ENVOY, .venv/bin/envoy, PATH).
+    #[arg(long)]
+    pub(crate) envoy: Option<PathBuf>,
+    /// Simulated pods.
+    #[arg(long, default_value_t = 4)]
+    pub(crate) pods: usize,
+    /// KV-cache blocks per simulated pod.
+    #[arg(long, default_value_t = 4096)]
+    pub(crate) gpu_blocks: usize,
+    /// Extra vllm-sim argument (repeatable), e.g. --sim-arg=--ttft-base-ms=5.
+    #[arg(long = "sim-arg", allow_hyphen_values = true)]
+    pub(crate) sim_args: Vec<String>,
+    #[command(flatten)]
+    pub(crate) workload: WorkloadArgs,
+}
+
+#[derive(Args)]
+pub(crate) struct RunArgs {
+    /// Base URL of the endpoint, e.g. http://127.0.0.1:8080.
+    #[arg(long)]
+    pub(crate) target: String,
+    /// Workload.
+    #[arg(long, value_enum, default_value_t = WorkloadKind::Multiturn)]
+    pub(crate) workload: WorkloadKind,
+    /// Label of the run in the table.
+    #[arg(long, default_value = "run")]
+    pub(crate) label: String,
+    /// Fleet size for the hotspot factor (default: pods seen in responses).
+    #[arg(long)]
+    pub(crate) pods: Option<usize>,
+    /// Per-request timeout in seconds.
+    #[arg(long, default_value_t = 120)]
+    pub(crate) timeout_s: u64,
+    #[command(flatten)]
+    pub(crate) args: WorkloadArgs,
+    #[command(flatten)]
+    pub(crate) shared_prefix: SharedPrefixArgs,
+    #[command(flatten)]
+    pub(crate) trace: TraceArgs,
+    #[command(flatten)]
+    pub(crate) arrivals: ArrivalArgs,
+}
+
+/// Shared-prefix workload parameters (workloads.md §3.1).
+#[derive(Args, Clone)]
+pub(crate) struct SharedPrefixArgs {
+    /// Shared-prefix: groups (distinct system prompts).
+    #[arg(long, default_value_t = 10)]
+    pub(crate) groups: usize,
+    /// Shared-prefix: prompts per group.
+    #[arg(long, default_value_t = 10)]
+    pub(crate) prompts_per_group: usize,
+    /// Shared-prefix: system prompt tokens.
+    #[arg(long, default_value_t = 100)]
+    pub(crate) system_tokens: usize,
+    /// Shared-prefix: question tokens.
+    #[arg(long, default_value_t = 50)]
+    pub(crate) question_tokens: usize,
+    /// Shared-prefix: output tokens.
+    #[arg(long, default_value_t = 50)]
+    pub(crate) output_tokens: u32,
+}
+
+impl SharedPrefixArgs {
+    pub(crate) fn spec(&self, w: &WorkloadArgs) -> SharedPrefixSpec {
+        SharedPrefixSpec {
+            groups: self.groups,
+            prompts_per_group: self.prompts_per_group,
+            system_tokens: self.system_tokens,
+            question_tokens: self.question_tokens,
+            output_tokens: self.output_tokens,
+            model: w.model.clone(),
+            seed: w.seed,
+        }
+    }
+}
+
+/// Trace replay parameters.
+#[derive(Args, Clone)]
+pub(crate) struct TraceArgs {
+    /// Trace: `conversation`, `synthetic` or a JSONL path.
+    #[arg(long, default_value = "conversation")]
+    pub(crate) trace: String,
+    /// Trace: replay only N requests (after --trace-skip).
+    #[arg(long)]
+    pub(crate) trace_requests: Option<usize>,
+    /// Trace: skip this many requests first (timestamps re-based to the first replayed).
+    #[arg(long, default_value_t = 0)]
+    pub(crate) trace_skip: usize,
+    /// Trace: arrival-time compression (open loop at trace times / this); 0 = closed loop.
+    #[arg(long, default_value_t = 1.0)]
+    pub(crate) speedup: f64,
+    /// Trace: output tokens = output_length x this.
+    #[arg(long, default_value_t = 1.0)]
+    pub(crate) output_scale: f64,
+}
+
+impl TraceArgs {
+    pub(crate) fn spec(&self, w: &WorkloadArgs) -> Result<TraceSpec> {
+        let trace = Trace::load(&trace::find_trace(&self.trace)?)?;
+        let trace = trace.window(self.trace_skip, self.trace_requests.unwrap_or(usize::MAX));
+        Ok(TraceSpec {
+            trace,
+            expansion: Expansion::default(),
+            output_scale: self.output_scale,
+            arrivals: if self.speedup > 0.0 {
+                Arrivals::Timed {
+                    speedup: self.speedup,
+                }
+            } else {
+                Arrivals::Closed {
+                    concurrency: w.concurrency.unwrap_or(1),
+                }
+            },
+            model: w.model.clone(),
+        })
+    }
+}
+
+/// Open-loop arrivals.
+#[derive(Args, Clone)]
+pub(crate) struct ArrivalArgs {
+    /// Start sessions at Poisson times of this rate (per second) instead of all at once.
+    #[arg(long)]
+    pub(crate) poisson_rate: Option<f64>,
+}
+
+pub(crate) fn parse_endpoint(s: &str) -> Result<(String, String), String> {
+    match s.split_once('=') {
+        Some((l, u)) if !l.is_empty() && u.starts_with("http") => Ok((l.into(), u.into())),
+        _ => Err(format!("expected LABEL=http://host:port, got {s:?}")),
+    }
+}
+
+/// Rebuilds a workload's sessions for each run.
+pub(crate) type WorkloadFactory = Box<dyn Fn() -> Workload>;
+
+/// Builds the chosen workload; trace files are read once, the closure rebuilds the sessions.
+pub(crate) fn workload_factory(
+    kind: WorkloadKind,
+    args: &WorkloadArgs,
+    shared_prefix: &SharedPrefixArgs,
+    trace: &TraceArgs,
+    arrivals: &ArrivalArgs,
+) -> Result<(WorkloadFactory, Option<usize>)> {
+    let seed = args.seed;
+    let poisson = arrivals.poisson_rate;
+    let with_arrivals = move |w: Workload| match poisson {
+        Some(rate) => w.with_arrivals(Arrivals::Poisson { rate }, seed),
+        None => w,
+    };
+    // Open-loop arrivals need every session ready; closed loop caps sessions in flight.
+    let open = poisson.is_some();
+    Ok(match kind {
+        WorkloadKind::Multiturn => {
+            let spec = args.spec();
+            (
+                Box::new(move || with_arrivals(spec.build())),
+                if open { None } else { args.concurrency },
+            )
+        }
+        WorkloadKind::SharedPrefix => {
+            let spec = shared_prefix.spec(args);
+            (
+                Box::new(move || with_arrivals(spec.build())),
+                if open { None } else { args.concurrency },
+            )
+        }
+        WorkloadKind::Trace => {
+            let spec = trace.spec(args)?;
+            let cap = spec.arrivals.concurrency();
+            (Box::new(move || spec.build()), cap)
+        }
+    })
+}
+
+/// Command-line flags of `kv-bench simulate`.
+#[derive(Debug, Clone, clap::Args)]
+pub(crate) struct SimulateArgs {
+    /// Trace: `conversation`, `synthetic` or a JSONL path.
+    #[arg(long, default_value = "conversation")]
+    pub(crate) trace: String,
+    /// Fleet size of the strategy comparison.
+    #[arg(long, default_value_t = 64)]
+    pub(crate) pods: usize,
+    /// Simulate only the first N requests.
+    #[arg(long)]
+    pub(crate) requests: Option<usize>,
+    /// Arrival times = trace times / this.
+    #[arg(long, default_value_t = 1.0)]
+    pub(crate) speedup: f64,
+    /// Output tokens = output_length x this.
+    #[arg(long, default_value_t = 1.0)]
+    pub(crate) output_scale: f64,
+    /// Strategies to compare (comma-separated).
+    #[arg(long, value_enum, value_delimiter = ',', default_values_t = Strategy::available())]
+    pub(crate) strategies: Vec<Strategy>,
+    /// Capacity planning: TTFT target in ms at --ttft-percentile.
+    #[arg(long, default_value_t = DEFAULT_TTFT_TARGET_MS)]
+    pub(crate) ttft_target_ms: f64,
+    /// Capacity planning: TTFT percentile that must meet the target.
+    #[arg(long, default_value_t = 90.0)]
+    pub(crate) ttft_percentile: f64,
+    /// Capacity planning: strategy.
+    #[arg(long, value_enum, default_value_t = Strategy::Weighted)]
+    pub(crate) plan_strategy: Strategy,
+    /// Capacity planning: fleet sizes to try, ascending (comma-separated).
+    #[arg(long, value_delimiter = ',', default_values_t = vec![4usize, 8, 16, 32, 64, 128, 256])]
+    pub(crate) plan_pods: Vec<usize>,
+    /// Skip capacity planning.
+    #[arg(long)]
+    pub(crate) no_plan: bool,
+    /// KV blocks per pod.
+    #[arg(long, default_value_t = EngineConfig::default().num_gpu_blocks)]
+    pub(crate) gpu_blocks: usize,
+    /// Prefill time per uncached prompt token, microseconds.
+    #[arg(long, default_value_t = EngineConfig::default().prefill_us_per_token)]
+    pub(crate) prefill_us_per_token: f64,
+    /// Decode time per output token (batch of one), milliseconds.
+    #[arg(long, default_value_t = EngineConfig::default().decode_us_per_token / 1e3)]
+    pub(crate) decode_ms_per_token: f64,
+    /// Most running requests per pod.
+    #[arg(long, default_value_t = EngineConfig::default().max_num_seqs)]
+    pub(crate) max_num_seqs: usize,
+    /// Fixed TTFT overhead per request, milliseconds.
+    #[arg(long, default_value_t = EngineConfig::default().ttft_base_us / 1e3)]
+    pub(crate) ttft_base_ms: f64,
+    /// Delay of KV events before the precise index sees them, milliseconds.
+    #[arg(long, default_value_t = 5.0)]
+    pub(crate) event_delay_ms: f64,
+    /// Seed of tie-breaks and the random policy.
+    #[arg(long, default_value_t = 1)]
+    pub(crate) seed: u64,
+    /// Worker threads (0 = all cores).
+    #[arg(long, default_value_t = 0)]
+    pub(crate) threads: usize,
+    /// CI size: at most the first 500 requests, capacity sweep up to 16 pods.
+    #[arg(long)]
+    pub(crate) quick: bool,
+    /// Write the report as JSON here.
+    #[arg(long)]
+    pub(crate) json: Option<std::path::PathBuf>,
+    /// Print the tables as markdown instead of plain text.
+    #[arg(long)]
+    pub(crate) markdown: bool,
+}
+
+impl SimulateArgs {
+    /// The options these flags describe.
+    pub(crate) fn options(&self) -> SimulateOptions {
+        let finite = |v: f64| if v.is_finite() { v.max(0.0) } else { 0.0 };
+        let opts = SimulateOptions {
+            trace: self.trace.clone(),
+            requests: self.requests,
+            speedup: self.speedup,
+            output_scale: finite(self.output_scale),
+            pods: self.pods,
+            strategies: self.strategies.clone(),
+            engine: EngineConfig {
+                block_size: BLOCK_TOKENS,
+                num_gpu_blocks: self.gpu_blocks,
+                max_num_seqs: self.max_num_seqs.max(1),
+                ttft_base_us: finite(self.ttft_base_ms) * 1e3,
+                prefill_us_per_token: finite(self.prefill_us_per_token),
+                decode_us_per_token: finite(self.decode_ms_per_token) * 1e3,
+                ..EngineConfig::default()
+            },
+            event_delay_ms: finite(self.event_delay_ms),
+            scrape_interval_ms: SimulateOptions::default().scrape_interval_ms,
+            seed: self.seed,
+            threads: self.threads,
+            capacity: (!self.no_plan).then(|| CapacityOptions {
+                strategy: self.plan_strategy,
+                percentile: self.ttft_percentile.clamp(0.0, 100.0),
+                ttft_target_ms: self.ttft_target_ms,
+                pods: self.plan_pods.clone(),
+            }),
+        };
+        if self.quick {
+            opts.quick()
+        } else {
+            opts
+        }
+    }
+}
