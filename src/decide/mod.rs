@@ -9,265 +9,30 @@
 //!
 //! [`Decider`] is the live front: parse → pods → keys → index lookup → [`plan`] → [`commit`].
 
+mod metrics;
+mod plan;
+
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use prometheus_client::encoding::EncodeLabelSet;
-use prometheus_client::metrics::counter::Counter;
-use prometheus_client::metrics::family::Family;
-use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
-use prometheus_client::registry::Registry;
-use rand::Rng;
-use serde::Serialize;
 use thiserror::Error;
 use tokio::time::Instant;
 use tracing::debug;
 
 use crate::blocks::BlockScheme;
-use crate::config::{Config, Policy};
-use crate::index::{IndexError, KvIndex};
-use crate::keys::{Keyer, Keys};
-use crate::picker::{Picker, Reason};
+use crate::config::Config;
+use crate::index::KvIndex;
+use crate::keys::Keyer;
 use crate::pods::{InflightGuard, Pod, PodId, PodRegistry};
 use crate::request::{self, RequestError, RoutingRequest};
-use crate::scoring::{
-    run_scorer, Candidate, LoadScorer, PrefixScorer, ScoreError, ScoreInput, Scorer, SessionKey,
-    SessionScorer, SessionStore,
-};
-use crate::telemetry::{ErrorKind, Errors};
+use crate::scoring::{Candidate, SessionKey, SessionStore};
+use crate::telemetry::ErrorKind;
 use crate::tokenize::TokenizerRegistry;
+use metrics::DecisionLabels;
 
-/// The scoring stages of a decision (scorers, load signal, pickers, retry list length) built
-/// from config, with no pod registry or clock.
-pub struct Stages {
-    scorers: Vec<Box<dyn Scorer>>,
-    load: LoadScorer,
-    picker: Picker,
-    least_loaded: Picker,
-    fallbacks: usize,
-    prefill_tokens_per_sec: f64,
-}
-
-impl Stages {
-    /// The prefix, session and load scorers with their configured weights, the policy's picker.
-    pub fn new(cfg: &Config) -> Self {
-        let s = &cfg.scorers;
-        let load = LoadScorer::new(s.load.clone());
-        let scorers: Vec<Box<dyn Scorer>> = vec![
-            Box::new(PrefixScorer),
-            Box::new(SessionScorer),
-            Box::new(load.clone()),
-        ];
-        let weights = vec![s.prefix.weight, s.session.weight, s.load.weight];
-        Self {
-            scorers,
-            load,
-            picker: Picker::new(cfg.policy, weights, cfg.gate.clone()),
-            least_loaded: Picker::new(Policy::LeastLoaded, vec![], cfg.gate.clone()),
-            fallbacks: cfg.fallbacks,
-            prefill_tokens_per_sec: s.load.prefill_tokens_per_sec,
-        }
-    }
-
-    /// The configured prefill rate (tokens/s) the in-flight estimate uses.
-    pub fn prefill_tokens_per_sec(&self) -> f64 {
-        self.prefill_tokens_per_sec
-    }
-}
-
-/// How the request body was understood: it decides which picker ranks the candidates.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Body {
-    /// Parsed: the policy's picker on the weighted scores.
-    Parsed,
-    /// No body: least-loaded.
-    Missing,
-    /// Not understood (and not strict): least-loaded.
-    Unparsable,
-}
-
-/// Everything [`plan`] decides on.
-#[derive(Debug, Clone)]
-pub struct PlanInput {
-    /// The request's block keys (empty for body-less and unparsable requests).
-    pub keys: Keys,
-    /// How the body was understood.
-    pub body: Body,
-    /// Candidate pods with the blocks the index matched, their load and the session flag.
-    pub candidates: Vec<Candidate>,
-    /// The request's session, pinned to the primary on commit.
-    pub session: Option<SessionKey>,
-    /// Round-robin position (the caller counts decisions).
-    pub turn: u64,
-}
-
-/// One candidate with everything that went into its rank.
-#[derive(Debug, Clone, Serialize)]
-pub struct ScoredPod {
-    /// `ip:port`.
-    pub pod: PodId,
-    /// Combined score.
-    pub total: f64,
-    /// Each scorer's score in [0, 1].
-    pub scores: Vec<(&'static str, f64)>,
-    /// Blocks the index predicts the pod holds.
-    pub matched_blocks: f64,
-    /// The gate marked it saturated.
-    pub saturated: bool,
-}
-
-/// A ranked decision, not yet recorded anywhere.
-#[derive(Debug, Clone, Serialize)]
-pub struct Plan {
-    /// Primary first, then fallbacks in retry order.
-    pub endpoints: Vec<PodId>,
-    /// All candidates, best first.
-    pub ranked: Vec<ScoredPod>,
-    /// Why.
-    pub reason: Reason,
-    /// Full blocks in the prompt.
-    pub total_blocks: usize,
-    /// Index of the primary among the input's candidates.
-    #[serde(skip)]
-    pub primary: usize,
-    /// Estimated prompt tokens the primary does not hold (charged to it on commit).
-    #[serde(skip)]
-    pub uncached_tokens: u64,
-    /// Scorers that failed (their scores counted as 0).
-    #[serde(skip)]
-    pub scorer_errors: Vec<ScoreError>,
-    #[serde(skip)]
-    keys: Keys,
-    #[serde(skip)]
-    session: Option<SessionKey>,
-}
-
-impl Plan {
-    /// `ip:port[,ip:port…]` for the metadata and header.
-    pub fn destination(&self) -> String {
-        self.endpoints
-            .iter()
-            .map(PodId::as_str)
-            .collect::<Vec<_>>()
-            .join(",")
-    }
-}
-
-/// Scores and ranks the candidates of one request (at least one candidate). Pure: the same
-/// inputs and rng state give the same plan.
-pub fn plan(stages: &Stages, input: PlanInput, rng: &mut impl Rng) -> Plan {
-    let PlanInput {
-        keys,
-        body,
-        candidates,
-        session,
-        turn,
-    } = input;
-    let input = ScoreInput {
-        total_blocks: keys.keys.len(),
-        candidates,
-    };
-    let busy: Vec<f64> = input
-        .candidates
-        .iter()
-        .map(|c| stages.load.busy(&c.load))
-        .collect();
-    let mut scorer_errors = Vec::new();
-    let scores: Vec<Vec<f64>> = stages
-        .scorers
-        .iter()
-        .map(|scorer| {
-            run_scorer(scorer.as_ref(), &input).unwrap_or_else(|e| {
-                scorer_errors.push(e);
-                vec![0.0; input.candidates.len()]
-            })
-        })
-        .collect();
-    let (ranking, reason) = match body {
-        Body::Parsed => {
-            let r = stages.picker.rank(&input, &scores, &busy, turn, rng);
-            let reason = r.reason;
-            (r, reason)
-        }
-        Body::Missing | Body::Unparsable => (
-            stages.least_loaded.rank(&input, &[], &busy, turn, rng),
-            if body == Body::Missing {
-                Reason::NoBody
-            } else {
-                Reason::Unparsable
-            },
-        ),
-    };
-    let ranked: Vec<ScoredPod> = ranking
-        .order
-        .iter()
-        .map(|&i| ScoredPod {
-            pod: input.candidates[i].pod.clone(),
-            total: ranking.totals[i],
-            scores: stages
-                .scorers
-                .iter()
-                .zip(&scores)
-                .map(|(s, v)| (s.name(), v[i]))
-                .collect(),
-            matched_blocks: input.candidates[i].matched_blocks,
-            saturated: ranking.saturated[i],
-        })
-        .collect();
-    let endpoints = ranked
-        .iter()
-        .take(1 + stages.fallbacks)
-        .map(|s| s.pod.clone())
-        .collect();
-    let primary = ranking.order[0];
-    let cached = (input.candidates[primary].matched_blocks * keys.tokens_per_block as f64) as u64;
-    Plan {
-        endpoints,
-        ranked,
-        reason,
-        total_blocks: keys.keys.len(),
-        primary,
-        uncached_tokens: keys.prompt_tokens.saturating_sub(cached),
-        scorer_errors,
-        keys,
-        session,
-    }
-}
-
-/// What [`commit`] did; the index write may have failed (the decision stands).
-#[derive(Debug)]
-pub struct Committed<G> {
-    /// The load charge of the primary, held until the request ends.
-    pub guard: G,
-    /// The index record failed.
-    pub index_error: Option<IndexError>,
-}
-
-/// Records a plan at `now_ms` (the index's time base): `charge(primary, uncached_tokens)`
-/// charges the primary's load, the index learns that the primary now holds the prompt's keys,
-/// and the request's session is pinned to it. `None` for the index or the session store: there
-/// is none to teach (`kv-bench simulate` runs policies that ignore the index without one).
-pub async fn commit<G>(
-    plan: &Plan,
-    index: Option<&dyn KvIndex>,
-    sessions: Option<&SessionStore>,
-    now_ms: u64,
-    charge: impl FnOnce(usize, u64) -> G,
-) -> Committed<G> {
-    let guard = charge(plan.primary, plan.uncached_tokens);
-    let primary = &plan.ranked[0].pod;
-    let index_error = match index {
-        Some(index) if !plan.keys.keys.is_empty() => {
-            index.record(primary, &plan.keys.keys, now_ms).await.err()
-        }
-        _ => None,
-    };
-    if let (Some(store), Some(s)) = (sessions, plan.session) {
-        store.set(s, primary.clone(), now_ms);
-    }
-    Committed { guard, index_error }
-}
+pub use metrics::DecisionMetrics;
+pub use plan::{commit, plan, Body, Committed, Plan, PlanInput, ScoredPod, Stages};
 
 /// A request as every front end hands it in.
 #[derive(Debug, Clone, Copy)]
@@ -328,60 +93,6 @@ impl DecideError {
             DecideError::ModelNotFound(_) => ErrorKind::ModelNotFound,
             DecideError::BadRequest(_) => ErrorKind::BadRequest,
         }
-    }
-}
-
-#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct DecisionLabels {
-    reason: Reason,
-    pod: String,
-}
-
-/// The decision path's metric families.
-#[derive(Debug, Clone)]
-pub struct DecisionMetrics {
-    decisions: Family<DecisionLabels, Counter>,
-    duration: Histogram,
-    matched_blocks: Histogram,
-    errors: Errors,
-}
-
-impl DecisionMetrics {
-    /// Registers `decisions`, `decision_duration_seconds` and `predicted_matched_blocks`
-    /// (`registry` is the `kv_router` sub-registry); errors go to the shared counter.
-    pub fn register(registry: &mut Registry, errors: Errors) -> Self {
-        let m = Self {
-            decisions: Family::default(),
-            duration: Histogram::new(exponential_buckets(1e-6, 2.0, 24)),
-            matched_blocks: Histogram::new(exponential_buckets(1.0, 2.0, 14)),
-            errors,
-        };
-        registry.register(
-            "decisions",
-            "Routing decisions by reason and primary pod",
-            m.decisions.clone(),
-        );
-        registry.register(
-            "decision_duration_seconds",
-            "Time to decide (parse, keys, lookup, score, pick)",
-            m.duration.clone(),
-        );
-        registry.register(
-            "predicted_matched_blocks",
-            "Prompt blocks the index predicted the chosen pod holds",
-            m.matched_blocks.clone(),
-        );
-        m
-    }
-
-    /// Decisions committed with `reason` to `pod` so far.
-    pub fn decisions(&self, reason: Reason, pod: &PodId) -> u64 {
-        self.decisions
-            .get_or_create(&DecisionLabels {
-                reason,
-                pod: pod.to_string(),
-            })
-            .get()
     }
 }
 
@@ -654,10 +365,11 @@ mod tests {
     use super::*;
     use crate::config::{Config, StaticPod};
     use crate::index::MemoryIndex;
+    use crate::picker::Reason;
     use crate::pods::PodSource;
     use crate::pods::{LoadSample, PodSpec, StaticSource};
-    use rand::rngs::StdRng;
-    use rand::SeedableRng;
+    use crate::telemetry::Errors;
+    use prometheus_client::registry::Registry;
 
     async fn decider(n: usize, cfg_edit: impl FnOnce(&mut Config)) -> (Decider, Arc<PodRegistry>) {
         let mut cfg = Config::default();
@@ -749,41 +461,6 @@ mod tests {
         assert!(b.guard.is_some());
         assert!(d.index().stats().entries > 0);
         assert_eq!(d.sessions.len(), 1);
-    }
-
-    #[test]
-    fn plan_is_a_function_of_its_inputs() {
-        let stages = Stages::new(&Config::default());
-        let input = || PlanInput {
-            keys: Keys {
-                keys: (0..8).map(crate::blocks::BlockKey).collect(),
-                tokens_per_block: 16,
-                prompt_tokens: 130,
-                ..Keys::default()
-            },
-            body: Body::Parsed,
-            candidates: (0..4)
-                .map(|i| Candidate {
-                    pod: PodId::new(format!("p:{i}")),
-                    matched_blocks: if i == 2 { 5.0 } else { 0.0 },
-                    load: crate::pods::PodLoad {
-                        fresh: true,
-                        ..Default::default()
-                    },
-                    session_pod: false,
-                })
-                .collect(),
-            session: None,
-            turn: 0,
-        };
-        let a = plan(&stages, input(), &mut StdRng::seed_from_u64(3));
-        let b = plan(&stages, input(), &mut StdRng::seed_from_u64(3));
-        assert_eq!(
-            serde_json::to_value(&a).unwrap(),
-            serde_json::to_value(&b).unwrap()
-        );
-        assert_eq!((a.primary, a.reason), (2, Reason::Scored));
-        assert_eq!(a.uncached_tokens, 130 - 5 * 16);
     }
 
     #[tokio::test]

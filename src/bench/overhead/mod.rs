@@ -7,23 +7,25 @@
 //! CPU time of kv-router, the no-op processor and each Envoy comes from `/proc`.
 
 use std::collections::BTreeMap;
-use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
-use bytes::Bytes;
 use serde::Serialize;
-use thiserror::Error;
 
-use super::deploy::{self, Binaries, EnvoyOptions, EnvoyProc, RouterProc, SimPod};
-use super::noop_extproc::NoopServer;
-use super::prose::prose;
+mod cpu;
+mod fleet;
+mod load;
+
+use super::deploy::{self, Binaries};
 use super::report::percentile;
-use super::splitmix::SplitMix64;
 use super::table::{Style, Table};
+use cpu::{clock_ticks_per_s, envoy_version, CpuSource};
+use fleet::Fleet;
+use load::{bodies, drive, envoy_counter, FAILED_OPEN_STAT};
+
+pub use cpu::machine_description;
 
 /// A way to reach the pods.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize)]
@@ -177,325 +179,6 @@ pub struct OverheadReport {
     pub duration_s: f64,
     /// Every cell.
     pub cells: Vec<Cell>,
-}
-
-/// Why a `/proc` CPU figure could not be read.
-#[derive(Debug, Error)]
-pub enum CpuStatError {
-    /// The stat file could not be read.
-    #[error("cannot read {path}: {source}")]
-    Read {
-        /// The file.
-        path: String,
-        /// The I/O error.
-        source: std::io::Error,
-    },
-    /// The stat line did not have numeric utime/stime fields.
-    #[error("malformed stat line")]
-    Malformed,
-}
-
-/// utime + stime (fields 14 and 15 of `/proc/<pid>/stat`), in clock ticks.
-pub fn parse_stat_ticks(stat: &str) -> Result<u64, CpuStatError> {
-    // comm (field 2) may contain spaces and parentheses: fields restart after the last ')'.
-    let rest = stat
-        .rfind(')')
-        .map(|i| &stat[i + 1..])
-        .ok_or(CpuStatError::Malformed)?;
-    let mut f = rest.split_whitespace().skip(11);
-    let mut next = || -> Result<u64, CpuStatError> {
-        f.next()
-            .and_then(|v| v.parse().ok())
-            .ok_or(CpuStatError::Malformed)
-    };
-    Ok(next()? + next()?)
-}
-
-/// A `/proc/…/stat` file whose CPU time is tracked.
-#[derive(Debug, Clone)]
-struct CpuSource(PathBuf);
-
-impl CpuSource {
-    fn process(pid: u32) -> Self {
-        Self(PathBuf::from(format!("/proc/{pid}/stat")))
-    }
-
-    fn own_thread(tid: i32) -> Self {
-        Self(PathBuf::from(format!("/proc/self/task/{tid}/stat")))
-    }
-
-    fn ticks(&self) -> Result<u64, CpuStatError> {
-        let text = std::fs::read_to_string(&self.0).map_err(|source| CpuStatError::Read {
-            path: self.0.display().to_string(),
-            source,
-        })?;
-        parse_stat_ticks(&text)
-    }
-}
-
-fn clock_ticks_per_s() -> u64 {
-    // SAFETY: sysconf has no preconditions.
-    let t = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
-    if t > 0 {
-        t as u64
-    } else {
-        100
-    }
-}
-
-/// `model name` from /proc/cpuinfo and the number of online CPUs.
-pub fn machine_description() -> String {
-    let model = std::fs::read_to_string("/proc/cpuinfo")
-        .ok()
-        .and_then(|c| {
-            c.lines()
-                .find(|l| l.starts_with("model name"))
-                .and_then(|l| l.split_once(':'))
-                .map(|(_, v)| v.trim().to_string())
-        })
-        .unwrap_or_else(|| "unknown CPU".into());
-    let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
-    format!("{cores} cores, {model}")
-}
-
-fn envoy_version(bin: &Path) -> String {
-    std::process::Command::new(bin)
-        .arg("--version")
-        .output()
-        .ok()
-        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
-        // "<sha>/1.40.0/Clean/RELEASE/BoringSSL": keep the release.
-        .and_then(|s| s.rsplit_once("version: ").map(|(_, v)| v.to_string()))
-        .map(|v| v.split('/').nth(1).unwrap_or(&v).to_string())
-        .unwrap_or_else(|| "unknown".into())
-}
-
-/// Sixteen distinct `/v1/completions` bodies whose prompt is exactly `bytes` bytes of text.
-fn bodies(bytes: usize) -> Vec<Bytes> {
-    (0..16u64)
-        .map(|i| {
-            let mut text = String::with_capacity(bytes + 64);
-            prose(
-                &mut SplitMix64::derive(i, "overhead", bytes as u64),
-                bytes,
-                &mut text,
-            );
-            // prose writes ASCII, so any byte index is a char boundary.
-            text.truncate(bytes);
-            let v = serde_json::json!({
-                "model": "sim-model",
-                "prompt": text,
-                "max_tokens": 1,
-                "stream": false,
-            });
-            Bytes::from(serde_json::to_vec(&v).expect("json"))
-        })
-        .collect()
-}
-
-/// Latencies (ms) of successful requests, error count and the first error.
-#[derive(Debug, Default)]
-struct Batch {
-    latencies: Vec<f64>,
-    errors: usize,
-    first_error: Option<String>,
-    wall: Duration,
-}
-
-const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
-
-async fn one_request(client: &reqwest::Client, url: &str, body: Bytes) -> Result<(), String> {
-    let send = async {
-        let r = client
-            .post(url)
-            .header(reqwest::header::CONTENT_TYPE, "application/json")
-            .body(body)
-            .send()
-            .await
-            .map_err(|e| format!("send: {e}"))?;
-        let status = r.status();
-        let body = r.bytes().await.map_err(|e| format!("read: {e}"))?;
-        if status.is_success() {
-            Ok(())
-        } else {
-            let snippet = String::from_utf8_lossy(&body[..body.len().min(200)]).into_owned();
-            Err(format!("HTTP {status}: {snippet}"))
-        }
-    };
-    tokio::time::timeout(REQUEST_TIMEOUT, send)
-        .await
-        .unwrap_or_else(|_| Err(format!("timed out after {REQUEST_TIMEOUT:?}")))
-}
-
-/// Sends `n` requests with `concurrency` in flight; `urls` are used in turn (direct: one per pod).
-async fn drive(
-    client: &reqwest::Client,
-    urls: &[String],
-    bodies: &Arc<Vec<Bytes>>,
-    n: usize,
-    concurrency: usize,
-) -> Batch {
-    let next = Arc::new(AtomicUsize::new(0));
-    let urls: Arc<Vec<String>> = Arc::new(urls.to_vec());
-    let start = Instant::now();
-    let workers: Vec<_> = (0..concurrency.max(1))
-        .map(|_| {
-            let (client, urls, bodies, next) =
-                (client.clone(), urls.clone(), bodies.clone(), next.clone());
-            tokio::spawn(async move {
-                let mut out = Batch::default();
-                loop {
-                    let i = next.fetch_add(1, Ordering::Relaxed);
-                    if i >= n {
-                        break;
-                    }
-                    let url = &urls[i % urls.len()];
-                    let t = Instant::now();
-                    match one_request(&client, url, bodies[i % bodies.len()].clone()).await {
-                        Ok(()) => out.latencies.push(t.elapsed().as_secs_f64() * 1e3),
-                        Err(e) => {
-                            out.errors += 1;
-                            out.first_error.get_or_insert(e);
-                        }
-                    }
-                }
-                out
-            })
-        })
-        .collect();
-    let mut all = Batch::default();
-    for w in workers {
-        match w.await {
-            Ok(b) => {
-                all.latencies.extend(b.latencies);
-                all.errors += b.errors;
-                if all.first_error.is_none() {
-                    all.first_error = b.first_error;
-                }
-            }
-            Err(e) => {
-                all.errors += 1;
-                all.first_error
-                    .get_or_insert(format!("worker panicked: {e}"));
-            }
-        }
-    }
-    all.wall = start.elapsed();
-    all
-}
-
-/// `<name>: <value>` from Envoy's `/stats` text (0 when absent).
-fn envoy_counter(stats: &str, name: &str) -> u64 {
-    stats
-        .lines()
-        .filter_map(|l| l.split_once(": "))
-        .find(|(k, _)| *k == name)
-        .and_then(|(_, v)| v.trim().parse().ok())
-        .unwrap_or(0)
-}
-
-const FAILED_OPEN_STAT: &str = "http.llm.ext_proc.failure_mode_allowed";
-
-/// The running fleet; everything stops when it is dropped.
-struct Fleet {
-    pods: Vec<SimPod>,
-    rr_envoy: EnvoyProc,
-    router: RouterProc,
-    kv_envoy: EnvoyProc,
-    noop: NoopServer,
-    noop_envoy: EnvoyProc,
-}
-
-impl Fleet {
-    async fn start(bins: &Binaries, envoy: &Path, pods: usize) -> Result<Self> {
-        let sim_args: Vec<String> = [
-            "--prefill-us-per-token",
-            "0",
-            "--ttft-base-ms",
-            "0",
-            "--decode-ms-per-token",
-            "0",
-            // A 400 KB prompt (~100k tokens) fits without evicting the others.
-            "--num-gpu-blocks",
-            "65536",
-        ]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
-        let pods = deploy::spawn_pods(&bins.vllm_sim, pods, Some("pod-"), &sim_args)?;
-        let addrs: Vec<SocketAddr> = pods.iter().map(|p| p.addr).collect();
-        // Same Envoy options on every path, so only the filter chain differs.
-        let eopts = EnvoyOptions {
-            concurrency: 2,
-            ..Default::default()
-        };
-        let buffered = deploy::envoy_template("override-host-buffered.yaml")?;
-        let rr_envoy = EnvoyProc::spawn_with(
-            envoy,
-            &deploy::envoy_template("round-robin.yaml")?,
-            None,
-            &addrs,
-            &eopts,
-        )
-        .await
-        .context("starting the round-robin Envoy")?;
-        let mut cfg = deploy::local_router_config(&addrs)?;
-        cfg.log.level = "warn".into();
-        let fallbacks = cfg.fallbacks;
-        let router = RouterProc::spawn(&bins.kv_router, &cfg)
-            .await
-            .context("starting kv-router")?;
-        router
-            .wait_pods_ready(addrs.len(), Duration::from_secs(15))
-            .await?;
-        let kv_envoy = EnvoyProc::spawn_with(envoy, &buffered, Some(router.grpc), &addrs, &eopts)
-            .await
-            .context("starting the kv-router Envoy")?;
-        let noop = NoopServer::start(&addrs, fallbacks)?;
-        let noop_envoy = EnvoyProc::spawn_with(envoy, &buffered, Some(noop.addr), &addrs, &eopts)
-            .await
-            .context("starting the no-op ext_proc Envoy")?;
-        Ok(Self {
-            pods,
-            rr_envoy,
-            router,
-            kv_envoy,
-            noop,
-            noop_envoy,
-        })
-    }
-
-    fn urls(&self, path: PathKind) -> Vec<String> {
-        let u = |base: String| vec![format!("{base}/v1/completions")];
-        match path {
-            PathKind::Direct => self
-                .pods
-                .iter()
-                .map(|p| format!("{}/v1/completions", p.url()))
-                .collect(),
-            PathKind::EnvoyRoundRobin => u(self.rr_envoy.url()),
-            PathKind::EnvoyNoopExtProc => u(self.noop_envoy.url()),
-            PathKind::EnvoyKvRouter => u(self.kv_envoy.url()),
-        }
-    }
-
-    fn envoy(&self, path: PathKind) -> Option<&EnvoyProc> {
-        match path {
-            PathKind::Direct => None,
-            PathKind::EnvoyRoundRobin => Some(&self.rr_envoy),
-            PathKind::EnvoyNoopExtProc => Some(&self.noop_envoy),
-            PathKind::EnvoyKvRouter => Some(&self.kv_envoy),
-        }
-    }
-
-    fn diag(&self) -> String {
-        format!(
-            "kv-router stderr:\n{}\nkv-router Envoy stderr:\n{}\nno-op Envoy stderr:\n{}",
-            self.router.stderr_tail(20),
-            self.kv_envoy.stderr_tail(10),
-            self.noop_envoy.stderr_tail(10)
-        )
-    }
 }
 
 /// What a cell accumulates over its rounds.
@@ -768,54 +451,10 @@ mod tests {
     use super::*;
 
     #[test]
-    fn stat_ticks_are_utime_plus_stime() {
-        let line = "4242 (kv (router) x) S 1 4242 4242 0 -1 4194560 2000 0 0 0 \
-                    1234 56 0 0 20 0 9 0 100 1000000 500 18446744073709551615";
-        assert_eq!(parse_stat_ticks(line).unwrap(), 1290);
-        assert!(matches!(
-            parse_stat_ticks("1 (x) S 1 2"),
-            Err(CpuStatError::Malformed)
-        ));
-        assert!(parse_stat_ticks("no parenthesis").is_err());
-    }
-
-    #[test]
-    fn own_process_stat_parses() {
-        let me = CpuSource::process(std::process::id());
-        let a = me.ticks().unwrap();
-        let t = Instant::now();
-        let mut x = 0u64;
-        // Spins until a tick is charged: a loaded machine may give this thread little CPU.
-        while me.ticks().unwrap() == a {
-            x = x.wrapping_add(std::hint::black_box(1));
-            assert!(t.elapsed() < Duration::from_secs(10), "no CPU tick in 10 s");
-        }
-        assert!(me.ticks().unwrap() > a, "{x}");
-    }
-
-    #[test]
     fn rounds_split_the_requests() {
         assert_eq!((0..3).map(|r| round_share(10, 3, r)).sum::<usize>(), 10);
         assert_eq!(round_share(10, 3, 0), 4);
         assert_eq!(round_share(10, 0, 0), 10);
-    }
-
-    #[test]
-    fn counters_come_from_stats_text() {
-        let stats =
-            "http.llm.ext_proc.failure_mode_allowed: 3\nhttp.llm.ext_proc.streams_started: 9\n";
-        assert_eq!(envoy_counter(stats, FAILED_OPEN_STAT), 3);
-        assert_eq!(envoy_counter(stats, "missing"), 0);
-    }
-
-    #[test]
-    fn bodies_have_exact_prompt_sizes_and_differ() {
-        let b = bodies(1024);
-        assert_eq!(b.len(), 16);
-        let v: serde_json::Value = serde_json::from_slice(&b[0]).unwrap();
-        assert_eq!(v["prompt"].as_str().unwrap().len(), 1024);
-        assert_eq!(v["max_tokens"], 1);
-        assert_ne!(b[0], b[1]);
     }
 
     fn cell(path: PathKind, size: usize, p50: f64, p99: f64) -> Cell {

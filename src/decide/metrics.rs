@@ -1,0 +1,66 @@
+//! The decision path's metric families: decisions by reason and primary pod, decision time,
+//! predicted matched blocks; failures go to the shared error counter.
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
+
+use crate::picker::Reason;
+use crate::pods::PodId;
+use crate::telemetry::Errors;
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub(super) struct DecisionLabels {
+    pub(super) reason: Reason,
+    pub(super) pod: String,
+}
+
+/// The decision path's metric families.
+#[derive(Debug, Clone)]
+pub struct DecisionMetrics {
+    pub(super) decisions: Family<DecisionLabels, Counter>,
+    pub(super) duration: Histogram,
+    pub(super) matched_blocks: Histogram,
+    pub(super) errors: Errors,
+}
+
+impl DecisionMetrics {
+    /// Registers `decisions`, `decision_duration_seconds` and `predicted_matched_blocks`
+    /// (`registry` is the `kv_router` sub-registry); errors go to the shared counter.
+    pub fn register(registry: &mut Registry, errors: Errors) -> Self {
+        let m = Self {
+            decisions: Family::default(),
+            duration: Histogram::new(exponential_buckets(1e-6, 2.0, 24)),
+            matched_blocks: Histogram::new(exponential_buckets(1.0, 2.0, 14)),
+            errors,
+        };
+        registry.register(
+            "decisions",
+            "Routing decisions by reason and primary pod",
+            m.decisions.clone(),
+        );
+        registry.register(
+            "decision_duration_seconds",
+            "Time to decide (parse, keys, lookup, score, pick)",
+            m.duration.clone(),
+        );
+        registry.register(
+            "predicted_matched_blocks",
+            "Prompt blocks the index predicted the chosen pod holds",
+            m.matched_blocks.clone(),
+        );
+        m
+    }
+
+    /// Decisions committed with `reason` to `pod` so far.
+    pub fn decisions(&self, reason: Reason, pod: &PodId) -> u64 {
+        self.decisions
+            .get_or_create(&DecisionLabels {
+                reason,
+                pod: pod.to_string(),
+            })
+            .get()
+    }
+}
