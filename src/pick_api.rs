@@ -94,44 +94,10 @@ impl Picker for PickService {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::{Config, StaticPod};
-    use crate::decide::DecisionMetrics;
-    use crate::index::MemoryIndex;
-    use crate::pods::{LoadSample, PodRegistry, PodSource, StaticSource};
-    use crate::scoring::SessionStore;
-    use crate::telemetry::Errors;
-    use prometheus_client::registry::Registry;
 
     async fn service() -> (PickService, Arc<Decider>) {
-        let mut cfg = Config::default();
-        cfg.pods.static_pods = (0..3)
-            .map(|i| StaticPod {
-                address: format!("127.0.0.1:{}", 9100 + i),
-                models: vec![],
-                labels: Default::default(),
-                kv_events_endpoint: None,
-                kv_events_replay_endpoint: None,
-            })
-            .collect();
-        let pods = Arc::new(PodRegistry::default());
-        pods.update(
-            StaticSource::new(&cfg.pods.static_pods)
-                .pods()
-                .await
-                .unwrap(),
-        );
-        for p in pods.snapshot().pods() {
-            p.record_probe(true, 1);
-            p.record_sample(tokio::time::Instant::now(), LoadSample::default());
-        }
-        let decider = Arc::new(Decider::new(
-            &cfg,
-            Arc::default(),
-            pods,
-            Arc::new(MemoryIndex::new(60_000, 10_000)),
-            Arc::new(SessionStore::new(10, 60_000)),
-            DecisionMetrics::register(&mut Registry::default(), Errors::default()),
-        ));
+        let (decider, _) = crate::decide::tests::decider(3, |_| {}).await;
+        let decider = Arc::new(decider);
         (PickService::new(decider.clone()), decider)
     }
 

@@ -361,7 +361,7 @@ fn in_subset(pod: &PodId, subset: &[String]) -> bool {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::config::{Config, StaticPod};
     use crate::index::MemoryIndex;
@@ -371,7 +371,11 @@ mod tests {
     use crate::telemetry::Errors;
     use prometheus_client::registry::Registry;
 
-    async fn decider(n: usize, cfg_edit: impl FnOnce(&mut Config)) -> (Decider, Arc<PodRegistry>) {
+    /// `n` healthy pods serving model `m` (`127.0.0.1:8000…`) behind a fresh decider.
+    pub(crate) async fn decider(
+        n: usize,
+        cfg_edit: impl FnOnce(&mut Config),
+    ) -> (Decider, Arc<PodRegistry>) {
         let mut cfg = Config::default();
         cfg.pods.static_pods = (0..n)
             .map(|i| StaticPod {

@@ -1,4 +1,5 @@
-//! CPU time from `/proc`: a process's or a thread's utime + stime, the clock tick, the machine.
+//! CPU time from `/proc`: a process's or a thread's utime + stime, the clock tick; Envoy's
+//! version.
 
 use std::path::{Path, PathBuf};
 
@@ -66,21 +67,6 @@ pub(super) fn clock_ticks_per_s() -> u64 {
     } else {
         100
     }
-}
-
-/// `model name` from /proc/cpuinfo and the number of online CPUs.
-pub fn machine_description() -> String {
-    let model = std::fs::read_to_string("/proc/cpuinfo")
-        .ok()
-        .and_then(|c| {
-            c.lines()
-                .find(|l| l.starts_with("model name"))
-                .and_then(|l| l.split_once(':'))
-                .map(|(_, v)| v.trim().to_string())
-        })
-        .unwrap_or_else(|| "unknown CPU".into());
-    let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
-    format!("{cores} cores, {model}")
 }
 
 pub(super) fn envoy_version(bin: &Path) -> String {

@@ -25,8 +25,6 @@ use cpu::{clock_ticks_per_s, envoy_version, CpuSource};
 use fleet::Fleet;
 use load::{bodies, drive, envoy_counter, FAILED_OPEN_STAT};
 
-pub use cpu::machine_description;
-
 /// A way to reach the pods.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize)]
 #[serde(rename_all = "kebab-case")]
@@ -333,7 +331,7 @@ pub async fn run(
         quick: opts.quick,
         envoy_version: envoy_version(&envoy),
         envoy,
-        machine: machine_description(),
+        machine: super::results::machine(),
         pods: opts.pods,
         requests_per_cell: opts.requests,
         warmup_per_round: opts.warmup,

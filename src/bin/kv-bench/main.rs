@@ -36,10 +36,16 @@ fn output(runs: &[RunResult], summaries: Vec<Summary>, w: &WorkloadArgs) -> Resu
             summaries: &summaries,
             runs,
         };
-        std::fs::write(path, serde_json::to_vec_pretty(&doc)?)
-            .with_context(|| format!("writing {}", path.display()))?;
-        eprintln!("kv-bench: wrote {}", path.display());
+        write_json(path, &doc)?;
     }
+    Ok(())
+}
+
+/// Writes `value` as pretty JSON to `path` and says so on stderr.
+fn write_json(path: &std::path::Path, value: &impl serde::Serialize) -> Result<()> {
+    std::fs::write(path, serde_json::to_vec_pretty(value)?)
+        .with_context(|| format!("writing {}", path.display()))?;
+    eprintln!("kv-bench: wrote {}", path.display());
     Ok(())
 }
 
@@ -98,8 +104,7 @@ async fn real_main(cli: Cli) -> Result<()> {
                 eprintln!("kv-bench: charts in {}", dir.display());
             }
             if let Some(path) = &a.args.json {
-                std::fs::write(path, serde_json::to_vec_pretty(&section.json)?)
-                    .with_context(|| format!("writing {}", path.display()))?;
+                write_json(path, &section.json)?;
             }
             Ok(())
         }
@@ -112,9 +117,7 @@ async fn real_main(cli: Cli) -> Result<()> {
             }
             println!("{}", r.markdown());
             if let Some(path) = &a.json {
-                std::fs::write(path, serde_json::to_vec_pretty(&r)?)
-                    .with_context(|| format!("writing {}", path.display()))?;
-                eprintln!("kv-bench: wrote {}", path.display());
+                write_json(path, &r)?;
             }
             Ok(())
         }
@@ -134,9 +137,7 @@ fn simulate(args: &SimulateArgs) -> Result<()> {
         println!("{}", report.plain());
     }
     if let Some(path) = &args.json {
-        std::fs::write(path, serde_json::to_vec_pretty(&report)?)
-            .with_context(|| format!("writing {}", path.display()))?;
-        eprintln!("kv-bench: wrote {}", path.display());
+        write_json(path, &report)?;
     }
     Ok(())
 }
