@@ -1,12 +1,23 @@
 //! kv-router: an Envoy ext_proc endpoint picker that sends each LLM request to the vLLM pod
 //! whose KV cache already holds the most of its prompt, without letting any pod drown.
 //!
+//! One way through, for every request (ext_proc, the `Pick` gRPC service and
+//! `POST /debug/explain` alike):
+//!
 //! ```text
-//! ext_proc stream ─► request (parse) ─► blocks (keys) ─► index (lookup) ─► scoring ─► picker ─► reply
-//!                                                             ▲                       │
-//!                                                             └── record decision ◄───┘
+//! extproc ─► decide::Decider ─► request (parse) ─► keys (blocks / tokenize) ─► index.lookup
+//!               ─► decide::plan (scoring ─► picker; pure) ─► decide::commit ─► extproc::reply
+//!                                                              │ index.record, session, in-flight load
 //! ```
-//! Only [`decide`] calls the stages in order; only [`app`] constructs them.
+//! Beside it run the background services that keep its inputs fresh: `pods` (discovery, health
+//! probes, load scrapes) and, in precise mode, the KV-event ingestion into the `index`. [`app`]
+//! builds every component from a validated [`config::Config`] and starts those loops; `explain`
+//! plans without committing. [`decide::plan`] and [`decide::commit`] are public so that
+//! `kv-bench simulate` runs the very same decision in virtual time.
+//!
+//! The library is the router alone: the simulated pod (`vllm-sim`, feature `sim`) and the
+//! benchmarks (`kv-bench`, feature `bench`) are modules of their own binaries. Which file owns
+//! which truth, and which reads may be stale: `docs/architecture.md`.
 
 pub(crate) mod admin;
 pub mod app;
