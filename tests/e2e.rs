@@ -257,7 +257,7 @@ async fn four_mb_prompt_full_duplex() {
 }
 
 #[tokio::test]
-async fn get_models_works() {
+async fn model_listing_passes_through_envoy() {
     let d = Deployment::start(2, &[BUFFERED]).await;
     let r = d
         .client

@@ -132,7 +132,7 @@ async fn repeated_prompt_hits_the_prefix_cache() {
 }
 
 #[tokio::test]
-async fn streaming_with_usage() {
+async fn streamed_responses_end_with_usage() {
     let sim = Sim::start(FAST);
     for (path, body) in [
         (
@@ -198,7 +198,7 @@ async fn streaming_with_usage() {
 }
 
 #[tokio::test]
-async fn models_health_metrics() {
+async fn models_health_and_metrics_answer_like_vllm() {
     let sim = Sim::start(&[
         "--model",
         "m1",

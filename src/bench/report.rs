@@ -267,7 +267,7 @@ mod tests {
     }
 
     #[test]
-    fn summary_numbers() {
+    fn summaries_count_hits_latencies_and_spread() {
         let run = RunResult {
             label: "x".into(),
             workload: "multiturn".into(),

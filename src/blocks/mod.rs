@@ -172,7 +172,7 @@ mod tests {
     }
 
     #[test]
-    fn cap_on_blocks() {
+    fn keys_stop_at_max_blocks() {
         let s = BlockScheme {
             size_chars: 1,
             max_blocks: 3,
@@ -181,7 +181,7 @@ mod tests {
     }
 
     #[test]
-    fn token_blocks() {
+    fn token_prompts_are_keyed_by_whole_token_blocks() {
         let s = BlockScheme {
             size_chars: 8,
             max_blocks: 10,

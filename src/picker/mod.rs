@@ -212,7 +212,7 @@ mod tests {
     }
 
     #[test]
-    fn ties_break_randomly() {
+    fn exact_ties_break_at_random() {
         let p = Picker::new(Policy::Weighted, vec![1.0], GateConfig::default());
         let scores = vec![vec![1.0; 4]];
         let mut firsts = std::collections::HashSet::new();
@@ -282,7 +282,7 @@ mod tests {
     }
 
     #[test]
-    fn baselines() {
+    fn baseline_policies_follow_turn_load_and_chance() {
         let rr = Picker::new(Policy::RoundRobin, vec![], GateConfig::default());
         let mut rng = StdRng::seed_from_u64(1);
         let firsts: Vec<usize> = (0..6u64)

@@ -352,7 +352,7 @@ mod tests {
     }
 
     #[test]
-    fn model_filtering() {
+    fn a_pod_serves_its_configured_or_learned_models() {
         let mut s = spec("127.0.0.1:1");
         s.models = vec!["a".into()];
         let pod = Pod::new(s);

@@ -263,7 +263,7 @@ vllm:prefix_cache_hits_total{engine="0",model_name="m"} 100.0
     }
 
     #[test]
-    fn garbage_is_ignored() {
+    fn garbage_metric_lines_are_ignored() {
         let s = parse_vllm_metrics(
             "vllm:num_requests_waiting{ 1\n{}}}\nvllm:num_requests_running NaN\n\u{0}\n",
         );

@@ -315,7 +315,7 @@ mod tests {
     }
 
     #[test]
-    fn completions_string_prompt() {
+    fn a_completions_string_prompt_keeps_model_user_salt_and_stream() {
         let r = parse(
             "/v1/completions",
             br#"{"model":"m","prompt":"hello","stream":true,"user":"u1","cache_salt":"s"}"#,
@@ -330,7 +330,7 @@ mod tests {
     }
 
     #[test]
-    fn completions_prompt_shapes() {
+    fn every_completions_prompt_shape_is_understood() {
         let r = parse("/v1/completions", br#"{"model":"m","prompt":["a","b"]}"#).unwrap();
         assert_eq!((text(&r), r.batch), ("a", 2));
         let r = parse("/v1/completions", br#"{"model":"m","prompt":[1,2,3]}"#).unwrap();
@@ -460,7 +460,7 @@ mod tests {
     }
 
     #[test]
-    fn responses_and_embeddings() {
+    fn responses_and_embeddings_prompts_are_understood() {
         let r = parse(
             "/v1/responses",
             br#"{"model":"m","instructions":"be nice","input":[{"role":"user","content":[{"type":"input_text","text":"hi"}]}]}"#,

@@ -29,7 +29,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn share_of_blocks() {
+    fn prefix_score_is_the_share_of_matched_blocks() {
         let mut a = candidate("a:1");
         a.matched_blocks = 3.0;
         let input = ScoreInput {

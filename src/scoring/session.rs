@@ -129,7 +129,7 @@ mod tests {
     }
 
     #[test]
-    fn ttl_and_capacity() {
+    fn sessions_expire_stay_bounded_and_forget_departed_pods() {
         let store = SessionStore::new(2, 100);
         let (a, b, c) = (
             SessionKey::of("a"),

@@ -264,7 +264,7 @@ fn template_list_and_jinja_file_and_helpers() {
 }
 
 #[test]
-fn typed_errors() {
+fn tokenizer_failures_are_typed_errors() {
     let missing = TokenizerSpec::Files {
         tokenizer_json: fixture("nope/tokenizer.json"),
         tokenizer_config: None,
@@ -317,7 +317,7 @@ fn typed_errors() {
 }
 
 #[test]
-fn builtin_matches_sim() {
+fn builtin_tokenizer_matches_the_sims_tokens() {
     let reg = TokenizerRegistry::from_specs([("sim", &TokenizerSpec::Builtin)], None).unwrap();
     let text = "some canonical prompt text";
     let mut req = chat_request("sim", chat(vec![json!({"role": "user", "content": "x"})]));
