@@ -6,12 +6,11 @@ use std::time::Duration;
 
 use anyhow::Context;
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::ExternalProcessorServer;
+use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 use tokio::time::{interval, Instant, MissedTickBehavior};
 use tonic_health::ServingStatus;
 use tracing::{info, warn};
-
-use prometheus_client::metrics::gauge::Gauge;
 
 use crate::admin::{self, AdminState};
 use crate::config::Config;
@@ -137,7 +136,7 @@ pub async fn run(cfg: Config, tokenizers: TokenizerRegistry) -> anyhow::Result<(
         }
     }
     pods.update(specs);
-    let prober = Prober::new(cfg.pods.clone(), pods.clone());
+    let prober = Prober::new(cfg.pods.clone(), pods.clone(), errors.clone());
     {
         let index = index.clone();
         let sessions = sessions.clone();

@@ -10,6 +10,7 @@ use tracing::{debug, info, warn};
 
 use super::{LoadSample, Pod, PodId, PodRegistry, PodSource, PodSpec};
 use crate::config::PodsConfig;
+use crate::telemetry::{ErrorKind, Errors};
 
 /// Runs the probe loops for a registry.
 #[derive(Clone)]
@@ -17,11 +18,12 @@ pub struct Prober {
     client: reqwest::Client,
     cfg: PodsConfig,
     registry: Arc<PodRegistry>,
+    errors: Errors,
 }
 
 impl Prober {
-    /// A prober with its own HTTP client.
-    pub fn new(cfg: PodsConfig, registry: Arc<PodRegistry>) -> Self {
+    /// A prober with its own HTTP client; failing pod sources are counted in `errors`.
+    pub fn new(cfg: PodsConfig, registry: Arc<PodRegistry>, errors: Errors) -> Self {
         let client = reqwest::Client::builder()
             .timeout(Duration::from_millis(cfg.probe_timeout_ms))
             .pool_max_idle_per_host(2)
@@ -31,6 +33,7 @@ impl Prober {
             client,
             cfg,
             registry,
+            errors,
         }
     }
 
@@ -58,7 +61,8 @@ impl Prober {
                         }
                     }
                     Err(e) => {
-                        warn!(source = %source.name(), error = %e, "pod source failed; keeping its last pods")
+                        warn!(source = %source.name(), error = %e, "pod source failed; keeping its last pods");
+                        self.errors.inc(ErrorKind::PodSource);
                     }
                 }
             }
