@@ -1,8 +1,16 @@
-//! The prefix index: which pods hold which block keys. A trait at the seam so the in-memory
-//! index and a networked (Redis) index serve the same scorers unchanged.
+//! The prefix index: which pods hold which block keys. A trait at the seam so the in-process
+//! indexes and a networked one serve the same scorers unchanged.
+//!
+//! - [`MemoryIndex`] (approximate) learns from the router's own decisions (`record`), one LRU per
+//!   pod bounded by its KV-cache size, with a TTL.
+//! - [`EventIndex`] (precise) learns from vLLM KV events (`apply_events`); `record` only adds
+//!   short-lived speculative entries until the pod's events confirm them.
+//!
+//! Both keep their state in one `table::Table`: pod ↔ slot with a free list, key → holders.
 
 mod events;
 mod memory;
+mod table;
 
 use async_trait::async_trait;
 use serde::Serialize;
@@ -55,23 +63,29 @@ pub struct IndexStats {
 }
 
 /// Lookups and writes of the prefix index. Time is passed in (milliseconds on the router's
-/// monotonic clock) so tests and `kv-bench simulate` control it.
+/// monotonic clock) so tests and `kv-bench simulate` control it; a backend honours the `now_ms`
+/// it is given, never a clock of its own. Every write is idempotent: repeating it (a replayed
+/// event batch, the same decision recorded by two replicas) leaves the same state.
 #[async_trait]
 pub trait KvIndex: Send + Sync + 'static {
-    /// For each of `pods`, how many leading `keys` it holds (consecutive from the first).
+    /// For each of `pods`, in order, the weight of the leading `keys` it holds: consecutive from
+    /// the first, stopping at its first missing key (a block counts 1, an offloaded one less).
     async fn lookup(
         &self,
         keys: &[BlockKey],
         pods: &[PodId],
         now_ms: u64,
     ) -> Result<Vec<f64>, IndexError>;
-    /// Records that `pod` now holds `keys` (the router's own decision; refreshes their TTL).
+    /// Records that `pod` now holds `keys` (the router's own decision): they match until the
+    /// backend's TTL after `now_ms`, refreshed by each record. Under the pod's capacity the
+    /// least recently recorded keys go first, and a prompt's head counts as its most recent.
     async fn record(&self, pod: &PodId, keys: &[BlockKey], now_ms: u64) -> Result<(), IndexError>;
-    /// Drops everything about `pod`.
+    /// Drops everything about `pod` (it left the fleet).
     async fn forget_pod(&self, pod: &PodId) -> Result<(), IndexError>;
     /// Sets how many blocks `pod` can hold (its KV-cache size); extra entries are evicted.
+    /// Event-fed backends may ignore it: the engine's events say what the pod holds.
     async fn set_capacity(&self, pod: &PodId, blocks: usize) -> Result<(), IndexError>;
-    /// Drops entries older than the TTL.
+    /// Drops entries whose TTL ran out by `now_ms` (lookups already ignore them; this frees them).
     async fn sweep(&self, now_ms: u64) -> Result<(), IndexError>;
     /// Applies one event batch of `pod`'s data-parallel rank `rank`, in order. `model` seeds the
     /// keys of blocks without a LoRA name. Indexes that do not ingest events ignore it.
@@ -92,65 +106,4 @@ pub trait KvIndex: Send + Sync + 'static {
     fn stats(&self) -> IndexStats;
     /// Backend name for `/debug/pods`.
     fn describe(&self) -> &'static str;
-}
-
-/// The consecutive-prefix walk shared by the backends. For each key in order, `holders` yields
-/// `(slot, weight)` of every pod slot holding it; `fallback(candidate, key)` may still vouch for an
-/// alive candidate that no holder named (speculative entries). A candidate drops out at its first
-/// missing key. Costs O(holders + alive candidates) per key, not O(holders × candidates).
-pub(crate) fn prefix_walk<I>(
-    keys: &[BlockKey],
-    cand_slots: &[Option<u32>],
-    mut holders: impl FnMut(&BlockKey) -> I,
-    mut fallback: impl FnMut(usize, &BlockKey) -> Option<f64>,
-) -> Vec<f64>
-where
-    I: IntoIterator<Item = (u32, f64)>,
-{
-    const NONE: usize = usize::MAX;
-    let n = cand_slots.len();
-    let mut matched = vec![0.0; n];
-    let max_slot = cand_slots
-        .iter()
-        .flatten()
-        .copied()
-        .max()
-        .map_or(0, |m| m as usize + 1);
-    let mut cand_of = vec![NONE; max_slot];
-    for (c, s) in cand_slots.iter().enumerate() {
-        if let Some(s) = s {
-            cand_of[*s as usize] = c;
-        }
-    }
-    let mut alive: Vec<usize> = (0..n).filter(|&c| cand_slots[c].is_some()).collect();
-    let mut stamp = vec![usize::MAX; n];
-    let mut weight = vec![0.0; n];
-    for (ki, key) in keys.iter().enumerate() {
-        if alive.is_empty() {
-            break;
-        }
-        for (slot, w) in holders(key) {
-            if let Some(&c) = cand_of.get(slot as usize) {
-                if c != NONE {
-                    stamp[c] = ki;
-                    weight[c] = w;
-                }
-            }
-        }
-        alive.retain(|&c| {
-            let w = if stamp[c] == ki {
-                Some(weight[c])
-            } else {
-                fallback(c, key)
-            };
-            match w {
-                Some(w) => {
-                    matched[c] += w;
-                    true
-                }
-                None => false,
-            }
-        });
-    }
-    matched
 }
