@@ -1,5 +1,6 @@
 //! The prefix index: which pods hold which block keys. A trait at the seam so the in-process
-//! indexes and a networked one serve the same scorers unchanged.
+//! indexes and a networked one serve the same scorers unchanged; every backend passes the one
+//! conformance suite in `contract/`.
 //!
 //! - [`MemoryIndex`] (approximate) learns from the router's own decisions (`record`), one LRU per
 //!   pod bounded by its KV-cache size, with a TTL.
@@ -8,6 +9,8 @@
 //!
 //! Both keep their state in one `table::Table`: pod ↔ slot with a free list, key → holders.
 
+#[cfg(test)]
+mod contract;
 mod events;
 mod memory;
 mod table;
