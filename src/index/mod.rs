@@ -46,12 +46,37 @@ pub struct ApplyStats {
     pub overflow: u64,
 }
 
-/// An index operation failed (only networked backends fail; callers route without it).
+/// An index operation failed. Only networked backends fail; callers route without the index
+/// (fail open) and ask [`IndexError::retryable`] whether to keep trying or to tell an operator.
 #[derive(Debug, Error)]
 pub enum IndexError {
-    /// The backend could not be reached or answered badly.
-    #[error("index backend unavailable: {0}")]
-    Unavailable(String),
+    /// No answer within the operation's budget.
+    #[error("index backend timed out after {0:?}")]
+    Timeout(std::time::Duration),
+    /// The backend could not be reached, or the connection broke.
+    #[error("index backend unreachable: {0}")]
+    Connection(String),
+    /// The backend is out of room or too busy to take the operation (e.g. out of memory, a full
+    /// write queue).
+    #[error("index backend overloaded: {0}")]
+    Overloaded(String),
+    /// The backend answered something this router cannot read (version skew, foreign data).
+    #[error("index backend answered unexpectedly: {0}")]
+    Protocol(String),
+    /// The backend refused the operation (authentication, permissions, configuration).
+    #[error("index backend refused the operation: {0}")]
+    Refused(String),
+}
+
+impl IndexError {
+    /// Whether the same operation may succeed later without an operator doing anything
+    /// (timeouts, lost connections, overload); otherwise retrying only adds load.
+    pub fn retryable(&self) -> bool {
+        match self {
+            IndexError::Timeout(_) | IndexError::Connection(_) | IndexError::Overloaded(_) => true,
+            IndexError::Protocol(_) | IndexError::Refused(_) => false,
+        }
+    }
 }
 
 /// Size figures for `/debug/pods` and metrics.
@@ -109,4 +134,28 @@ pub trait KvIndex: Send + Sync + 'static {
     fn stats(&self) -> IndexStats;
     /// Backend name for `/debug/pods`.
     fn describe(&self) -> &'static str;
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::IndexError;
+
+    #[test]
+    fn transient_failures_are_retryable_and_answers_that_would_repeat_are_not() {
+        for e in [
+            IndexError::Timeout(Duration::from_millis(5)),
+            IndexError::Connection("connection reset".into()),
+            IndexError::Overloaded("OOM command not allowed".into()),
+        ] {
+            assert!(e.retryable(), "{e}");
+        }
+        for e in [
+            IndexError::Protocol("unexpected reply type".into()),
+            IndexError::Refused("WRONGPASS".into()),
+        ] {
+            assert!(!e.retryable(), "{e}");
+        }
+    }
 }
