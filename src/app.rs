@@ -14,9 +14,9 @@ use tracing::{info, warn};
 use crate::admin::{self, AdminState};
 use crate::config::{Config, IndexBackend};
 use crate::decide::Decider;
-use crate::events;
 use crate::extproc::ExtProc;
 use crate::index::{EventIndex, EventIndexConfig, KvIndex, MemoryIndex};
+use crate::ingest::{self, IngestMetrics};
 use crate::keys::load_tokenizers;
 use crate::pick_api::proto::picker_server::PickerServer;
 use crate::pick_api::PickService;
@@ -46,6 +46,7 @@ pub fn mode(cfg: &Config) -> &'static str {
 pub async fn run(cfg: Config) -> anyhow::Result<()> {
     let mut registry = Registry::default();
     let metrics = Arc::new(Metrics::new(&mut registry));
+    let ingest_metrics = Arc::new(IngestMetrics::register(&mut registry));
     let registry = Arc::new(registry);
     let pods = Arc::new(PodRegistry::default());
     let index: Arc<dyn KvIndex> = match (cfg.kv_events.enabled, cfg.index.backend) {
@@ -86,11 +87,11 @@ pub async fn run(cfg: Config) -> anyhow::Result<()> {
         if cfg.tokenizers.is_empty() {
             warn!("KV events are on but no tokenizer is configured: request keys stay approximate and only speculative entries can match");
         }
-        tokio::spawn(events::ingest::run(
+        tokio::spawn(ingest::run(
             cfg.kv_events.clone(),
             pods.clone(),
             index.clone(),
-            metrics.clone(),
+            ingest_metrics,
         ));
     }
 

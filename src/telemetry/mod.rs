@@ -41,33 +41,6 @@ pub struct ModeLabels {
     pub mode: &'static str,
 }
 
-/// A pod and an event type.
-#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct PodTypeLabels {
-    /// `ip:port`.
-    pub pod: String,
-    /// Closed set: event type, purge reason, replay outcome or decode-error kind.
-    pub r#type: &'static str,
-}
-
-/// Every `type` label value the KV-event families use (event types, purge reasons, replay
-/// outcomes, decode-error kinds), so a departed pod's series can all be removed.
-const EVENT_LABEL_TYPES: [&str; 13] = [
-    "BlockStored",
-    "BlockRemoved",
-    "AllBlocksCleared",
-    "gap",
-    "restart",
-    "cleared",
-    "complete",
-    "failed",
-    "too_large",
-    "msgpack",
-    "batch",
-    "event",
-    "frames",
-];
-
 /// Every metric the router exports.
 pub struct Metrics {
     /// `kv_router_decisions_total{reason,pod}`.
@@ -98,18 +71,6 @@ pub struct Metrics {
     pub index_keys: Gauge,
     /// `kv_router_sessions`.
     pub sessions: Gauge,
-    /// `kv_router_kv_events_applied_total{pod,type}`.
-    pub events_applied: Family<PodTypeLabels, Counter>,
-    /// `kv_router_kv_event_gaps_total{pod}`.
-    pub event_gaps: Family<PodLabels, Counter>,
-    /// `kv_router_kv_event_replays_total{pod,type=complete|failed}`.
-    pub event_replays: Family<PodTypeLabels, Counter>,
-    /// `kv_router_kv_event_purges_total{pod,type=gap|restart|cleared}`.
-    pub event_purges: Family<PodTypeLabels, Counter>,
-    /// `kv_router_kv_event_decode_errors_total{pod,type}`.
-    pub event_decode_errors: Family<PodTypeLabels, Counter>,
-    /// `kv_router_kv_event_lag_seconds`: publish time to application.
-    pub event_lag: Histogram,
 }
 
 impl Metrics {
@@ -130,12 +91,6 @@ impl Metrics {
             index_entries: Gauge::default(),
             index_keys: Gauge::default(),
             sessions: Gauge::default(),
-            events_applied: Family::default(),
-            event_gaps: Family::default(),
-            event_replays: Family::default(),
-            event_purges: Family::default(),
-            event_decode_errors: Family::default(),
-            event_lag: Histogram::new(exponential_buckets(1e-4, 2.0, 18)),
         };
         let r = registry.sub_registry_with_prefix("kv_router");
         r.register(
@@ -200,36 +155,6 @@ impl Metrics {
             m.index_keys.clone(),
         );
         r.register("sessions", "Sessions remembered", m.sessions.clone());
-        r.register(
-            "kv_events_applied",
-            "vLLM KV events applied, by pod and type",
-            m.events_applied.clone(),
-        );
-        r.register(
-            "kv_event_gaps",
-            "Sequence gaps in a pod's KV-event stream",
-            m.event_gaps.clone(),
-        );
-        r.register(
-            "kv_event_replays",
-            "Replay requests by outcome",
-            m.event_replays.clone(),
-        );
-        r.register(
-            "kv_event_purges",
-            "Pod index purges by reason",
-            m.event_purges.clone(),
-        );
-        r.register(
-            "kv_event_decode_errors",
-            "Undecodable KV-event messages by kind",
-            m.event_decode_errors.clone(),
-        );
-        r.register(
-            "kv_event_lag_seconds",
-            "Time from publication to application of a KV-event batch",
-            m.event_lag.clone(),
-        );
         m
     }
 
@@ -238,7 +163,7 @@ impl Metrics {
         self.errors.get_or_create(&KindLabels { kind }).inc();
     }
 
-    /// Drops the series of a pod that left.
+    /// Drops the series of a pod that left (the KV-event series are ingest's own).
     pub fn forget_pod(&self, pod: &str) {
         let l = PodLabels {
             pod: pod.to_string(),
@@ -249,18 +174,6 @@ impl Metrics {
         self.pod_kv_usage.remove(&l);
         self.pod_inflight_requests.remove(&l);
         self.pod_inflight_tokens.remove(&l);
-        self.event_gaps.remove(&l);
-        // The KV-event families are keyed by pod and a closed type set: drop every combination.
-        for t in EVENT_LABEL_TYPES {
-            let l = PodTypeLabels {
-                pod: pod.to_string(),
-                r#type: t,
-            };
-            self.events_applied.remove(&l);
-            self.event_replays.remove(&l);
-            self.event_purges.remove(&l);
-            self.event_decode_errors.remove(&l);
-        }
     }
 }
 
@@ -275,33 +188,4 @@ pub fn init_logging(cfg: &LogConfig) {
         LogFormat::Json => builder.json().try_init(),
         LogFormat::Text => builder.try_init(),
     };
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn forgetting_a_pod_drops_its_event_series() {
-        let mut reg = Registry::default();
-        let m = Metrics::new(&mut reg);
-        let l = PodTypeLabels {
-            pod: "p:1".into(),
-            r#type: "BlockStored",
-        };
-        m.events_applied.get_or_create(&l).inc();
-        m.event_purges
-            .get_or_create(&PodTypeLabels {
-                pod: "p:1".into(),
-                r#type: "restart",
-            })
-            .inc();
-        m.event_gaps
-            .get_or_create(&PodLabels { pod: "p:1".into() })
-            .inc();
-        m.forget_pod("p:1");
-        let mut out = String::new();
-        prometheus_client::encoding::text::encode(&mut out, &reg).unwrap();
-        assert!(!out.contains("p:1"), "{out}");
-    }
 }

@@ -318,7 +318,8 @@ use ensure_eq;
 /// Returns `Err(what)` unless `cond`.
 macro_rules! ensure {
     ($cond:expr, $($what:tt)+) => {{
-        if !$cond {
+        let holds: bool = $cond;
+        if !holds {
             return Err(format!($($what)+));
         }
     }};
