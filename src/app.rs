@@ -15,14 +15,14 @@ use tracing::{info, warn};
 use crate::admin::{self, AdminState};
 use crate::config::Config;
 use crate::decide::{Decider, DecisionMetrics};
-use crate::events;
 use crate::extproc::{ExtProc, ExtProcMetrics};
 use crate::index::{build_index, index_capacity};
+use crate::ingest::{self, IngestMetrics};
 use crate::pick_api::proto::picker_server::PickerServer;
 use crate::pick_api::PickService;
 use crate::pods::{DnsSource, PodMetrics, PodRegistry, PodSource, Prober, StaticSource};
 use crate::scoring::SessionStore;
-use crate::telemetry::{ErrorKind, Errors, Metrics};
+use crate::telemetry::{ErrorKind, Errors};
 use crate::tokenize::TokenizerRegistry;
 
 /// gRPC health service names (Endpoint Picker Protocol).
@@ -73,9 +73,10 @@ impl MaintenanceMetrics {
 /// (see [`crate::keys::load_tokenizers`]) before any port opens.
 pub async fn run(cfg: Config, tokenizers: TokenizerRegistry) -> anyhow::Result<()> {
     let mut root = Registry::default();
+    // KV-event ingestion registers its own families under the same prefix.
+    let ingest_metrics = Arc::new(IngestMetrics::register(&mut root));
     let registry = root.sub_registry_with_prefix("kv_router");
-    let metrics = Arc::new(Metrics::new(registry));
-    let errors = metrics.errors.clone();
+    let errors = Errors::register(registry);
     let decision_metrics = DecisionMetrics::register(registry, errors.clone());
     let extproc_metrics = ExtProcMetrics::register(registry, errors.clone());
     let pod_metrics = PodMetrics::register(registry);
@@ -104,11 +105,11 @@ pub async fn run(cfg: Config, tokenizers: TokenizerRegistry) -> anyhow::Result<(
         if cfg.tokenizers.is_empty() {
             warn!("KV events are on but no tokenizer is configured: request keys stay approximate and only speculative entries can match");
         }
-        tokio::spawn(events::ingest::run(
+        tokio::spawn(ingest::run(
             cfg.kv_events.clone(),
             pods.clone(),
             index.clone(),
-            metrics.clone(),
+            ingest_metrics,
         ));
     }
 
@@ -140,7 +141,6 @@ pub async fn run(cfg: Config, tokenizers: TokenizerRegistry) -> anyhow::Result<(
     {
         let index = index.clone();
         let sessions = sessions.clone();
-        let metrics = metrics.clone();
         let pod_metrics = pod_metrics.clone();
         let errors = errors.clone();
         tokio::spawn(prober.clone().run_discovery(
@@ -149,7 +149,6 @@ pub async fn run(cfg: Config, tokenizers: TokenizerRegistry) -> anyhow::Result<(
             move |gone| {
                 for pod in gone {
                     sessions.forget_pod(&pod);
-                    metrics.forget_pod(pod.as_str());
                     pod_metrics.forget(&pod);
                     let index = index.clone();
                     let errors = errors.clone();

@@ -27,6 +27,7 @@ pub mod decide;
 pub mod events;
 pub mod extproc;
 pub mod index;
+mod ingest;
 pub mod keys;
 pub(crate) mod pick_api;
 pub mod picker;

@@ -191,7 +191,7 @@ impl Default for BlocksConfig {
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(default, deny_unknown_fields)]
 pub struct IndexConfig {
-    /// Backend (only `memory` in this release).
+    /// Backend (only `memory` in this release; the construction matches on it).
     pub backend: IndexBackend,
     /// Entries not refreshed for this long are ignored and swept.
     pub ttl_ms: u64,
@@ -212,11 +212,12 @@ impl Default for IndexConfig {
     }
 }
 
-/// Index backend.
+/// Where the index lives. How it learns is `kv_events.enabled`'s choice (events, or the
+/// router's own decisions); every backend serves both and passes the `KvIndex` contract suite.
 #[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
 #[serde(rename_all = "kebab-case")]
 pub enum IndexBackend {
-    /// In-process index learned from the router's own decisions.
+    /// In process: `MemoryIndex` (decisions) or `EventIndex` (KV events).
     Memory,
 }
 

@@ -9,12 +9,12 @@ use thiserror::Error;
 use super::types::{BlockHash, ExtraKey, KvEvent, KvEventBatch};
 
 /// Largest payload accepted (a batch is one scheduler step; real ones are far smaller).
-pub const MAX_PAYLOAD_BYTES: usize = 64 << 20;
+pub(crate) const MAX_PAYLOAD_BYTES: usize = 64 << 20;
 const MAX_DEPTH: usize = 16;
 
-/// Why a payload could not be decoded (closed set of kinds for metrics).
+/// Why a payload could not be decoded (a closed set: ingest counts each kind).
 #[derive(Debug, Error, PartialEq)]
-pub enum DecodeError {
+pub(crate) enum DecodeError {
     /// Over [`MAX_PAYLOAD_BYTES`].
     #[error("payload of {0} bytes exceeds the limit")]
     TooLarge(usize),
@@ -34,20 +34,8 @@ pub enum DecodeError {
     },
 }
 
-impl DecodeError {
-    /// Metric label.
-    pub fn kind(&self) -> &'static str {
-        match self {
-            DecodeError::TooLarge(_) => "too_large",
-            DecodeError::Msgpack(_) => "msgpack",
-            DecodeError::Batch(_) => "batch",
-            DecodeError::Event { .. } => "event",
-        }
-    }
-}
-
 /// Decodes one payload (the third ZMQ frame).
-pub fn decode_batch(payload: &[u8]) -> Result<KvEventBatch, DecodeError> {
+pub(crate) fn decode_batch(payload: &[u8]) -> Result<KvEventBatch, DecodeError> {
     if payload.len() > MAX_PAYLOAD_BYTES {
         return Err(DecodeError::TooLarge(payload.len()));
     }

@@ -34,7 +34,7 @@ pub fn encode_batch(batch: &KvEventBatch) -> Vec<u8> {
 }
 
 /// Appends one event (map layout) to `out`.
-pub fn encode_event(out: &mut Vec<u8>, ev: &KvEvent) {
+fn encode_event(out: &mut Vec<u8>, ev: &KvEvent) {
     match ev {
         KvEvent::BlockStored {
             block_hashes,

@@ -5,6 +5,7 @@ use std::path::PathBuf;
 
 use serde_json::Value as J;
 
+use super::decode::MAX_PAYLOAD_BYTES;
 use super::*;
 
 pub(crate) fn fixtures_dir() -> PathBuf {
@@ -215,35 +216,42 @@ fn malformed_payloads_are_errors_not_panics() {
             let _ = decode_batch(&bad);
         }
     }
-    let cases: Vec<(&[u8], &str)> = vec![
-        (&[0xc0], "batch"),                               // nil
-        (&[0x91, 0xcb, 0, 0, 0, 0, 0, 0, 0, 0], "batch"), // [ts] only
-        (&[0x92, 0xa1, b'x', 0x90], "batch"),             // ts is a string
-        (&[0x92, 0x00, 0x91, 0x01], "event"),             // event is an int
-        (&[0x92, 0x00, 0x91, 0x91, 0xa1, b'Z'], "event"), // unknown tag
+    let (batch, event, msgpack) = (
+        DecodeError::Batch(""),
+        DecodeError::Event {
+            index: 0,
+            reason: String::new(),
+        },
+        DecodeError::Msgpack(String::new()),
+    );
+    let cases: Vec<(&[u8], &DecodeError)> = vec![
+        (&[0xc0], &batch),                               // nil
+        (&[0x91, 0xcb, 0, 0, 0, 0, 0, 0, 0, 0], &batch), // [ts] only
+        (&[0x92, 0xa1, b'x', 0x90], &batch),             // ts is a string
+        (&[0x92, 0x00, 0x91, 0x01], &event),             // event is an int
+        (&[0x92, 0x00, 0x91, 0x91, 0xa1, b'Z'], &event), // unknown tag
         (
             &[
                 0x92, 0x00, 0x91, 0x92, 0xab, b'B', b'l', b'o', b'c', b'k', b'S', b't', b'o', b'r',
                 b'e', b'd', 0x90,
             ],
-            "event",
+            &event,
         ), // short BlockStored
-        (&[0xdd, 0xff, 0xff, 0xff, 0xff], "msgpack"),     // array32 claiming 4G elements
-        (&[0x92, 0x00, 0x90, 0x00], "msgpack"),           // trailing byte
+        (&[0xdd, 0xff, 0xff, 0xff, 0xff], &msgpack),     // array32 claiming 4G elements
+        (&[0x92, 0x00, 0x90, 0x00], &msgpack),           // trailing byte
     ];
     for (bytes, kind) in cases {
+        let err = decode_batch(bytes).unwrap_err();
         assert_eq!(
-            decode_batch(bytes).unwrap_err().kind(),
-            kind,
-            "{bytes:02x?}"
+            std::mem::discriminant(&err),
+            std::mem::discriminant(kind),
+            "{bytes:02x?}: {err}"
         );
     }
-    assert_eq!(
-        decode_batch(&vec![0u8; MAX_PAYLOAD_BYTES + 1])
-            .unwrap_err()
-            .kind(),
-        "too_large"
-    );
+    assert!(matches!(
+        decode_batch(&vec![0u8; MAX_PAYLOAD_BYTES + 1]),
+        Err(DecodeError::TooLarge(_))
+    ));
 }
 
 #[test]

@@ -1,19 +1,19 @@
 //! vLLM KV-cache events: typed events, the msgpack codec (vLLM 0.33 map layout and the legacy
-//! positional layouts), and the ZMQ subscriber that feeds them to the index.
+//! positional layouts) and per-publisher sequence tracking. The service that subscribes to pods
+//! and feeds the index lives in `crate::ingest`.
 
 mod decode;
 mod encode;
-pub mod ingest;
-pub mod sequence;
-pub mod subscriber;
+pub(crate) mod sequence;
 mod types;
 
 #[cfg(test)]
 mod fixture_tests;
 
-pub use decode::{decode_batch, DecodeError, MAX_PAYLOAD_BYTES};
-pub use encode::{encode_batch, encode_event};
-pub use types::{BlockHash, ExtraKey, KvEvent, KvEventBatch, Medium};
+pub(crate) use decode::{decode_batch, DecodeError};
+pub use encode::encode_batch;
+pub(crate) use types::Medium;
+pub use types::{BlockHash, ExtraKey, KvEvent, KvEventBatch};
 
 /// A fixture payload by name (tests only; reads `shared/fixtures/vllm-kv-events`).
 #[cfg(test)]

@@ -3,7 +3,7 @@
 
 /// What the subscriber should do with a message.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Verdict {
+pub(crate) enum Verdict {
     /// The next message in order: apply it.
     Apply,
     /// Messages `from..to` were missed (a forward jump): replay them, else purge, then apply.
@@ -27,13 +27,13 @@ pub enum Verdict {
 
 /// Last applied sequence number of one publisher.
 #[derive(Debug, Default, Clone)]
-pub struct SeqTracker {
+pub(crate) struct SeqTracker {
     last: Option<u64>,
 }
 
 impl SeqTracker {
     /// Judges `seq` and records it as the last applied.
-    pub fn observe(&mut self, seq: u64) -> Verdict {
+    pub(crate) fn observe(&mut self, seq: u64) -> Verdict {
         let verdict = match self.last {
             None if seq == 0 => Verdict::Apply,
             None => Verdict::Joined { to: seq },
@@ -46,11 +46,6 @@ impl SeqTracker {
         };
         self.last = Some(seq);
         verdict
-    }
-
-    /// The last sequence number seen.
-    pub fn last(&self) -> Option<u64> {
-        self.last
     }
 }
 
@@ -74,6 +69,10 @@ mod tests {
         );
         let mut late = SeqTracker::default();
         assert_eq!(late.observe(42), Verdict::Joined { to: 42 });
-        assert_eq!(late.last(), Some(42));
+        assert_eq!(
+            late.observe(43),
+            Verdict::Apply,
+            "42 was recorded as the last"
+        );
     }
 }

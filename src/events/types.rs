@@ -47,15 +47,6 @@ impl Medium {
             Some(s) => Medium::Other(s.to_string()),
         }
     }
-
-    /// The wire string.
-    pub fn as_str(&self) -> &str {
-        match self {
-            Medium::Gpu => "GPU",
-            Medium::Cpu => "CPU",
-            Medium::Other(s) => s,
-        }
-    }
 }
 
 /// One element of a block's published `extra_keys` (untagged form, §6.3 of the reference).

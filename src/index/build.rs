@@ -4,11 +4,18 @@
 use std::sync::Arc;
 
 use super::{EventIndex, EventIndexConfig, KvIndex, MemoryIndex};
-use crate::config::Config;
+use crate::config::{Config, IndexBackend};
 
 /// The router's index for `cfg`: fed by KV events when they are enabled, else learned from the
 /// router's own decisions.
 pub fn build_index(cfg: &Config) -> Arc<dyn KvIndex> {
+    // A new backend must say here how it is built.
+    match cfg.index.backend {
+        IndexBackend::Memory => memory_index(cfg),
+    }
+}
+
+fn memory_index(cfg: &Config) -> Arc<dyn KvIndex> {
     if cfg.kv_events.enabled {
         Arc::new(EventIndex::new(EventIndexConfig {
             block_tokens: cfg.kv_events.block_tokens,

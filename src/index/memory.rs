@@ -1,36 +1,35 @@
 //! In-memory prefix index: key → pods, plus one LRU per pod bounded by the pod's KV-cache size,
 //! with a TTL on every entry. One lock, never held across an `.await`.
 
-use ahash::AHashMap;
 use async_trait::async_trait;
 use lru::LruCache;
 use parking_lot::RwLock;
-use smallvec::SmallVec;
 
-use super::{prefix_walk, IndexError, IndexStats, KvIndex};
+use super::table::{Holder, Slot, Table};
+use super::{IndexError, IndexStats, KvIndex};
 use crate::blocks::BlockKey;
 use crate::pods::PodId;
 
-type Slot = u32;
+/// A pod's entries: key → expiry (ms). LRU order equals refresh order, so expired entries sit
+/// at the end.
+type PodEntries = LruCache<BlockKey, u64>;
 
-struct PodEntries {
-    // Value: expiry time in ms. LRU order equals refresh order, so expired entries sit at the end.
-    lru: LruCache<BlockKey, u64>,
+/// A key's holder with its entry's expiry (mirrors the LRU value) so lookups never touch the LRUs.
+#[derive(Debug, Clone, Copy)]
+struct Entry {
+    slot: Slot,
+    expiry: u64,
 }
 
-#[derive(Default)]
-struct Inner {
-    slots: AHashMap<PodId, Slot>,
-    pods: Vec<Option<PodEntries>>,
-    free: Vec<Slot>,
-    // Holders with their entry's expiry (mirrors the LRU value) so lookups never touch the LRUs.
-    keys: AHashMap<BlockKey, SmallVec<[(Slot, u64); 4]>>,
-    entries: usize,
+impl Holder for Entry {
+    fn slot(&self) -> Slot {
+        self.slot
+    }
 }
 
 /// The embedded index: learned from routing decisions, bounded per pod and by TTL.
 pub struct MemoryIndex {
-    inner: RwLock<Inner>,
+    inner: RwLock<Table<PodEntries, Entry>>,
     ttl_ms: u64,
     default_capacity: usize,
 }
@@ -39,48 +38,19 @@ impl MemoryIndex {
     /// An empty index.
     pub fn new(ttl_ms: u64, default_capacity: usize) -> Self {
         Self {
-            inner: RwLock::new(Inner::default()),
+            inner: RwLock::new(Table::default()),
             ttl_ms,
             default_capacity: default_capacity.max(1),
         }
+    }
+
+    fn new_pod(&self) -> PodEntries {
+        LruCache::new(cap(self.default_capacity))
     }
 }
 
 fn cap(n: usize) -> std::num::NonZeroUsize {
     std::num::NonZeroUsize::new(n.max(1)).expect("max(1)")
-}
-
-impl Inner {
-    fn slot(&mut self, pod: &PodId, default_capacity: usize) -> Slot {
-        if let Some(&s) = self.slots.get(pod) {
-            return s;
-        }
-        let entries = PodEntries {
-            lru: LruCache::new(cap(default_capacity)),
-        };
-        let s = match self.free.pop() {
-            Some(s) => {
-                self.pods[s as usize] = Some(entries);
-                s
-            }
-            None => {
-                self.pods.push(Some(entries));
-                (self.pods.len() - 1) as Slot
-            }
-        };
-        self.slots.insert(pod.clone(), s);
-        s
-    }
-
-    fn unlink(&mut self, key: BlockKey, slot: Slot) {
-        if let Some(holders) = self.keys.get_mut(&key) {
-            holders.retain(|(s, _)| *s != slot);
-            self.entries -= 1;
-            if holders.is_empty() {
-                self.keys.remove(&key);
-            }
-        }
-    }
 }
 
 #[async_trait]
@@ -92,19 +62,10 @@ impl KvIndex for MemoryIndex {
         now_ms: u64,
     ) -> Result<Vec<f64>, IndexError> {
         let inner = self.inner.read();
-        let slots: Vec<Option<Slot>> = pods.iter().map(|p| inner.slots.get(p).copied()).collect();
-        Ok(prefix_walk(
+        Ok(inner.lookup(
             keys,
-            &slots,
-            |key| {
-                inner
-                    .keys
-                    .get(key)
-                    .into_iter()
-                    .flatten()
-                    .filter(move |(_, exp)| *exp > now_ms)
-                    .map(|(s, _)| (*s, 1.0))
-            },
+            pods,
+            |e| (e.expiry > now_ms).then_some(1.0),
             |_, _| None,
         ))
     }
@@ -112,88 +73,68 @@ impl KvIndex for MemoryIndex {
     async fn record(&self, pod: &PodId, keys: &[BlockKey], now_ms: u64) -> Result<(), IndexError> {
         let expiry = now_ms.saturating_add(self.ttl_ms);
         let mut inner = self.inner.write();
-        let slot = inner.slot(pod, self.default_capacity);
+        let Table { pods, holders } = &mut *inner;
+        let slot = pods.get_or_insert_with(pod, || self.new_pod());
+        let lru = pods.state_mut(slot);
         // Insert in reverse so the prompt's first blocks are the most recently used: under
         // pressure a pod keeps the shared head of its prompts, as a real prefix cache does.
         for &key in keys.iter().rev() {
-            let entries = inner.pods[slot as usize].as_mut().expect("live slot");
-            if entries.lru.contains(&key) {
-                entries.lru.put(key, expiry);
-                if let Some(h) = inner
-                    .keys
-                    .get_mut(&key)
-                    .and_then(|hs| hs.iter_mut().find(|(s, _)| *s == slot))
-                {
-                    h.1 = expiry;
+            if let Some(e) = lru.get_mut(&key) {
+                *e = expiry;
+                if let Some(h) = holders.get_mut(&key, slot) {
+                    h.expiry = expiry;
                 }
                 continue;
             }
-            let evicted = entries.lru.push(key, expiry).map(|(k, _)| k);
-            if let Some(old) = evicted {
-                inner.unlink(old, slot);
+            if let Some((old, _)) = lru.push(key, expiry) {
+                holders.remove(&old, slot);
             }
-            inner.keys.entry(key).or_default().push((slot, expiry));
-            inner.entries += 1;
+            holders.insert(key, Entry { slot, expiry });
         }
         Ok(())
     }
 
     async fn forget_pod(&self, pod: &PodId) -> Result<(), IndexError> {
         let mut inner = self.inner.write();
-        let Some(slot) = inner.slots.remove(pod) else {
-            return Ok(());
-        };
-        if let Some(entries) = inner.pods[slot as usize].take() {
-            for (key, _) in entries.lru.iter() {
-                inner.unlink(*key, slot);
+        let Table { pods, holders } = &mut *inner;
+        if let Some((slot, lru)) = pods.remove(pod) {
+            for (key, _) in lru.iter() {
+                holders.remove(key, slot);
             }
         }
-        inner.free.push(slot);
         Ok(())
     }
 
     async fn set_capacity(&self, pod: &PodId, blocks: usize) -> Result<(), IndexError> {
         let mut inner = self.inner.write();
-        let slot = inner.slot(pod, self.default_capacity);
-        while let Some(entries) = inner.pods[slot as usize].as_mut() {
-            if entries.lru.len() <= blocks.max(1) {
-                entries.lru.resize(cap(blocks));
-                break;
-            }
-            let (key, _) = entries.lru.pop_lru().expect("non-empty");
-            inner.unlink(key, slot);
+        let Table { pods, holders } = &mut *inner;
+        let slot = pods.get_or_insert_with(pod, || self.new_pod());
+        let lru = pods.state_mut(slot);
+        while lru.len() > blocks.max(1) {
+            let (key, _) = lru.pop_lru().expect("non-empty");
+            holders.remove(&key, slot);
         }
+        lru.resize(cap(blocks));
         Ok(())
     }
 
     async fn sweep(&self, now_ms: u64) -> Result<(), IndexError> {
         let mut inner = self.inner.write();
-        for slot in 0..inner.pods.len() {
-            while let Some(entries) = inner.pods[slot].as_mut() {
-                match entries.lru.peek_lru() {
-                    Some((_, &exp)) if exp <= now_ms => {
-                        let (key, _) = entries.lru.pop_lru().expect("peeked");
-                        inner.unlink(key, slot as Slot);
-                    }
-                    _ => break,
+        let Table { pods, holders } = &mut *inner;
+        for (slot, lru) in pods.iter_mut() {
+            while let Some((_, &exp)) = lru.peek_lru() {
+                if exp > now_ms {
+                    break;
                 }
+                let (key, _) = lru.pop_lru().expect("peeked");
+                holders.remove(&key, slot);
             }
         }
         Ok(())
     }
 
     fn stats(&self) -> IndexStats {
-        let inner = self.inner.read();
-        IndexStats {
-            keys: inner.keys.len(),
-            entries: inner.entries,
-            pods: inner
-                .pods
-                .iter()
-                .flatten()
-                .filter(|p| !p.lru.is_empty())
-                .count(),
-        }
+        self.inner.read().stats(|lru| !lru.is_empty())
     }
 
     fn describe(&self) -> &'static str {
@@ -227,64 +168,8 @@ mod tests {
             .collect()
     }
 
-    #[tokio::test]
-    async fn consecutive_prefix_only() {
-        let idx = MemoryIndex::new(1000, 100);
-        let p = pods(2);
-        idx.record(&p[0], &k(&[1, 2, 3]), 0).await.unwrap();
-        idx.record(&p[1], &k(&[1, 3]), 0).await.unwrap();
-        let m = idx.lookup(&k(&[1, 2, 3, 4]), &p, 1).await.unwrap();
-        assert_eq!(m, vec![3.0, 1.0]);
-    }
-
-    #[tokio::test]
-    async fn ttl_expires_entries() {
-        let idx = MemoryIndex::new(100, 100);
-        let p = pods(1);
-        idx.record(&p[0], &k(&[1, 2]), 0).await.unwrap();
-        assert_eq!(idx.lookup(&k(&[1, 2]), &p, 99).await.unwrap(), vec![2.0]);
-        assert_eq!(idx.lookup(&k(&[1, 2]), &p, 100).await.unwrap(), vec![0.0]);
-        idx.sweep(100).await.unwrap();
-        assert_eq!(idx.stats(), IndexStats::default());
-    }
-
-    #[tokio::test]
-    async fn capacity_evicts_least_recent_and_keeps_prompt_heads() {
-        let idx = MemoryIndex::new(1000, 3);
-        let p = pods(1);
-        idx.record(&p[0], &k(&[1, 2, 3]), 0).await.unwrap();
-        idx.record(&p[0], &k(&[10, 11]), 1).await.unwrap();
-        // 3 and 2 (the oldest tails) were evicted; 1 survives.
-        assert_eq!(idx.stats().entries, 3);
-        assert_eq!(idx.lookup(&k(&[1, 2]), &p, 2).await.unwrap(), vec![1.0]);
-        idx.set_capacity(&p[0], 1).await.unwrap();
-        assert_eq!(idx.stats().entries, 1);
-    }
-
-    #[tokio::test]
-    async fn forget_pod_drops_everything() {
-        let idx = MemoryIndex::new(1000, 10);
-        let p = pods(2);
-        idx.record(&p[0], &k(&[1, 2]), 0).await.unwrap();
-        idx.record(&p[1], &k(&[1]), 0).await.unwrap();
-        idx.forget_pod(&p[0]).await.unwrap();
-        assert_eq!(
-            idx.lookup(&k(&[1, 2]), &p, 1).await.unwrap(),
-            vec![0.0, 1.0]
-        );
-        assert_eq!(
-            idx.stats(),
-            IndexStats {
-                keys: 1,
-                entries: 1,
-                pods: 1
-            }
-        );
-        // The freed slot is reused without leaking old entries.
-        let q = PodId::new("10.0.0.9:1");
-        idx.record(&q, &k(&[5]), 0).await.unwrap();
-        assert_eq!(idx.lookup(&k(&[1]), &[q], 1).await.unwrap(), vec![0.0]);
-    }
+    // The shared behaviour (prefix, TTL, capacity, forget, slot reuse) is checked by the
+    // contract suite (`index::contract`); this is the model-based check of the LRU itself.
 
     #[derive(Debug, Clone)]
     enum Op {

@@ -1,9 +1,20 @@
-//! The prefix index: which pods hold which block keys. A trait at the seam so the in-memory
-//! index and a networked (Redis) index serve the same scorers unchanged.
+//! The prefix index: which pods hold which block keys. A trait at the seam so the in-process
+//! indexes and a networked one serve the same scorers unchanged; every backend passes the one
+//! conformance suite in `contract/`.
+//!
+//! - [`MemoryIndex`] (approximate) learns from the router's own decisions (`record`), one LRU per
+//!   pod bounded by its KV-cache size, with a TTL.
+//! - [`EventIndex`] (precise) learns from vLLM KV events (`apply_events`); `record` only adds
+//!   short-lived speculative entries until the pod's events confirm them.
+//!
+//! Both keep their state in one `table::Table`: pod ↔ slot with a free list, key → holders.
 
 mod build;
+#[cfg(test)]
+mod contract;
 mod events;
 mod memory;
+mod table;
 
 use async_trait::async_trait;
 use serde::Serialize;
@@ -37,12 +48,37 @@ pub struct ApplyStats {
     pub overflow: u64,
 }
 
-/// An index operation failed (only networked backends fail; callers route without it).
+/// An index operation failed. Only networked backends fail; callers route without the index
+/// (fail open) and ask [`IndexError::retryable`] whether to keep trying or to tell an operator.
 #[derive(Debug, Error)]
 pub enum IndexError {
-    /// The backend could not be reached or answered badly.
-    #[error("index backend unavailable: {0}")]
-    Unavailable(String),
+    /// No answer within the operation's budget.
+    #[error("index backend timed out after {0:?}")]
+    Timeout(std::time::Duration),
+    /// The backend could not be reached, or the connection broke.
+    #[error("index backend unreachable: {0}")]
+    Connection(String),
+    /// The backend is out of room or too busy to take the operation (e.g. out of memory, a full
+    /// write queue).
+    #[error("index backend overloaded: {0}")]
+    Overloaded(String),
+    /// The backend answered something this router cannot read (version skew, foreign data).
+    #[error("index backend answered unexpectedly: {0}")]
+    Protocol(String),
+    /// The backend refused the operation (authentication, permissions, configuration).
+    #[error("index backend refused the operation: {0}")]
+    Refused(String),
+}
+
+impl IndexError {
+    /// Whether the same operation may succeed later without an operator doing anything
+    /// (timeouts, lost connections, overload); otherwise retrying only adds load.
+    pub fn retryable(&self) -> bool {
+        match self {
+            IndexError::Timeout(_) | IndexError::Connection(_) | IndexError::Overloaded(_) => true,
+            IndexError::Protocol(_) | IndexError::Refused(_) => false,
+        }
+    }
 }
 
 /// Size figures for `/debug/pods` and metrics.
@@ -57,23 +93,29 @@ pub struct IndexStats {
 }
 
 /// Lookups and writes of the prefix index. Time is passed in (milliseconds on the router's
-/// monotonic clock) so tests and `kv-bench simulate` control it.
+/// monotonic clock) so tests and `kv-bench simulate` control it; a backend honours the `now_ms`
+/// it is given, never a clock of its own. Every write is idempotent: repeating it (a replayed
+/// event batch, the same decision recorded by two replicas) leaves the same state.
 #[async_trait]
 pub trait KvIndex: Send + Sync + 'static {
-    /// For each of `pods`, how many leading `keys` it holds (consecutive from the first).
+    /// For each of `pods`, in order, the weight of the leading `keys` it holds: consecutive from
+    /// the first, stopping at its first missing key (a block counts 1, an offloaded one less).
     async fn lookup(
         &self,
         keys: &[BlockKey],
         pods: &[PodId],
         now_ms: u64,
     ) -> Result<Vec<f64>, IndexError>;
-    /// Records that `pod` now holds `keys` (the router's own decision; refreshes their TTL).
+    /// Records that `pod` now holds `keys` (the router's own decision): they match until the
+    /// backend's TTL after `now_ms`, refreshed by each record. Under the pod's capacity the
+    /// least recently recorded keys go first, and a prompt's head counts as its most recent.
     async fn record(&self, pod: &PodId, keys: &[BlockKey], now_ms: u64) -> Result<(), IndexError>;
-    /// Drops everything about `pod`.
+    /// Drops everything about `pod` (it left the fleet).
     async fn forget_pod(&self, pod: &PodId) -> Result<(), IndexError>;
     /// Sets how many blocks `pod` can hold (its KV-cache size); extra entries are evicted.
+    /// Event-fed backends may ignore it: the engine's events say what the pod holds.
     async fn set_capacity(&self, pod: &PodId, blocks: usize) -> Result<(), IndexError>;
-    /// Drops entries older than the TTL.
+    /// Drops entries whose TTL ran out by `now_ms` (lookups already ignore them; this frees them).
     async fn sweep(&self, now_ms: u64) -> Result<(), IndexError>;
     /// Applies one event batch of `pod`'s data-parallel rank `rank`, in order. `model` seeds the
     /// keys of blocks without a LoRA name. Indexes that do not ingest events ignore it.
@@ -96,63 +138,26 @@ pub trait KvIndex: Send + Sync + 'static {
     fn describe(&self) -> &'static str;
 }
 
-/// The consecutive-prefix walk shared by the backends. For each key in order, `holders` yields
-/// `(slot, weight)` of every pod slot holding it; `fallback(candidate, key)` may still vouch for an
-/// alive candidate that no holder named (speculative entries). A candidate drops out at its first
-/// missing key. Costs O(holders + alive candidates) per key, not O(holders × candidates).
-pub(crate) fn prefix_walk<I>(
-    keys: &[BlockKey],
-    cand_slots: &[Option<u32>],
-    mut holders: impl FnMut(&BlockKey) -> I,
-    mut fallback: impl FnMut(usize, &BlockKey) -> Option<f64>,
-) -> Vec<f64>
-where
-    I: IntoIterator<Item = (u32, f64)>,
-{
-    const NONE: usize = usize::MAX;
-    let n = cand_slots.len();
-    let mut matched = vec![0.0; n];
-    let max_slot = cand_slots
-        .iter()
-        .flatten()
-        .copied()
-        .max()
-        .map_or(0, |m| m as usize + 1);
-    let mut cand_of = vec![NONE; max_slot];
-    for (c, s) in cand_slots.iter().enumerate() {
-        if let Some(s) = s {
-            cand_of[*s as usize] = c;
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::IndexError;
+
+    #[test]
+    fn transient_failures_are_retryable_and_answers_that_would_repeat_are_not() {
+        for e in [
+            IndexError::Timeout(Duration::from_millis(5)),
+            IndexError::Connection("connection reset".into()),
+            IndexError::Overloaded("OOM command not allowed".into()),
+        ] {
+            assert!(e.retryable(), "{e}");
+        }
+        for e in [
+            IndexError::Protocol("unexpected reply type".into()),
+            IndexError::Refused("WRONGPASS".into()),
+        ] {
+            assert!(!e.retryable(), "{e}");
         }
     }
-    let mut alive: Vec<usize> = (0..n).filter(|&c| cand_slots[c].is_some()).collect();
-    let mut stamp = vec![usize::MAX; n];
-    let mut weight = vec![0.0; n];
-    for (ki, key) in keys.iter().enumerate() {
-        if alive.is_empty() {
-            break;
-        }
-        for (slot, w) in holders(key) {
-            if let Some(&c) = cand_of.get(slot as usize) {
-                if c != NONE {
-                    stamp[c] = ki;
-                    weight[c] = w;
-                }
-            }
-        }
-        alive.retain(|&c| {
-            let w = if stamp[c] == ki {
-                Some(weight[c])
-            } else {
-                fallback(c, key)
-            };
-            match w {
-                Some(w) => {
-                    matched[c] += w;
-                    true
-                }
-                None => false,
-            }
-        });
-    }
-    matched
 }

@@ -13,41 +13,31 @@ use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 use tracing::{debug, warn};
 
-use super::sequence::{SeqTracker, Verdict};
+use crate::events::sequence::{SeqTracker, Verdict};
 
 /// Where to subscribe.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
-pub struct SubscriptionSpec {
+pub(crate) struct SubscriptionSpec {
     /// PUB endpoint, e.g. `tcp://10.0.0.5:5557` (the subscriber connects).
-    pub endpoint: String,
+    pub(crate) endpoint: String,
     /// ROUTER replay endpoint, if the pod runs one.
-    pub replay_endpoint: Option<String>,
+    pub(crate) replay_endpoint: Option<String>,
     /// Topic prefix to subscribe to (`""` = everything).
-    pub topic: String,
+    pub(crate) topic: String,
 }
 
 /// Why a pod's state was purged.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum PurgeReason {
+pub(crate) enum PurgeReason {
     /// Messages were lost and could not be replayed.
     Gap,
     /// The engine restarted (sequence went back).
     Restart,
 }
 
-impl PurgeReason {
-    /// Metric label.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            PurgeReason::Gap => "gap",
-            PurgeReason::Restart => "restart",
-        }
-    }
-}
-
 /// What the subscriber thread hands over, in order.
 #[derive(Debug)]
-pub enum Delivery {
+pub(crate) enum Delivery {
     /// A payload to decode and apply.
     Batch {
         /// Its sequence number.
@@ -72,7 +62,7 @@ pub enum Delivery {
 
 /// Handle that stops the thread when dropped.
 #[derive(Debug)]
-pub struct SubscriberHandle {
+pub(crate) struct SubscriberHandle {
     stop: Arc<AtomicBool>,
 }
 
@@ -83,7 +73,7 @@ impl Drop for SubscriberHandle {
 }
 
 /// Starts the subscriber thread; deliveries arrive on the returned channel.
-pub fn spawn(
+pub(crate) fn spawn(
     spec: SubscriptionSpec,
     name: String,
 ) -> std::io::Result<(SubscriberHandle, mpsc::Receiver<Delivery>)> {
@@ -212,7 +202,7 @@ fn replay_into(
 
 /// Why a replay did not return everything.
 #[derive(Debug, thiserror::Error)]
-pub enum ReplayError {
+enum ReplayError {
     /// Socket error.
     #[error("zmq: {0}")]
     Zmq(#[from] zmq::Error),
@@ -236,7 +226,7 @@ const END_SEQ: [u8; 8] = [0xff; 8];
 
 /// Asks a vLLM replay (ROUTER) socket for messages `from..to`; accepts both reply layouts
 /// (with the topic frame, vLLM ≥ 0.26, and without).
-pub fn replay(endpoint: &str, from: u64, to: u64) -> Result<Vec<(u64, Vec<u8>)>, ReplayError> {
+fn replay(endpoint: &str, from: u64, to: u64) -> Result<Vec<(u64, Vec<u8>)>, ReplayError> {
     let s = context().socket(zmq::DEALER)?;
     s.set_linger(0)?;
     s.set_rcvtimeo(200)?;

@@ -1,0 +1,299 @@
+//! Precise index fed by vLLM KV events. Dual keys: the router computes its own chained block
+//! keys from each `BlockStored`'s `token_ids` (seeded by model or LoRA name and cache salt, at the
+//! router's block size), and keeps engine hash → router keys so `BlockRemoved`, which names
+//! engine hashes only, resolves. A short-TTL speculative side holds each decision's keys until
+//! the pod's own events arrive. How each event kind changes the state: [`apply`].
+
+mod apply;
+#[cfg(test)]
+mod tests;
+
+use ahash::AHashMap;
+use async_trait::async_trait;
+use lru::LruCache;
+use parking_lot::RwLock;
+use smallvec::SmallVec;
+
+use super::table::{Holder, Holders, Slot, Table};
+use super::{ApplyStats, IndexError, IndexStats, KvIndex};
+use crate::blocks::BlockKey;
+use crate::events::KvEventBatch;
+use crate::pods::PodId;
+
+/// A pod's hold on a router key: how many of its engine blocks (per tier) produce the key.
+#[derive(Debug, Clone, Copy)]
+struct KeyHolder {
+    slot: Slot,
+    gpu: u32,
+    cpu: u32,
+}
+
+impl Holder for KeyHolder {
+    fn slot(&self) -> Slot {
+        self.slot
+    }
+}
+
+/// Where a router-key chain stands after an engine block: the last full router key and the
+/// tokens not yet making a full router block.
+#[derive(Debug, Clone, Default)]
+struct Chain {
+    prev: u64,
+    pending: SmallVec<[u32; 16]>,
+}
+
+/// One engine block of a pod: the router keys completed in it and its tiers.
+#[derive(Debug, Clone)]
+struct EngineBlock {
+    keys: SmallVec<[BlockKey; 2]>,
+    end: Chain,
+    gpu: bool,
+    cpu: bool,
+}
+
+/// Engine blocks are keyed by (DP rank, engine hash): ranks have separate caches.
+type EngineKey = (u32, u64);
+
+struct PodState {
+    id: PodId,
+    blocks: AHashMap<EngineKey, EngineBlock>,
+    speculative: LruCache<BlockKey, u64>,
+}
+
+impl PodState {
+    fn new(id: &PodId, speculative_capacity: usize) -> Self {
+        Self {
+            id: id.clone(),
+            blocks: AHashMap::new(),
+            speculative: LruCache::new(nz(speculative_capacity)),
+        }
+    }
+}
+
+/// Tunables of the precise index.
+#[derive(Debug, Clone)]
+pub struct EventIndexConfig {
+    /// Router block size in tokens (need not equal the engine's).
+    pub block_tokens: usize,
+    /// Most blocks keyed per request (kept for configuration compatibility; the index does not
+    /// use it: event chains are bounded by the payload limit and the per-pod block budget).
+    pub max_blocks: usize,
+    /// Weight of a GPU-resident block.
+    pub gpu_weight: f64,
+    /// Weight of a CPU-resident (offloaded) block.
+    pub cpu_weight: f64,
+    /// Speculative entries live this long unless events confirm them.
+    pub speculative_ttl_ms: u64,
+    /// Speculative entries kept per pod.
+    pub speculative_capacity: usize,
+    /// Engine blocks tracked per pod before the pod's state is judged corrupt and purged.
+    pub max_engine_blocks_per_pod: usize,
+}
+
+impl Default for EventIndexConfig {
+    fn default() -> Self {
+        Self {
+            block_tokens: 16,
+            max_blocks: 4096,
+            gpu_weight: 1.0,
+            cpu_weight: 0.8,
+            speculative_ttl_ms: 2_000,
+            speculative_capacity: 65_536,
+            max_engine_blocks_per_pod: 4_000_000,
+        }
+    }
+}
+
+/// The precise, event-fed index.
+pub struct EventIndex {
+    inner: RwLock<Table<PodState, KeyHolder>>,
+    cfg: EventIndexConfig,
+}
+
+fn nz(n: usize) -> std::num::NonZeroUsize {
+    std::num::NonZeroUsize::new(n.max(1)).expect("max(1)")
+}
+
+impl EventIndex {
+    /// An empty index.
+    pub fn new(cfg: EventIndexConfig) -> Self {
+        Self {
+            inner: RwLock::new(Table::default()),
+            cfg,
+        }
+    }
+
+    /// Engine blocks tracked for a pod (all ranks).
+    #[cfg(test)]
+    fn engine_blocks(&self, pod: &PodId) -> usize {
+        let inner = self.inner.read();
+        inner
+            .pods
+            .get(pod)
+            .and_then(|s| inner.pods.state(s))
+            .map_or(0, |p| p.blocks.len())
+    }
+}
+
+/// Adds one tier's hold of `key` by `slot`.
+fn hold(holders: &mut Holders<KeyHolder>, key: BlockKey, slot: Slot, gpu: bool) {
+    holders.upsert(
+        key,
+        slot,
+        |h| {
+            if gpu {
+                h.gpu += 1
+            } else {
+                h.cpu += 1
+            }
+        },
+        || KeyHolder {
+            slot,
+            gpu: u32::from(gpu),
+            cpu: u32::from(!gpu),
+        },
+    );
+}
+
+/// Drops one tier's hold of `key` by `slot`; the entry goes with its last hold.
+fn release(holders: &mut Holders<KeyHolder>, key: &BlockKey, slot: Slot, gpu: bool) {
+    holders.update_or_remove(key, slot, |h| {
+        if gpu {
+            h.gpu = h.gpu.saturating_sub(1);
+        } else {
+            h.cpu = h.cpu.saturating_sub(1);
+        }
+        h.gpu > 0 || h.cpu > 0
+    });
+}
+
+/// Removes every engine block of `state` (of one rank, or all ranks) and its holds.
+fn purge(state: &mut PodState, holders: &mut Holders<KeyHolder>, slot: Slot, rank: Option<u32>) {
+    state.blocks.retain(|(r, _), b| {
+        if rank.is_some_and(|x| x != *r) {
+            return true;
+        }
+        for key in &b.keys {
+            if b.gpu {
+                release(holders, key, slot, true);
+            }
+            if b.cpu {
+                release(holders, key, slot, false);
+            }
+        }
+        false
+    });
+}
+
+#[async_trait]
+impl KvIndex for EventIndex {
+    async fn lookup(
+        &self,
+        keys: &[BlockKey],
+        pods: &[PodId],
+        now_ms: u64,
+    ) -> Result<Vec<f64>, IndexError> {
+        let inner = self.inner.read();
+        let (gpu_w, cpu_w) = (self.cfg.gpu_weight, self.cfg.cpu_weight);
+        Ok(inner.lookup(
+            keys,
+            pods,
+            |h| Some(if h.gpu > 0 { gpu_w } else { cpu_w }),
+            |state, key| {
+                state
+                    .speculative
+                    .peek(key)
+                    .filter(|&&exp| exp > now_ms)
+                    .map(|_| gpu_w)
+            },
+        ))
+    }
+
+    async fn record(&self, pod: &PodId, keys: &[BlockKey], now_ms: u64) -> Result<(), IndexError> {
+        let expiry = now_ms.saturating_add(self.cfg.speculative_ttl_ms);
+        let mut inner = self.inner.write();
+        let slot = inner
+            .pods
+            .get_or_insert_with(pod, || PodState::new(pod, self.cfg.speculative_capacity));
+        let state = inner.pods.state_mut(slot);
+        for &key in keys.iter().rev() {
+            state.speculative.put(key, expiry);
+        }
+        Ok(())
+    }
+
+    async fn forget_pod(&self, pod: &PodId) -> Result<(), IndexError> {
+        let mut inner = self.inner.write();
+        let Table { pods, holders } = &mut *inner;
+        if let Some((slot, mut state)) = pods.remove(pod) {
+            purge(&mut state, holders, slot, None);
+        }
+        Ok(())
+    }
+
+    async fn forget_rank(&self, pod: &PodId, rank: u32) -> Result<(), IndexError> {
+        let mut inner = self.inner.write();
+        let Table { pods, holders } = &mut *inner;
+        if let Some(slot) = pods.get(pod) {
+            let state = pods.state_mut(slot);
+            purge(state, holders, slot, Some(rank));
+            state.speculative.clear();
+        }
+        Ok(())
+    }
+
+    async fn set_capacity(&self, _pod: &PodId, _blocks: usize) -> Result<(), IndexError> {
+        // Events are authoritative about what a pod holds; capacity needs no enforcing here.
+        Ok(())
+    }
+
+    async fn sweep(&self, now_ms: u64) -> Result<(), IndexError> {
+        let mut inner = self.inner.write();
+        for (_, state) in inner.pods.iter_mut() {
+            while let Some((_, &exp)) = state.speculative.peek_lru() {
+                if exp > now_ms {
+                    break;
+                }
+                state.speculative.pop_lru();
+            }
+        }
+        Ok(())
+    }
+
+    async fn apply_events(
+        &self,
+        pod: &PodId,
+        rank: u32,
+        model: &str,
+        batch: &KvEventBatch,
+    ) -> Result<ApplyStats, IndexError> {
+        let mut inner = self.inner.write();
+        let Table { pods, holders } = &mut *inner;
+        let slot =
+            pods.get_or_insert_with(pod, || PodState::new(pod, self.cfg.speculative_capacity));
+        let mut apply = apply::Apply::new(&self.cfg, pods.state_mut(slot), holders, slot, rank);
+        for event in &batch.events {
+            apply.event(model, event);
+        }
+        Ok(apply.stats)
+    }
+
+    fn stats(&self) -> IndexStats {
+        self.inner.read().stats(|p| !p.blocks.is_empty())
+    }
+
+    fn describe(&self) -> &'static str {
+        "events (precise: vLLM KV events + speculative entries)"
+    }
+}
+
+impl std::fmt::Debug for EventIndex {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let inner = self.inner.read();
+        let pods: Vec<&PodId> = inner.pods.iter().map(|(_, p)| &p.id).collect();
+        f.debug_struct("EventIndex")
+            .field("pods", &pods)
+            .field("stats", &inner.stats(|p| !p.blocks.is_empty()))
+            .finish()
+    }
+}
