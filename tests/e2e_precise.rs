@@ -530,7 +530,7 @@ async fn burst_with_new_prefix_lands_on_one_pod() {
     eprintln!("burst of 16 served by {counts:?}");
     // Without speculation the 16 requests would spread over the 4 idle pods (ties broken at
     // random, then load): about 4-7 on the busiest. The router looks the blocks up and records
-    // the decision as two separate steps (`index.lookup` … `index.record` in src/decide.rs), so
+    // the decision as two separate steps (`index.lookup` in `Decider::decide`, `index.record` in `decide::commit`), so
     // requests decided in that window all see an empty index and may pick another pod: under a
     // heavily loaded machine 14/2 splits were seen. Hence 12 of 16, not 16 of 16.
     assert!(
