@@ -104,6 +104,13 @@ pub async fn run(cfg: Config) -> anyhow::Result<()> {
         refresh_ms = refresh_ms.min(d.refresh_ms);
         sources.push(Box::new(DnsSource::new(d.clone(), cfg.pods.models.clone())));
     }
+    #[cfg(feature = "kubernetes")]
+    if let Some(k) = &cfg.pods.kubernetes {
+        refresh_ms = refresh_ms.min(k.refresh_ms);
+        let models = cfg.pods.models.clone();
+        let source = crate::pods::KubernetesSource::start(k.clone(), models, Some(metrics.clone()));
+        sources.push(Box::new(source.await?));
+    }
     // Static-only pod sets never change, but the first pass must happen now.
     let first: Vec<_> = futures::future::join_all(sources.iter().map(|s| s.pods())).await;
     pods.update(first.into_iter().filter_map(Result::ok).flatten().collect());

@@ -20,13 +20,19 @@ struct Cli {
 enum Command {
     /// Run the ext_proc, Pick and admin servers.
     Serve {
-        /// Path to router.yaml (see docs/config.md).
+        /// Path to router.yaml (see docs/config.md), or a directory of YAML layers merged in name order.
         #[arg(long, short)]
         config: PathBuf,
+        /// Discover pods from this InferencePool (sets pods.kubernetes.pool.name; GIE EPP flag).
+        #[arg(long)]
+        pool_name: Option<String>,
+        /// Namespace of that InferencePool (sets pods.kubernetes.pool.namespace).
+        #[arg(long)]
+        pool_namespace: Option<String>,
     },
     /// Validate a config file and list every problem.
     CheckConfig {
-        /// Path to router.yaml.
+        /// Path to router.yaml, or a directory of YAML layers.
         file: PathBuf,
     },
 }
@@ -34,7 +40,10 @@ enum Command {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
-        Command::CheckConfig { file } => match kv_router::config::Config::load(&file) {
+        Command::CheckConfig { file } => match kv_router::config::Config::load_with(
+            &file,
+            kv_router::config::KubernetesOverrides::default(),
+        ) {
             // Tokenizer files are read too: a missing or broken one is a config error.
             Ok(cfg) => match kv_router::keys::load_tokenizers(&cfg.tokenizers) {
                 Ok(_) => {
@@ -51,8 +60,16 @@ fn main() -> ExitCode {
                 ExitCode::from(64)
             }
         },
-        Command::Serve { config } => {
-            let cfg = match kv_router::config::Config::load(&config) {
+        Command::Serve {
+            config,
+            pool_name,
+            pool_namespace,
+        } => {
+            let overrides = kv_router::config::KubernetesOverrides {
+                pool_name,
+                pool_namespace,
+            };
+            let cfg = match kv_router::config::Config::load_with(&config, overrides) {
                 Ok(c) => c,
                 Err(e) => {
                     eprintln!("{}: {e}", config.display());

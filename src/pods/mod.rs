@@ -2,6 +2,8 @@
 //! state (health, scraped load, router in-flight accounting) and the sources that list pods.
 
 mod inflight;
+#[cfg(feature = "kubernetes")]
+pub mod kubernetes;
 mod probe;
 mod source;
 
@@ -18,6 +20,8 @@ use serde::Serialize;
 use tokio::time::Instant;
 
 pub use inflight::InflightGuard;
+#[cfg(feature = "kubernetes")]
+pub use kubernetes::KubernetesSource;
 pub use probe::{parse_vllm_metrics, Prober};
 pub use source::{DnsSource, PodSource, PodSourceError, StaticSource};
 
