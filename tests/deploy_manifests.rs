@@ -440,6 +440,19 @@ fn pools_services_and_selectors_agree() {
             "{o}: Service vllm and kv-router select different pods"
         );
         for d in r.docs.iter().filter(|d| d["kind"] == "Deployment") {
+            // Logical image names (`kv-router`, `envoy`) must all be resolved by kustomize.
+            let spec = &d["spec"]["template"]["spec"];
+            for c in ["containers", "initContainers"]
+                .iter()
+                .flat_map(|k| spec[*k].as_sequence().into_iter().flatten())
+            {
+                let image = c["image"].as_str().unwrap();
+                let (repo, tag) = image.rsplit_once(':').unwrap_or((image, ""));
+                assert!(
+                    !["kv-router", "envoy"].contains(&repo) && !tag.is_empty() && tag != "latest",
+                    "{o}: image {image:?} is not a pinned, resolved reference"
+                );
+            }
             let labels: BTreeMap<String, String> =
                 serde_yaml::from_value(d["spec"]["template"]["metadata"]["labels"].clone())
                     .unwrap();

@@ -85,8 +85,10 @@ case "$DEMO_PATH" in
     ;;
 esac
 
-# The chosen path + the simulated pods, with the freshly built image.
-WORK="$(mktemp -d)"
+# The chosen path + the simulated pods, with the freshly built image (kustomize wants relative
+# paths, so the kustomization lives under target/).
+mkdir -p "$ROOT/target"
+WORK="$(mktemp -d "$ROOT/target/kind-demo.XXXXXX")"
 PF_PID=""
 cleanup() {
   if [[ -n "$PF_PID" ]]; then kill "$PF_PID" 2>/dev/null || true; fi
@@ -101,10 +103,10 @@ cat >"$WORK/kustomization.yaml" <<KUSTOMIZATION
 apiVersion: kustomize.config.k8s.io/v1beta1
 kind: Kustomization
 resources:
-- $ROOT/deploy/base
+- ../../deploy/base
 components:
-- $ROOT/deploy/components/$DEMO_PATH
-- $ROOT/deploy/components/sim
+- ../../deploy/components/$DEMO_PATH
+- ../../deploy/components/sim
 images:
 - name: ghcr.io/example/kv-router
   newName: ${IMAGE%%:*}
