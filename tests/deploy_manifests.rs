@@ -85,8 +85,22 @@ fn replace_once(text: &str, from: &str, to: &str) -> String {
     text.replacen(from, to, 1)
 }
 
+/// Envoy 1.40's strict-DNS cluster (the `dns_refresh_rate` cluster field is deprecated): every
+/// address the name resolves to is an endpoint.
+fn dns_cluster(why: &str, refresh: &str) -> String {
+    format!(
+        "    cluster_type:                       # STRICT_DNS on the {why}\n\
+         \x20     name: envoy.cluster.dns\n\
+         \x20     typed_config:\n\
+         \x20       \"@type\": type.googleapis.com/envoy.extensions.clusters.dns.v3.DnsCluster\n\
+         \x20       dns_refresh_rate: {refresh}\n\
+         \x20       respect_dns_ttl: false            # headless Service records carry a 30 s TTL\n"
+    )
+}
+
 /// `envoy/override-host-buffered.yaml` for Kubernetes: kv_router and vllm_pool become STRICT_DNS
-/// clusters on the headless Services (one endpoint per Ready pod / replica); nothing else changes.
+/// clusters (DnsCluster) on the headless Services (one endpoint per Ready pod / replica); nothing
+/// else changes.
 fn standalone_envoy(bundled: &str) -> String {
     let body_start = bundled
         .find("\nadmin:")
@@ -94,13 +108,16 @@ fn standalone_envoy(bundled: &str) -> String {
     let mut t = format!(
         "# GENERATED from {BUNDLED} by tests/deploy_manifests.rs — do not edit; edit the bundled file\n\
          # and run `KV_ROUTER_BLESS=1 cargo test --test deploy_manifests`. Only the two clusters\n\
-         # differ: kv_router and vllm_pool are STRICT_DNS on the headless Services kv-router and vllm.\n{}",
+         # differ: kv_router and vllm_pool are strict-DNS clusters on the headless Services kv-router and vllm.\n{}",
         &bundled[body_start + 1..]
     );
     t = replace_once(
         &t,
         "  - name: kv_router\n    type: STATIC\n",
-        "  - name: kv_router\n    type: STRICT_DNS                      # headless Service: one endpoint per replica\n    dns_refresh_rate: 5s\n",
+        &format!(
+            "  - name: kv_router\n{}",
+            dns_cluster("headless Service kv-router: one endpoint per replica", "5s")
+        ),
     );
     t = replace_once(
         &t,
@@ -115,7 +132,10 @@ fn standalone_envoy(bundled: &str) -> String {
     t = replace_once(
         &t,
         &format!("  - name: vllm_pool\n{pool_type}\n"),
-        "  - name: vllm_pool\n    type: STRICT_DNS                      # headless Service vllm: one endpoint per Ready pod\n    dns_refresh_rate: 2s\n",
+        &format!(
+            "  - name: vllm_pool\n{}",
+            dns_cluster("headless Service vllm: one endpoint per Ready pod", "2s")
+        ),
     );
     t = replace_once(
         &t,
@@ -147,8 +167,12 @@ fn standalone_envoy_config_is_generated_from_the_bundled_one() {
         ("vllm_pool", "vllm.llm.svc.cluster.local", 8000),
     ] {
         let cl = clusters.iter_mut().find(|x| x["name"] == c).unwrap();
-        cl["type"] = "STRICT_DNS".into();
-        cl["dns_refresh_rate"] = if c == "kv_router" { "5s" } else { "2s" }.into();
+        cl.as_mapping_mut().unwrap().remove("type");
+        cl["cluster_type"] = serde_yaml::from_str(&format!(
+            "{{name: envoy.cluster.dns, typed_config: {{'@type': type.googleapis.com/envoy.extensions.clusters.dns.v3.DnsCluster, dns_refresh_rate: {}, respect_dns_ttl: false}}}}",
+            if c == "kv_router" { "5s" } else { "2s" }
+        ))
+        .unwrap();
         cl["load_assignment"]["endpoints"][0]["lb_endpoints"] = serde_yaml::from_str(&format!(
             "[{{endpoint: {{address: {{socket_address: {{address: {host}, port_value: {port}}}}}}}}}]"
         ))
@@ -285,7 +309,12 @@ fn every_overlay_renders_and_validates_offline() {
     let extra = tmp.path().join("monitoring-overlay");
     fs::create_dir_all(&extra).unwrap();
     let up = "../".repeat(extra.components().count() - 1);
-    let rel = |p: &str| format!("{up}{}", root().join(p).display().to_string().trim_start_matches('/'));
+    let rel = |p: &str| {
+        format!(
+            "{up}{}",
+            root().join(p).display().to_string().trim_start_matches('/')
+        )
+    };
     fs::write(
         extra.join("kustomization.yaml"),
         format!(
@@ -364,12 +393,13 @@ fn every_overlay_renders_and_validates_offline() {
                     .arg(&f)
                     .output()
                     .unwrap();
-                if !out.status.success() {
+                let stderr = String::from_utf8_lossy(&out.stderr);
+                if !out.status.success() || stderr.contains("Deprecated") {
                     failures.push(format!(
-                        "{}: ConfigMap {} key {k:?} fails envoy --mode validate:\n{}",
+                        "{}: ConfigMap {} key {k:?} fails envoy --mode validate (or uses a deprecated field):\n{}",
                         r.name,
                         cm["metadata"]["name"].as_str().unwrap_or("?"),
-                        String::from_utf8_lossy(&out.stderr)
+                        stderr
                     ));
                 }
             }
