@@ -7,6 +7,7 @@
 //! - the non-inference route never calls kv-router and is served with kv-router down;
 //! - a client-forged `x-gateway-destination-endpoint` is ignored (router up and down);
 //! - with kv-router down the inference route fails open to round robin.
+//!
 //! It also checks that every metric the Grafana dashboard queries is exported by the running
 //! kv-router (or by this Envoy, for the `envoy_*` fail-open counters).
 

@@ -182,6 +182,19 @@ mod tests {
     }
 
     #[test]
+    fn documented_block_spells_out_the_defaults() {
+        let doc = include_str!("../../docs/config.md");
+        let start = doc.find("```yaml\n").unwrap() + 8;
+        let end = start + doc[start..].find("```").unwrap();
+        let cfg = Config::from_yaml(&doc[start..end]).unwrap();
+        let want = KubernetesConfig {
+            selector: "app=vllm".into(),
+            ..Default::default()
+        };
+        assert_eq!(cfg.pods.kubernetes, Some(want));
+    }
+
+    #[test]
     fn bad_values_name_their_keys() {
         let err = Config::from_yaml(
             "pods:\n  kubernetes: { namespace: Bad_NS, port: 0, refresh_ms: 0 }\n",

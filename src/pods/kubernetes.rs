@@ -26,7 +26,7 @@ use tracing::{debug, info, warn};
 
 use super::{PodId, PodSource, PodSourceError, PodSpec};
 use crate::config::{KubernetesConfig, PortRef};
-use crate::telemetry::{KindLabels, Metrics};
+use crate::telemetry::Metrics;
 
 /// API group of InferencePool.
 pub const POOL_GROUP: &str = "inference.networking.k8s.io";
@@ -229,7 +229,7 @@ struct Watch {
 impl Watch {
     fn count(&self, kind: &'static str) {
         if let Some(m) = &self.metrics {
-            m.errors.get_or_create(&KindLabels { kind }).inc();
+            m.error(kind);
         }
     }
 
