@@ -370,6 +370,26 @@ fn decisions_by_pod(metrics: &str) -> BTreeMap<String, u64> {
     out
 }
 
+/// Three GETs of the non-inference route answer 200.
+async fn models_route_serves(client: &reqwest::Client, base: &str, when: &str) {
+    for _ in 0..3 {
+        let r = client
+            .get(format!("{base}/v1/models"))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200, "GET /v1/models with {when}");
+    }
+}
+
+/// Sum of every sample of `name` in a Prometheus text scrape.
+fn sum_samples(text: &str, name: &str) -> f64 {
+    text.lines()
+        .filter(|l| l.starts_with(name))
+        .map(|l| l.rsplit(' ').next().unwrap().parse::<f64>().unwrap())
+        .sum()
+}
+
 /// Every metric name a scrape exposes, counting the suffixes of counters and histograms.
 fn exported_names(text: &str) -> BTreeSet<String> {
     let mut names = BTreeSet::new();
@@ -590,26 +610,10 @@ async fn patched_istio_gateway_steers_and_fails_open() {
     );
 
     // 2. The non-inference route never reaches kv-router.
-    let streams_before = metrics(&router)
-        .await
-        .lines()
-        .filter(|l| l.starts_with("kv_router_extproc_streams_total"))
-        .map(|l| l.rsplit(' ').next().unwrap().parse::<f64>().unwrap())
-        .sum::<f64>();
-    for _ in 0..3 {
-        let r = client
-            .get(format!("{base}/v1/models"))
-            .send()
-            .await
-            .unwrap();
-        assert_eq!(r.status(), 200);
-    }
-    let streams_after = metrics(&router)
-        .await
-        .lines()
-        .filter(|l| l.starts_with("kv_router_extproc_streams_total"))
-        .map(|l| l.rsplit(' ').next().unwrap().parse::<f64>().unwrap())
-        .sum::<f64>();
+    let streams = "kv_router_extproc_streams_total";
+    let streams_before = sum_samples(&metrics(&router).await, streams);
+    models_route_serves(&client, &base, "kv-router up").await;
+    let streams_after = sum_samples(&metrics(&router).await, streams);
     assert_eq!(
         streams_before, streams_after,
         "/v1/models went through kv-router"
@@ -687,14 +691,7 @@ async fn patched_istio_gateway_steers_and_fails_open() {
     // 5. kv-router down: the non-inference route is untouched, the inference route fails open to
     //    round robin, and a forged header still steers nothing.
     router.kill();
-    for _ in 0..3 {
-        let r = client
-            .get(format!("{base}/v1/models"))
-            .send()
-            .await
-            .unwrap();
-        assert_eq!(r.status(), 200, "non-inference route with kv-router down");
-    }
+    models_route_serves(&client, &base, "kv-router down").await;
     let mut spread = BTreeSet::new();
     for i in 0..6u64 {
         let o = common::post_to(

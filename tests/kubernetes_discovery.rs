@@ -60,6 +60,11 @@ async fn expect(src: &KubernetesSource, want: &[&str], what: &str) {
     }
 }
 
+/// A pod in namespace `llm` serving on the configured port.
+fn put(stub: &KubeStub, name: &str, labels: serde_json::Value, ip: Option<&str>, ready: bool) {
+    stub.apply(Kind::Pod, pod(NS, name, labels, ip, ready, &[]));
+}
+
 fn metrics() -> Arc<Metrics> {
     let mut reg = prometheus_client::registry::Registry::default();
     Arc::new(Metrics::new(&mut reg))
@@ -91,26 +96,10 @@ fn rbac_triples(rules: &[RbacRule]) -> BTreeSet<(String, String, String)> {
 async fn selector_watch_tracks_adds_readiness_terminations_and_deletes() {
     let stub = KubeStub::start().await;
     let vllm = json!({"app": "vllm"});
-    stub.apply(
-        Kind::Pod,
-        pod(NS, "a", vllm.clone(), Some("10.1.0.1"), true, &[]),
-    );
-    stub.apply(
-        Kind::Pod,
-        pod(NS, "b", vllm.clone(), Some("10.1.0.2"), false, &[]),
-    );
-    stub.apply(
-        Kind::Pod,
-        pod(
-            NS,
-            "c",
-            json!({"app": "other"}),
-            Some("10.1.0.3"),
-            true,
-            &[],
-        ),
-    );
-    stub.apply(Kind::Pod, pod(NS, "d", vllm.clone(), None, false, &[])); // scheduled, no IP yet
+    put(&stub, "a", vllm.clone(), Some("10.1.0.1"), true);
+    put(&stub, "b", vllm.clone(), Some("10.1.0.2"), false);
+    put(&stub, "c", json!({"app": "other"}), Some("10.1.0.3"), true);
+    put(&stub, "d", vllm.clone(), None, false); // scheduled, no IP yet
     stub.apply(
         Kind::Pod,
         pod("elsewhere", "e", vllm.clone(), Some("10.1.0.5"), true, &[]),
@@ -127,20 +116,11 @@ async fn selector_watch_tracks_adds_readiness_terminations_and_deletes() {
     )
     .await;
 
-    stub.apply(
-        Kind::Pod,
-        pod(NS, "b", vllm.clone(), Some("10.1.0.2"), true, &[]),
-    );
+    put(&stub, "b", vllm.clone(), Some("10.1.0.2"), true);
     expect(&src, &["10.1.0.1:8000", "10.1.0.2:8000"], "b turned Ready").await;
-    stub.apply(
-        Kind::Pod,
-        pod(NS, "a", vllm.clone(), Some("10.1.0.1"), false, &[]),
-    );
+    put(&stub, "a", vllm.clone(), Some("10.1.0.1"), false);
     expect(&src, &["10.1.0.2:8000"], "a turned NotReady").await;
-    stub.apply(
-        Kind::Pod,
-        pod(NS, "d", vllm.clone(), Some("10.1.0.4"), true, &[]),
-    );
+    put(&stub, "d", vllm.clone(), Some("10.1.0.4"), true);
     expect(
         &src,
         &["10.1.0.2:8000", "10.1.0.4:8000"],
@@ -152,27 +132,14 @@ async fn selector_watch_tracks_adds_readiness_terminations_and_deletes() {
     stub.apply(Kind::Pod, terminating);
     expect(&src, &["10.1.0.4:8000"], "b is terminating").await;
     stub.delete(Kind::Pod, NS, "b");
-    stub.apply(
-        Kind::Pod,
-        pod(NS, "c", vllm.clone(), Some("10.1.0.3"), true, &[]),
-    );
+    put(&stub, "c", vllm.clone(), Some("10.1.0.3"), true);
     expect(
         &src,
         &["10.1.0.3:8000", "10.1.0.4:8000"],
         "c relabelled into the selection",
     )
     .await;
-    stub.apply(
-        Kind::Pod,
-        pod(
-            NS,
-            "c",
-            json!({"app": "other"}),
-            Some("10.1.0.3"),
-            true,
-            &[],
-        ),
-    );
+    put(&stub, "c", json!({"app": "other"}), Some("10.1.0.3"), true);
     expect(&src, &["10.1.0.4:8000"], "c relabelled out of it").await;
     stub.bookmark();
     stub.delete(Kind::Pod, NS, "d");
@@ -196,10 +163,7 @@ async fn selector_watch_tracks_adds_readiness_terminations_and_deletes() {
 #[tokio::test]
 async fn ended_watch_resumes_from_its_resource_version() {
     let stub = KubeStub::start().await;
-    stub.apply(
-        Kind::Pod,
-        pod(NS, "a", json!({"app": "vllm"}), Some("10.2.0.1"), true, &[]),
-    );
+    put(&stub, "a", json!({"app": "vllm"}), Some("10.2.0.1"), true);
     let src = KubernetesSource::start(selector_cfg(&stub), vec![], None)
         .await
         .unwrap();
@@ -237,14 +201,8 @@ async fn ended_watch_resumes_from_its_resource_version() {
 async fn gone_forces_a_relist_that_drops_what_vanished() {
     let stub = KubeStub::start().await;
     let vllm = json!({"app": "vllm"});
-    stub.apply(
-        Kind::Pod,
-        pod(NS, "a", vllm.clone(), Some("10.3.0.1"), true, &[]),
-    );
-    stub.apply(
-        Kind::Pod,
-        pod(NS, "b", vllm.clone(), Some("10.3.0.2"), true, &[]),
-    );
+    put(&stub, "a", vllm.clone(), Some("10.3.0.1"), true);
+    put(&stub, "b", vllm.clone(), Some("10.3.0.2"), true);
     let m = metrics();
     let src = KubernetesSource::start(selector_cfg(&stub), vec![], Some(m.clone()))
         .await
@@ -274,7 +232,7 @@ async fn gone_forces_a_relist_that_drops_what_vanished() {
         "410 Gone must force exactly one relist: {reqs:?}"
     );
     // Still watching after the relist.
-    stub.apply(Kind::Pod, pod(NS, "d", vllm, Some("10.3.0.4"), true, &[]));
+    put(&stub, "d", vllm, Some("10.3.0.4"), true);
     expect(
         &src,
         &["10.3.0.2:8000", "10.3.0.3:8000", "10.3.0.4:8000"],
@@ -372,10 +330,7 @@ async fn inference_pool_selector_and_target_ports_are_followed() {
 #[tokio::test]
 async fn a_bad_token_is_an_error_and_counted_not_a_crash() {
     let stub = KubeStub::start().await;
-    stub.apply(
-        Kind::Pod,
-        pod(NS, "a", json!({"app": "vllm"}), Some("10.5.0.1"), true, &[]),
-    );
+    put(&stub, "a", json!({"app": "vllm"}), Some("10.5.0.1"), true);
     let cfg = selector_cfg(&stub);
     let path = cfg.kubeconfig.clone().unwrap();
     let text = std::fs::read_to_string(&path).unwrap();

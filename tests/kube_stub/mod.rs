@@ -129,10 +129,10 @@ impl KubeStub {
             tx,
         });
         let app = Router::new()
-            .route("/api/v1/namespaces/{ns}/pods", get(pods))
+            .route("/api/v1/namespaces/{ns}/pods", get(handler(Kind::Pod)))
             .route(
                 "/apis/inference.networking.k8s.io/v1/namespaces/{ns}/inferencepools",
-                get(pools),
+                get(handler(Kind::Pool)),
             )
             .fallback(|| async { (StatusCode::NOT_FOUND, "not served by the stub") })
             .with_state(shared.clone());
@@ -314,22 +314,14 @@ pub fn pool(ns: &str, name: &str, match_labels: Value, ports: &[u16]) -> Value {
 
 type Params = Query<BTreeMap<String, String>>;
 
-async fn pods(
-    State(s): State<Arc<Shared>>,
-    Path(ns): Path<String>,
-    headers: HeaderMap,
-    Query(q): Params,
-) -> Response {
-    serve(s, Kind::Pod, ns, headers, q)
-}
-
-async fn pools(
-    State(s): State<Arc<Shared>>,
-    Path(ns): Path<String>,
-    headers: HeaderMap,
-    Query(q): Params,
-) -> Response {
-    serve(s, Kind::Pool, ns, headers, q)
+/// The list/watch handler for one kind.
+fn handler(
+    kind: Kind,
+) -> impl Fn(State<Arc<Shared>>, Path<String>, HeaderMap, Params) -> std::future::Ready<Response>
+       + Clone
+       + Send
+       + 'static {
+    move |State(s), Path(ns), headers, Query(q)| std::future::ready(serve(s, kind, ns, headers, q))
 }
 
 fn status(code: u16, reason: &str, message: &str) -> Value {
