@@ -8,6 +8,7 @@
 //!   Role grants exactly what the discovery code calls;
 //! - `deploy/kind/demo.sh` passes shellcheck; the Dockerfile passes hadolint and copies only
 //!   paths that exist and that `.dockerignore` keeps.
+#![cfg(feature = "kubernetes")]
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs;

@@ -3,6 +3,7 @@
 //! ends and is resumed from its resourceVersion, 410 Gone forcing a relist, InferencePool mode,
 //! and the RBAC the code needs. The last test runs the kv-router binary against the stub with
 //! simulated pods and checks that departed pods are forgotten (index entries, metric series).
+#![cfg(feature = "kubernetes")]
 
 mod common;
 mod kube_stub;
