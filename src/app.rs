@@ -123,6 +123,13 @@ pub async fn run(cfg: Config, tokenizers: TokenizerRegistry) -> anyhow::Result<(
         refresh_ms = refresh_ms.min(d.refresh_ms);
         sources.push(Box::new(DnsSource::new(d.clone(), cfg.pods.models.clone())));
     }
+    #[cfg(feature = "kubernetes")]
+    if let Some(k) = &cfg.pods.kubernetes {
+        refresh_ms = refresh_ms.min(k.refresh_ms);
+        let models = cfg.pods.models.clone();
+        let source = crate::pods::KubernetesSource::start(k.clone(), models, Some(errors.clone()));
+        sources.push(Box::new(source.await?));
+    }
     // Static-only pod sets never change, but the first pass must happen now.
     let first: Vec<_> = futures::future::join_all(sources.iter().map(|s| s.pods())).await;
     let mut specs = Vec::new();

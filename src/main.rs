@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-use kv_router::config::Config;
+use kv_router::config::{Config, KubernetesOverrides};
 use kv_router::keys::load_tokenizers;
 use kv_router::tokenize::TokenizerRegistry;
 
@@ -24,13 +24,19 @@ struct Cli {
 enum Command {
     /// Run the ext_proc, Pick and admin servers.
     Serve {
-        /// Path to router.yaml (see docs/config.md).
+        /// Path to router.yaml (see docs/config.md), or a directory of YAML layers merged in name order.
         #[arg(long, short)]
         config: PathBuf,
+        /// Discover pods from this InferencePool (sets pods.kubernetes.pool.name; GIE EPP flag).
+        #[arg(long)]
+        pool_name: Option<String>,
+        /// Namespace of that InferencePool (sets pods.kubernetes.pool.namespace).
+        #[arg(long)]
+        pool_namespace: Option<String>,
     },
     /// Validate a config file and list every problem.
     CheckConfig {
-        /// Path to router.yaml.
+        /// Path to router.yaml, or a directory of YAML layers.
         file: PathBuf,
     },
 }
@@ -40,8 +46,11 @@ const BAD_CONFIG: u8 = 64;
 
 /// Loads and validates a config file, tokenizer files included (a missing or broken tokenizer
 /// is a config error).
-fn load(file: &Path) -> Result<(Config, TokenizerRegistry), String> {
-    let cfg = Config::load(file).map_err(|e| format!("{}: {e}", file.display()))?;
+fn load(
+    file: &Path,
+    overrides: KubernetesOverrides,
+) -> Result<(Config, TokenizerRegistry), String> {
+    let cfg = Config::load_with(file, overrides).map_err(|e| format!("{}: {e}", file.display()))?;
     let tokenizers = load_tokenizers(&cfg.tokenizers)
         .map_err(|e| format!("{}: tokenizers: {e}", file.display()))?;
     Ok((cfg, tokenizers))
@@ -50,7 +59,7 @@ fn load(file: &Path) -> Result<(Config, TokenizerRegistry), String> {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
-        Command::CheckConfig { file } => match load(&file) {
+        Command::CheckConfig { file } => match load(&file, KubernetesOverrides::default()) {
             Ok(_) => {
                 println!("{}: OK", file.display());
                 ExitCode::SUCCESS
@@ -60,8 +69,16 @@ fn main() -> ExitCode {
                 ExitCode::from(BAD_CONFIG)
             }
         },
-        Command::Serve { config } => {
-            let (cfg, tokenizers) = match load(&config) {
+        Command::Serve {
+            config,
+            pool_name,
+            pool_namespace,
+        } => {
+            let overrides = KubernetesOverrides {
+                pool_name,
+                pool_namespace,
+            };
+            let (cfg, tokenizers) = match load(&config, overrides) {
                 Ok(loaded) => loaded,
                 Err(e) => {
                     eprintln!("{e}");

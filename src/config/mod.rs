@@ -8,6 +8,10 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
+mod kubernetes;
+mod load;
+pub use kubernetes::{KubernetesConfig, KubernetesOverrides, PoolRef, PortRef};
+
 /// Root of `router.yaml`.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(default, deny_unknown_fields)]
@@ -354,7 +358,9 @@ pub struct PodsConfig {
     pub static_pods: Vec<StaticPod>,
     /// Headless-service DNS names re-resolved periodically.
     pub dns: Vec<DnsSource>,
-    /// Models served by DNS-discovered pods; empty = learn from each pod's `/v1/models`.
+    /// Pods watched through the Kubernetes API (label selector or InferencePool).
+    pub kubernetes: Option<KubernetesConfig>,
+    /// Models served by DNS/Kubernetes-discovered pods; empty = learn from each pod's `/v1/models`.
     pub models: Vec<String>,
     /// Health probe (`GET /health`) period.
     pub health_interval_ms: u64,
@@ -375,6 +381,7 @@ impl Default for PodsConfig {
         Self {
             static_pods: Vec::new(),
             dns: Vec::new(),
+            kubernetes: None,
             models: Vec::new(),
             health_interval_ms: 1_000,
             unhealthy_after: 2,
@@ -612,10 +619,18 @@ impl Config {
                 bad(&format!("pods.dns[{i}].refresh_ms"), "must be positive");
             }
         }
-        if self.pods.static_pods.is_empty() && self.pods.dns.is_empty() {
+        if let Some(k) = &self.pods.kubernetes {
+            for (key, reason) in kubernetes::problems(k) {
+                bad(&key, &reason);
+            }
+        }
+        if self.pods.static_pods.is_empty()
+            && self.pods.dns.is_empty()
+            && self.pods.kubernetes.is_none()
+        {
             bad(
                 "pods",
-                "list at least one pod under pods.static or a name under pods.dns",
+                "list at least one pod under pods.static, a name under pods.dns, or set pods.kubernetes",
             );
         }
         for (key, v) in [
@@ -728,6 +743,7 @@ mod tests {
         let mut expected = Config::default();
         expected.pods.static_pods = cfg.pods.static_pods.clone();
         expected.pods.dns = cfg.pods.dns.clone();
+        expected.pods.kubernetes = cfg.pods.kubernetes.clone();
         assert_eq!(cfg, expected);
     }
 }

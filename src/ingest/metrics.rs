@@ -360,6 +360,28 @@ impl IngestMetrics {
         self.lag.observe(seconds);
     }
 
+    /// Creates a pod's series at zero when its subscription starts, so a dashboard reads 0
+    /// (not "no data") for faults that have not happened and `rate()` sees the first one.
+    pub(crate) fn init_pod(&self, pod: &str) {
+        let l = PodLabel {
+            pod: pod.to_string(),
+        };
+        self.gaps.get_or_create(&l);
+        self.apply_errors.get_or_create(&l);
+        self.restarts.get_or_create(&l);
+        fn zero_all<T: LabelType>(family: &Family<PodType<T>, Counter>, pod: &str, all: &[T]) {
+            for &t in all {
+                family.get_or_create(&typed(pod, t));
+            }
+        }
+        zero_all(&self.applied, pod, EventType::ALL);
+        zero_all(&self.replays, pod, ReplayOutcome::ALL);
+        zero_all(&self.purges, pod, PurgeType::ALL);
+        zero_all(&self.decode_errors, pod, DecodeErrorType::ALL);
+        zero_all(&self.blocks, pod, BlockOutcome::ALL);
+        zero_all(&self.skipped, pod, SkipReason::ALL);
+    }
+
     /// Drops every series of a pod that left.
     pub(crate) fn forget_pod(&self, pod: &str) {
         let l = PodLabel {
@@ -390,6 +412,25 @@ mod tests {
         let mut out = String::new();
         prometheus_client::encoding::text::encode(&mut out, reg).unwrap();
         out
+    }
+
+    #[test]
+    fn a_started_pod_exports_every_fault_series_at_zero_and_forgetting_drops_them() {
+        let mut reg = Registry::default();
+        let m = IngestMetrics::register(&mut reg);
+        m.init_pod("p:1");
+        let out = text(&reg);
+        for line in [
+            r#"kv_router_kv_event_gaps_total{pod="p:1"} 0"#,
+            r#"kv_router_kv_event_replays_total{pod="p:1",type="failed"} 0"#,
+            r#"kv_router_kv_event_purges_total{pod="p:1",type="restart"} 0"#,
+            r#"kv_router_kv_event_decode_errors_total{pod="p:1",type="msgpack"} 0"#,
+            r#"kv_router_kv_event_apply_errors_total{pod="p:1"} 0"#,
+        ] {
+            assert!(out.contains(line), "missing {line} in\n{out}");
+        }
+        m.forget_pod("p:1");
+        assert!(!text(&reg).contains("p:1"));
     }
 
     #[test]

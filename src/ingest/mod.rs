@@ -106,6 +106,7 @@ pub(crate) async fn run(
             match subscriber::spawn(spec.clone(), name) {
                 Ok((handle, rx)) => {
                     info!(pod = %key.0, rank = key.1, endpoint = %spec.endpoint, "KV-event subscription started");
+                    metrics.init_pod(key.0.as_str());
                     let task =
                         tokio::spawn(apply_loop(pod, key.1, rx, index.clone(), metrics.clone()));
                     running.insert(
@@ -273,6 +274,13 @@ mod tests {
         out
     }
 
+    /// The value of the series `name{labels}` (0 when absent: series start at zero).
+    fn value(text: &str, series: &str) -> f64 {
+        text.lines()
+            .find_map(|l| l.strip_prefix(series)?.trim().parse().ok())
+            .unwrap_or(0.0)
+    }
+
     /// Polls `cond` on the metrics text for up to 10 s.
     async fn wait_for(registry: &Registry, what: &str, cond: impl Fn(&str) -> bool) {
         let deadline = Instant::now() + Duration::from_secs(10);
@@ -323,7 +331,7 @@ mod tests {
             format!(r#"kv_router_kv_events_applied_total{{pod="{id}",type="BlockStored"}}"#);
         let mut seq = 0u64;
         let deadline = Instant::now() + Duration::from_secs(10);
-        while !text(&registry).contains(&applied) {
+        while value(&text(&registry), &applied) == 0.0 {
             assert!(Instant::now() < deadline, "no batch applied");
             let payload = if seq.is_multiple_of(2) {
                 stored.clone()
@@ -342,15 +350,17 @@ mod tests {
             vec![2.0]
         );
         wait_for(&registry, "a decode error", |t| {
-            t.contains(&format!(
-                r#"kv_router_kv_event_decode_errors_total{{pod="{id}",type="#
-            ))
+            let prefix = format!(r#"kv_router_kv_event_decode_errors_total{{pod="{id}","#);
+            t.lines()
+                .filter(|l| l.starts_with(&prefix))
+                .any(|l| !l.ends_with(" 0"))
         })
         .await;
         assert!(
-            text(&registry).contains(&format!(
-                r#"kv_router_kv_event_blocks_total{{pod="{id}",type="stored"}}"#
-            )),
+            value(
+                &text(&registry),
+                &format!(r#"kv_router_kv_event_blocks_total{{pod="{id}",type="stored"}}"#)
+            ) > 0.0,
             "ApplyStats reach the metrics"
         );
         pods.update(Vec::new());

@@ -2,6 +2,8 @@
 //! state (health, scraped load, router in-flight accounting) and the sources that list pods.
 
 mod inflight;
+#[cfg(feature = "kubernetes")]
+pub mod kubernetes;
 mod metrics;
 mod probe;
 mod source;
@@ -19,6 +21,8 @@ use serde::Serialize;
 use tokio::time::Instant;
 
 pub use inflight::{prefill_time, InflightGuard, Settling, Timestamp};
+#[cfg(feature = "kubernetes")]
+pub use kubernetes::KubernetesSource;
 pub use metrics::PodMetrics;
 pub use probe::parse_vllm_metrics;
 pub(crate) use probe::Prober;

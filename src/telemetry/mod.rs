@@ -34,6 +34,10 @@ pub enum ErrorKind {
     BodyTooLarge,
     /// A pod source (static list, DNS) failed.
     PodSource,
+    /// The Kubernetes watch failed (it retries with backoff).
+    KubernetesWatch,
+    /// The Kubernetes watch task ended and was restarted.
+    KubernetesRestart,
 }
 
 impl ErrorKind {
@@ -50,6 +54,8 @@ impl ErrorKind {
             ErrorKind::BadRequest => "bad_request",
             ErrorKind::BodyTooLarge => "body_too_large",
             ErrorKind::PodSource => "pod_source",
+            ErrorKind::KubernetesWatch => "kubernetes_watch",
+            ErrorKind::KubernetesRestart => "kubernetes_restart",
         }
     }
 }

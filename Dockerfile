@@ -1,0 +1,33 @@
+# syntax=docker/dockerfile:1
+# kv-router image: /usr/local/bin/kv-router (the picker) and /usr/local/bin/vllm-sim (simulated
+# vLLM pods for the kind demo and CPU-only tests). Build: `make image` (docker build).
+# The deploy/ manifests run kv-router as `serve --config /etc/kv-router` and vllm-sim by command.
+
+ARG RUST_VERSION=1.95
+
+FROM rust:${RUST_VERSION}-bookworm AS build
+# g++/make build the vendored libzmq (zeromq-src) and Oniguruma (onig_sys); protoc is vendored.
+# hadolint ignore=DL3008
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends g++ make \
+ && rm -rf /var/lib/apt/lists/*
+WORKDIR /build
+COPY Cargo.toml Cargo.lock build.rs ./
+COPY proto/ proto/
+COPY src/ src/
+COPY benches/ benches/
+RUN --mount=type=cache,target=/usr/local/cargo/registry \
+    --mount=type=cache,target=/build/target \
+    cargo build --release --locked --bin kv-router --bin vllm-sim \
+ && mkdir -p /out \
+ && cp target/release/kv-router target/release/vllm-sim /out/
+
+# glibc + libstdc++ (libzmq is C++), no shell, no package manager.
+FROM gcr.io/distroless/cc-debian12:nonroot
+COPY --from=build /out/kv-router /out/vllm-sim /usr/local/bin/
+COPY README.md /usr/share/doc/kv-router/
+USER 65532:65532
+# 9002: ext_proc + Pick + grpc.health.v1; 9090: /metrics /readyz /debug/* (keep off the data plane)
+EXPOSE 9002 9090
+ENTRYPOINT ["/usr/local/bin/kv-router"]
+CMD ["serve", "--config", "/etc/kv-router"]

