@@ -366,12 +366,13 @@ impl IngestMetrics {
         let l = PodLabel {
             pod: pod.to_string(),
         };
-        self.gaps.get_or_create(&l);
-        self.apply_errors.get_or_create(&l);
-        self.restarts.get_or_create(&l);
+        // The returned guards are dropped at once: only the series' creation matters here.
+        drop(self.gaps.get_or_create(&l));
+        drop(self.apply_errors.get_or_create(&l));
+        drop(self.restarts.get_or_create(&l));
         fn zero_all<T: LabelType>(family: &Family<PodType<T>, Counter>, pod: &str, all: &[T]) {
             for &t in all {
-                family.get_or_create(&typed(pod, t));
+                drop(family.get_or_create(&typed(pod, t)));
             }
         }
         zero_all(&self.applied, pod, EventType::ALL);
