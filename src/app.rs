@@ -223,7 +223,8 @@ pub async fn run(cfg: Config, tokenizers: TokenizerRegistry) -> anyhow::Result<(
         cfg.destination_header,
     );
     let grpc_addr = cfg.grpc_addr();
-    let limit = cfg.body_limit_bytes + (1 << 20);
+    // Validated to at most 1 GiB; saturating all the same so no value can wrap the limit.
+    let limit = cfg.body_limit_bytes.saturating_add(1 << 20);
     let grpc = tonic::transport::Server::builder()
         .http2_keepalive_interval(Some(Duration::from_secs(30)))
         .add_service(health_service)

@@ -8,8 +8,10 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
+mod bounds;
 mod kubernetes;
 mod load;
+pub use bounds::{check_yaml_shape, MAX_YAML_BYTES};
 pub use kubernetes::{KubernetesConfig, KubernetesOverrides, PoolRef, PortRef};
 
 /// Root of `router.yaml`.
@@ -374,6 +376,8 @@ pub struct PodsConfig {
     pub probe_timeout_ms: u64,
     /// How often `/v1/models` is re-read for pods without configured models.
     pub models_refresh_ms: u64,
+    /// Largest `/metrics` or `/v1/models` body read from a pod; a larger one fails the probe.
+    pub max_response_bytes: usize,
 }
 
 impl Default for PodsConfig {
@@ -389,6 +393,7 @@ impl Default for PodsConfig {
             stale_after_ms: 2_000,
             probe_timeout_ms: 1_000,
             models_refresh_ms: 30_000,
+            max_response_bytes: 8 << 20,
         }
     }
 }
@@ -473,6 +478,9 @@ pub enum ConfigError {
     /// The YAML does not match the schema.
     #[error("invalid YAML: {0}")]
     Yaml(#[from] serde_yaml::Error),
+    /// The text is too large or too deeply nested to parse.
+    #[error("YAML refused before parsing: {0}")]
+    Shape(String),
     /// One or more values are out of range (all listed).
     #[error("invalid configuration:\n{}", .0.iter().map(|p| format!("  - {p}")).collect::<Vec<_>>().join("\n"))]
     Invalid(Vec<Problem>),
@@ -508,6 +516,7 @@ impl Config {
         let cfg: Config = if text.trim().is_empty() {
             Config::default()
         } else {
+            check_yaml_shape(text)?;
             serde_yaml::from_str(text)?
         };
         cfg.validate()
@@ -676,6 +685,7 @@ impl Config {
         if self.pods.unhealthy_after == 0 {
             bad("pods.unhealthy_after", "must be at least 1");
         }
+        bounds::upper_bounds(&self, &mut bad);
         if p.is_empty() {
             Ok(self)
         } else {

@@ -38,6 +38,8 @@ pub enum ErrorKind {
     KubernetesWatch,
     /// The Kubernetes watch task ended and was restarted.
     KubernetesRestart,
+    /// A probe or scrape of one pod panicked (that pod's round is lost, nothing else).
+    ProbePanic,
 }
 
 impl ErrorKind {
@@ -56,6 +58,7 @@ impl ErrorKind {
             ErrorKind::PodSource => "pod_source",
             ErrorKind::KubernetesWatch => "kubernetes_watch",
             ErrorKind::KubernetesRestart => "kubernetes_restart",
+            ErrorKind::ProbePanic => "probe_panic",
         }
     }
 }
