@@ -18,6 +18,7 @@ use crate::decide::{DecideRequest, Decider};
 use crate::extproc::reply::Rejection;
 use crate::pods::PodRegistry;
 use crate::scoring::SessionStore;
+use crate::supervise::Supervisor;
 
 /// What the admin handlers read.
 #[derive(Clone)]
@@ -34,6 +35,8 @@ pub struct AdminState {
     pub stale_after: Duration,
     /// Routing mode description.
     pub mode: &'static str,
+    /// Background loops (readiness fails while one is down).
+    pub supervisor: Supervisor,
 }
 
 /// The admin router.
@@ -63,7 +66,11 @@ async fn metrics(State(s): State<AdminState>) -> Response {
 }
 
 async fn readyz(State(s): State<AdminState>) -> Response {
-    if s.pods.any_healthy() {
+    let down = s.supervisor.down();
+    if !down.is_empty() {
+        let msg = format!("background task down, restarting: {}", down.join(", "));
+        (StatusCode::SERVICE_UNAVAILABLE, msg).into_response()
+    } else if s.pods.any_healthy() {
         "ready".into_response()
     } else {
         (StatusCode::SERVICE_UNAVAILABLE, "no healthy pod yet").into_response()

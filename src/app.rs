@@ -20,8 +20,9 @@ use crate::index::{build_index, index_capacity};
 use crate::ingest::{self, IngestMetrics};
 use crate::pick_api::proto::picker_server::PickerServer;
 use crate::pick_api::PickService;
-use crate::pods::{DnsSource, PodMetrics, PodRegistry, PodSource, Prober, StaticSource};
+use crate::pods::{DnsSource, PodId, PodMetrics, PodRegistry, PodSource, Prober, StaticSource};
 use crate::scoring::SessionStore;
+use crate::supervise::Supervisor;
 use crate::telemetry::{ErrorKind, Errors};
 use crate::tokenize::TokenizerRegistry;
 
@@ -81,6 +82,7 @@ pub async fn run(cfg: Config, tokenizers: TokenizerRegistry) -> anyhow::Result<(
     let extproc_metrics = ExtProcMetrics::register(registry, errors.clone());
     let pod_metrics = PodMetrics::register(registry);
     let maintenance_metrics = MaintenanceMetrics::register(registry);
+    let supervisor = Supervisor::register(registry);
     let registry = Arc::new(root);
     let pods = Arc::new(PodRegistry::default());
     let index = build_index(&cfg);
@@ -95,7 +97,7 @@ pub async fn run(cfg: Config, tokenizers: TokenizerRegistry) -> anyhow::Result<(
         pods.clone(),
         index.clone(),
         sessions.clone(),
-        decision_metrics,
+        decision_metrics.clone(),
     ));
     info!(mode, policy = cfg.policy.as_str(), "kv-router starting");
     if cfg.kv_events.enabled {
@@ -105,12 +107,15 @@ pub async fn run(cfg: Config, tokenizers: TokenizerRegistry) -> anyhow::Result<(
         if cfg.tokenizers.is_empty() {
             warn!("KV events are on but no tokenizer is configured: request keys stay approximate and only speculative entries can match");
         }
-        tokio::spawn(ingest::run(
-            cfg.kv_events.clone(),
-            pods.clone(),
-            index.clone(),
-            ingest_metrics,
-        ));
+        let (ev, pods, index) = (cfg.kv_events.clone(), pods.clone(), index.clone());
+        supervisor.spawn("kv_events", move || {
+            ingest::run(
+                ev.clone(),
+                pods.clone(),
+                index.clone(),
+                ingest_metrics.clone(),
+            )
+        });
     }
 
     // Pod discovery, health, load.
@@ -150,38 +155,51 @@ pub async fn run(cfg: Config, tokenizers: TokenizerRegistry) -> anyhow::Result<(
         let sessions = sessions.clone();
         let pod_metrics = pod_metrics.clone();
         let errors = errors.clone();
-        tokio::spawn(prober.clone().run_discovery(
-            sources,
-            Duration::from_millis(refresh_ms),
-            move |gone| {
-                for pod in gone {
-                    sessions.forget_pod(&pod);
-                    pod_metrics.forget(&pod);
-                    let index = index.clone();
-                    let errors = errors.clone();
-                    tokio::spawn(async move {
-                        if let Err(e) = index.forget_pod(&pod).await {
-                            warn!(pod = %pod, error = %e, "forgetting a departed pod's index entries failed");
-                            errors.inc(ErrorKind::Index);
-                        }
-                    });
-                }
-            },
-        ));
+        let sources: Arc<[Box<dyn PodSource>]> = sources.into();
+        let on_gone: Arc<dyn Fn(Vec<PodId>) + Send + Sync> = Arc::new(move |gone: Vec<PodId>| {
+            for pod in gone {
+                sessions.forget_pod(&pod);
+                pod_metrics.forget(&pod);
+                decision_metrics.forget_pod(&pod);
+                let index = index.clone();
+                let errors = errors.clone();
+                tokio::spawn(async move {
+                    if let Err(e) = index.forget_pod(&pod).await {
+                        warn!(pod = %pod, error = %e, "forgetting a departed pod's index entries failed");
+                        errors.inc(ErrorKind::Index);
+                    }
+                });
+            }
+        });
+        let p = prober.clone();
+        let refresh = Duration::from_millis(refresh_ms);
+        supervisor.spawn("discovery", move || {
+            p.clone()
+                .run_discovery(sources.clone(), refresh, on_gone.clone())
+        });
     }
-    tokio::spawn(prober.clone().run_health());
-    tokio::spawn(prober.run_scrape());
-    tokio::spawn(maintenance(
-        cfg.clone(),
-        pods.clone(),
-        decider.clone(),
-        sessions.clone(),
-        Gauges {
+    let p = prober.clone();
+    supervisor.spawn("health", move || p.clone().run_health());
+    let p = prober.clone();
+    supervisor.spawn("scrape", move || p.clone().run_scrape());
+    {
+        let (cfg, pods, decider, sessions) =
+            (cfg.clone(), pods.clone(), decider.clone(), sessions.clone());
+        let gauges = Gauges {
             pods: pod_metrics,
             maintenance: maintenance_metrics,
             errors: errors.clone(),
-        },
-    ));
+        };
+        supervisor.spawn("maintenance", move || {
+            maintenance(
+                cfg.clone(),
+                pods.clone(),
+                decider.clone(),
+                sessions.clone(),
+                gauges.clone(),
+            )
+        });
+    }
 
     // gRPC: ext_proc + Pick + health.
     let (health_reporter, health_service) = tonic_health::server::health_reporter();
@@ -194,26 +212,10 @@ pub async fn run(cfg: Config, tokenizers: TokenizerRegistry) -> anyhow::Result<(
             .await;
     }
     {
-        let pods = pods.clone();
-        tokio::spawn(async move {
-            let mut last = None;
-            let mut tick = interval(Duration::from_millis(200));
-            loop {
-                tick.tick().await;
-                let ready = pods.any_healthy();
-                if last != Some(ready) {
-                    let status = if ready {
-                        ServingStatus::Serving
-                    } else {
-                        ServingStatus::NotServing
-                    };
-                    for svc in &HEALTH_SERVICES[1..] {
-                        health_reporter.set_service_status(*svc, status).await;
-                    }
-                    health_reporter.set_service_status("", status).await;
-                    last = Some(ready);
-                }
-            }
+        let (pods, sup) = (pods.clone(), supervisor.clone());
+        supervisor.spawn("readiness", move || {
+            let (pods, sup, health_reporter) = (pods.clone(), sup.clone(), health_reporter.clone());
+            readiness(pods, sup, health_reporter)
         });
     }
     let extproc = ExtProc::new(
@@ -242,6 +244,7 @@ pub async fn run(cfg: Config, tokenizers: TokenizerRegistry) -> anyhow::Result<(
         sessions,
         stale_after: Duration::from_millis(cfg.pods.stale_after_ms),
         mode,
+        supervisor,
     });
     let listener = tokio::net::TcpListener::bind(admin_addr)
         .await
@@ -255,7 +258,34 @@ pub async fn run(cfg: Config, tokenizers: TokenizerRegistry) -> anyhow::Result<(
     Ok(())
 }
 
+/// Keeps the gRPC readiness services equal to `ready()`: a healthy pod and no loop down.
+async fn readiness(
+    pods: Arc<PodRegistry>,
+    supervisor: Supervisor,
+    health_reporter: tonic_health::server::HealthReporter,
+) {
+    let mut last = None;
+    let mut tick = interval(Duration::from_millis(200));
+    loop {
+        tick.tick().await;
+        let ready = pods.any_healthy() && supervisor.down().is_empty();
+        if last != Some(ready) {
+            let status = if ready {
+                ServingStatus::Serving
+            } else {
+                ServingStatus::NotServing
+            };
+            for svc in &HEALTH_SERVICES[1..] {
+                health_reporter.set_service_status(*svc, status).await;
+            }
+            health_reporter.set_service_status("", status).await;
+            last = Some(ready);
+        }
+    }
+}
+
 /// What the maintenance loop reports to.
+#[derive(Clone)]
 struct Gauges {
     pods: PodMetrics,
     maintenance: MaintenanceMetrics,

@@ -34,5 +34,6 @@ pub mod picker;
 pub mod pods;
 pub mod request;
 pub mod scoring;
+pub mod supervise;
 pub mod telemetry;
 pub mod tokenize;

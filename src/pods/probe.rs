@@ -41,9 +41,9 @@ impl Prober {
     /// answer. Calls `on_gone` for every pod that left.
     pub async fn run_discovery(
         self,
-        sources: Vec<Box<dyn PodSource>>,
+        sources: Arc<[Box<dyn PodSource>]>,
         refresh: Duration,
-        on_gone: impl Fn(Vec<PodId>) + Send + 'static,
+        on_gone: Arc<dyn Fn(Vec<PodId>) + Send + Sync>,
     ) {
         let mut last: Vec<Option<Vec<PodSpec>>> = vec![None; sources.len()];
         let mut tick = interval(refresh);
