@@ -37,16 +37,20 @@ pub struct AdminState {
     pub mode: &'static str,
     /// Background loops (readiness fails while one is down).
     pub supervisor: Supervisor,
+    /// Largest `POST /debug/explain` input: the configured body limit plus room for its JSON
+    /// wrapping (axum's own default is 2 MB).
+    pub body_limit: usize,
 }
 
 /// The admin router.
 pub fn router(state: AdminState) -> Router {
+    let limit = axum::extract::DefaultBodyLimit::max(state.body_limit);
     Router::new()
         .route("/metrics", get(metrics))
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(readyz))
         .route("/debug/pods", get(debug_pods))
-        .route("/debug/explain", post(explain))
+        .route("/debug/explain", post(explain).layer(limit))
         .with_state(state)
 }
 

@@ -201,6 +201,14 @@ pub async fn run(cfg: Config, tokenizers: TokenizerRegistry) -> anyhow::Result<(
         });
     }
 
+    // Shutdown: a signal flips `stopping`; readiness goes NOT_SERVING before the servers stop.
+    let (stop_tx, stopping) = tokio::sync::watch::channel(false);
+    tokio::spawn(async move {
+        shutdown_signal().await;
+        info!("shutdown signal: readiness NOT_SERVING, draining");
+        let _ = stop_tx.send(true);
+    });
+
     // gRPC: ext_proc + Pick + health.
     let (health_reporter, health_service) = tonic_health::server::health_reporter();
     health_reporter
@@ -212,10 +220,10 @@ pub async fn run(cfg: Config, tokenizers: TokenizerRegistry) -> anyhow::Result<(
             .await;
     }
     {
-        let (pods, sup) = (pods.clone(), supervisor.clone());
+        let (pods, sup, stopping) = (pods.clone(), supervisor.clone(), stopping.clone());
         supervisor.spawn("readiness", move || {
             let (pods, sup, health_reporter) = (pods.clone(), sup.clone(), health_reporter.clone());
-            readiness(pods, sup, health_reporter)
+            readiness(pods, sup, health_reporter, stopping.clone())
         });
     }
     let extproc = ExtProc::new(
@@ -229,12 +237,14 @@ pub async fn run(cfg: Config, tokenizers: TokenizerRegistry) -> anyhow::Result<(
     let limit = cfg.body_limit_bytes.saturating_add(1 << 20);
     let grpc = tonic::transport::Server::builder()
         .http2_keepalive_interval(Some(Duration::from_secs(30)))
+        .max_concurrent_streams(Some(cfg.server.max_concurrent_streams))
         .add_service(health_service)
         .add_service(ExternalProcessorServer::new(extproc).max_decoding_message_size(limit))
         .add_service(
-            PickerServer::new(PickService::new(decider.clone())).max_decoding_message_size(limit),
+            PickerServer::new(PickService::new(decider.clone(), cfg.pick_api.clone()))
+                .max_decoding_message_size(limit),
         )
-        .serve_with_shutdown(grpc_addr, shutdown_signal());
+        .serve_with_shutdown(grpc_addr, stopped(stopping.clone()));
 
     let admin_addr = cfg.admin_addr();
     let admin_app = admin::router(AdminState {
@@ -245,30 +255,60 @@ pub async fn run(cfg: Config, tokenizers: TokenizerRegistry) -> anyhow::Result<(
         stale_after: Duration::from_millis(cfg.pods.stale_after_ms),
         mode,
         supervisor,
+        // An explain input wraps a body as a JSON string: escaping may double it.
+        body_limit: cfg
+            .body_limit_bytes
+            .saturating_mul(2)
+            .saturating_add(1 << 20),
     });
     let listener = tokio::net::TcpListener::bind(admin_addr)
         .await
         .with_context(|| format!("binding admin listener {admin_addr}"))?;
-    let admin = axum::serve(listener, admin_app).with_graceful_shutdown(shutdown_signal());
+    let admin = std::future::IntoFuture::into_future(
+        axum::serve(listener, admin_app).with_graceful_shutdown(stopped(stopping.clone())),
+    );
     info!(grpc = %grpc_addr, admin = %admin_addr, "kv-router listening");
-    let (g, a) = tokio::join!(grpc, admin);
-    g.with_context(|| format!("gRPC server on {grpc_addr}"))?;
-    a.with_context(|| format!("admin server on {admin_addr}"))?;
+    let servers = async {
+        let (g, a) = tokio::join!(grpc, admin);
+        g.with_context(|| format!("gRPC server on {grpc_addr}"))?;
+        a.with_context(|| format!("admin server on {admin_addr}"))
+    };
+    // Graceful shutdown waits for every open stream; past the grace period they are closed
+    // (dropping the servers) so the process exits inside Kubernetes' termination grace.
+    let grace = Duration::from_millis(cfg.server.shutdown_grace_ms);
+    let deadline = async {
+        stopped(stopping.clone()).await;
+        tokio::time::sleep(grace).await;
+    };
+    tokio::select! {
+        r = servers => r?,
+        () = deadline => warn!(grace_ms = cfg.server.shutdown_grace_ms, "shutdown grace period over: closing the remaining streams"),
+    }
     info!("kv-router stopped");
     Ok(())
 }
 
-/// Keeps the gRPC readiness services equal to `ready()`: a healthy pod and no loop down.
+/// Resolves once shutdown has begun.
+async fn stopped(mut stopping: tokio::sync::watch::Receiver<bool>) {
+    let _ = stopping.wait_for(|s| *s).await;
+}
+
+/// Keeps the gRPC readiness services equal to: not stopping, a healthy pod and no loop down.
 async fn readiness(
     pods: Arc<PodRegistry>,
     supervisor: Supervisor,
     health_reporter: tonic_health::server::HealthReporter,
+    mut stopping: tokio::sync::watch::Receiver<bool>,
 ) {
     let mut last = None;
     let mut tick = interval(Duration::from_millis(200));
     loop {
-        tick.tick().await;
-        let ready = pods.any_healthy() && supervisor.down().is_empty();
+        // Wake at once on a shutdown signal, else every tick.
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = stopping.changed(), if !*stopping.borrow() => {}
+        }
+        let ready = !*stopping.borrow() && pods.any_healthy() && supervisor.down().is_empty();
         if last != Some(ready) {
             let status = if ready {
                 ServingStatus::Serving

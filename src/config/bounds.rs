@@ -80,6 +80,12 @@ pub(super) fn upper_bounds(cfg: &Config, bad: &mut impl FnMut(&str, &str)) {
     if cfg.blocks.size_chars > 1 << 20 {
         bad("blocks.size_chars", "must be at most 1048576");
     }
+    if !(1..=1 << 20).contains(&cfg.server.max_concurrent_streams) {
+        bad("server.max_concurrent_streams", "must be in 1..=1048576");
+    }
+    if cfg.server.shutdown_grace_ms > 300_000 {
+        bad("server.shutdown_grace_ms", "must be at most 300000 (5 min)");
+    }
     if cfg.kv_events.block_tokens > 1 << 16 {
         bad("kv_events.block_tokens", "must be at most 65536");
     }

@@ -46,6 +46,40 @@ pub struct Config {
     pub tokenizers: Vec<TokenizerConfig>,
     /// Logging.
     pub log: LogConfig,
+    /// What callers of the `Pick` gRPC service may do.
+    pub pick_api: PickApiConfig,
+    /// gRPC server limits and shutdown.
+    pub server: ServerConfig,
+}
+
+/// gRPC server limits and shutdown.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct ServerConfig {
+    /// Most concurrent HTTP/2 streams per gRPC connection (Envoy opens more connections).
+    pub max_concurrent_streams: u32,
+    /// After SIGTERM/SIGINT, in-flight streams get this long before they are closed.
+    pub shutdown_grace_ms: u64,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        Self {
+            max_concurrent_streams: 4096,
+            shutdown_grace_ms: 20_000,
+        }
+    }
+}
+
+/// The `Pick` service shares the ext_proc port, so anyone who reaches that port may call it:
+/// by default it only ranks (reads), and recording state is opt-in.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct PickApiConfig {
+    /// Accept `commit: true` (record the decision: index, session pin, in-flight load).
+    pub allow_commit: bool,
+    /// Accept a caller-chosen `subset` of endpoints.
+    pub allow_subset: bool,
 }
 
 /// vLLM KV-event ingestion.
@@ -125,6 +159,8 @@ impl Default for Config {
             kv_events: KvEventsConfig::default(),
             tokenizers: Vec::new(),
             log: LogConfig::default(),
+            pick_api: PickApiConfig::default(),
+            server: ServerConfig::default(),
         }
     }
 }

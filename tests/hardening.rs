@@ -1,0 +1,134 @@
+//! Hardening through the real processes (kv-router + vllm-sim on 127.0.0.1): what an attacker or
+//! a careless operator found on the old main, each pinned by a test that failed there.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::deploy::{self, RouterProc, SimPod};
+use common::{bins, FAST_SIM};
+use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue};
+use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
+use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request as In;
+use envoy_types::pb::envoy::service::ext_proc::v3::{HttpHeaders, ProcessingRequest};
+use kv_router::config::Config;
+use tokio_stream::StreamExt;
+use tonic_health::pb::health_check_response::ServingStatus;
+use tonic_health::pb::health_client::HealthClient;
+use tonic_health::pb::HealthCheckRequest;
+
+/// One fast simulated pod and a kv-router over it, `tweak`ed.
+async fn router(tweak: impl FnOnce(&mut Config)) -> (SimPod, RouterProc) {
+    let bins = bins();
+    let args: Vec<String> = FAST_SIM.iter().map(|s| s.to_string()).collect();
+    let pod = SimPod::spawn(&bins.vllm_sim, &args).expect("start vllm-sim");
+    let mut cfg = deploy::local_router_config(&[pod.addr]).expect("router config");
+    tweak(&mut cfg);
+    let r = RouterProc::spawn(&bins.kv_router, &cfg)
+        .await
+        .expect("start kv-router");
+    r.wait_pods_ready(1, Duration::from_secs(10))
+        .await
+        .unwrap_or_else(|e| panic!("{e:#}\nrouter stderr:\n{}", r.stderr_tail(40)));
+    (pod, r)
+}
+
+#[tokio::test]
+async fn explain_accepts_bodies_up_to_the_configured_limit() {
+    let (_pod, r) = router(|_| {}).await;
+    // 3 MB: over axum's 2 MB default, well under the 64 MiB body limit.
+    let prompt = "x".repeat(3 << 20);
+    let input = serde_json::json!({"body": {"model": "m", "prompt": prompt}});
+    let resp = reqwest::Client::new()
+        .post(format!("{}/debug/explain", r.admin_url()))
+        .json(&input)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200, "{}", resp.text().await.unwrap_or_default());
+}
+
+#[tokio::test]
+async fn sigterm_goes_not_serving_then_exits_0_despite_an_idle_stream() {
+    let (_pod, mut r) = router(|c| c.server.shutdown_grace_ms = 2_000).await;
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", r.grpc))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    // An idle ext_proc stream: request headers sent, body never comes.
+    let (tx, rx) = tokio::sync::mpsc::channel(4);
+    let headers = ProcessingRequest {
+        request: Some(In::RequestHeaders(HttpHeaders {
+            headers: Some(HeaderMap {
+                headers: vec![
+                    HeaderValue {
+                        key: ":path".into(),
+                        raw_value: b"/v1/completions".to_vec(),
+                        ..Default::default()
+                    },
+                    HeaderValue {
+                        key: ":method".into(),
+                        raw_value: b"POST".to_vec(),
+                        ..Default::default()
+                    },
+                ],
+            }),
+            end_of_stream: false,
+            ..Default::default()
+        })),
+        ..Default::default()
+    };
+    tx.send(headers).await.unwrap();
+    let mut extproc = ExternalProcessorClient::new(channel.clone());
+    let mut replies = extproc
+        .process(tokio_stream::wrappers::ReceiverStream::new(rx))
+        .await
+        .unwrap()
+        .into_inner();
+    let mut health = HealthClient::new(channel)
+        .watch(HealthCheckRequest {
+            service: "readiness".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    // Readiness follows the pods' health within a tick of the admin port's /readyz.
+    tokio::time::timeout(Duration::from_secs(3), async {
+        while health.next().await.unwrap().unwrap().status != ServingStatus::Serving as i32 {}
+    })
+    .await
+    .expect("readiness SERVING");
+
+    let pid = r.process().pid().expect("running") as i32;
+    let sent = Instant::now();
+    // SAFETY: a plain kill(2) of our own child.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGTERM) }, 0);
+    let next = tokio::time::timeout(Duration::from_secs(1), health.next())
+        .await
+        .expect("readiness changed within 1 s of SIGTERM")
+        .unwrap()
+        .unwrap();
+    assert_eq!(next.status, ServingStatus::NotServing as i32, "NOT_SERVING first");
+    let status = loop {
+        if let Some(s) = r.process().exited() {
+            break s;
+        }
+        assert!(
+            sent.elapsed() < Duration::from_secs(10),
+            "still running 10 s after SIGTERM with a 2 s grace:\n{}",
+            r.stderr_tail(20)
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert!(status.success(), "exit status {status}:\n{}", r.stderr_tail(20));
+    assert!(sent.elapsed() >= Duration::from_millis(1_500), "the idle stream had its grace");
+    // The stream was closed by the server, not left hanging.
+    let end = tokio::time::timeout(Duration::from_secs(2), async {
+        // The headers reply came before the signal; then the stream ends.
+        while let Some(Ok(_)) = replies.next().await {}
+    })
+    .await;
+    assert!(end.is_ok(), "stream still open 2 s after the process exited");
+    drop(tx);
+}
