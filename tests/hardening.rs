@@ -45,7 +45,12 @@ async fn explain_accepts_bodies_up_to_the_configured_limit() {
         .send()
         .await
         .unwrap();
-    assert_eq!(resp.status(), 200, "{}", resp.text().await.unwrap_or_default());
+    assert_eq!(
+        resp.status(),
+        200,
+        "{}",
+        resp.text().await.unwrap_or_default()
+    );
 }
 
 #[tokio::test]
@@ -109,7 +114,11 @@ async fn sigterm_goes_not_serving_then_exits_0_despite_an_idle_stream() {
         .expect("readiness changed within 1 s of SIGTERM")
         .unwrap()
         .unwrap();
-    assert_eq!(next.status, ServingStatus::NotServing as i32, "NOT_SERVING first");
+    assert_eq!(
+        next.status,
+        ServingStatus::NotServing as i32,
+        "NOT_SERVING first"
+    );
     let status = loop {
         if let Some(s) = r.process().exited() {
             break s;
@@ -121,14 +130,24 @@ async fn sigterm_goes_not_serving_then_exits_0_despite_an_idle_stream() {
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     };
-    assert!(status.success(), "exit status {status}:\n{}", r.stderr_tail(20));
-    assert!(sent.elapsed() >= Duration::from_millis(1_500), "the idle stream had its grace");
+    assert!(
+        status.success(),
+        "exit status {status}:\n{}",
+        r.stderr_tail(20)
+    );
+    assert!(
+        sent.elapsed() >= Duration::from_millis(1_500),
+        "the idle stream had its grace"
+    );
     // The stream was closed by the server, not left hanging.
     let end = tokio::time::timeout(Duration::from_secs(2), async {
         // The headers reply came before the signal; then the stream ends.
         while let Some(Ok(_)) = replies.next().await {}
     })
     .await;
-    assert!(end.is_ok(), "stream still open 2 s after the process exited");
+    assert!(
+        end.is_ok(),
+        "stream still open 2 s after the process exited"
+    );
     drop(tx);
 }

@@ -80,6 +80,9 @@ pub(super) fn upper_bounds(cfg: &Config, bad: &mut impl FnMut(&str, &str)) {
     if cfg.blocks.size_chars > 1 << 20 {
         bad("blocks.size_chars", "must be at most 1048576");
     }
+    if !(1..=1 << 24).contains(&cfg.scorers.load.max_prompt_tokens) {
+        bad("scorers.load.max_prompt_tokens", "must be in 1..=16777216");
+    }
     if !(1..=1 << 20).contains(&cfg.server.max_concurrent_streams) {
         bad("server.max_concurrent_streams", "must be in 1..=1048576");
     }

@@ -336,6 +336,9 @@ pub struct LoadScorerConfig {
     /// Assumed prefill speed of a pod: routed uncached tokens stay counted for `tokens / this`
     /// seconds when the response itself is not observed (BUFFERED mode).
     pub prefill_tokens_per_sec: f64,
+    /// Most prompt tokens one request is charged as in-flight load (the models' max_model_len):
+    /// a longer prompt from a client cannot count for more than a pod would accept.
+    pub max_prompt_tokens: u64,
 }
 
 impl Default for LoadScorerConfig {
@@ -348,6 +351,7 @@ impl Default for LoadScorerConfig {
             tokens_full: 32_768.0,
             tokens_weight: 1.0,
             prefill_tokens_per_sec: 10_000.0,
+            max_prompt_tokens: 131_072,
         }
     }
 }
