@@ -264,14 +264,11 @@ pub async fn run(cfg: Config, tokenizers: TokenizerRegistry) -> anyhow::Result<(
     let listener = tokio::net::TcpListener::bind(admin_addr)
         .await
         .with_context(|| format!("binding admin listener {admin_addr}"))?;
-    let admin = std::future::IntoFuture::into_future(
-        axum::serve(listener, admin_app).with_graceful_shutdown(stopped(stopping.clone())),
-    );
+    let admin = crate::admin_serve::serve(listener, admin_app, stopping.clone());
     info!(grpc = %grpc_addr, admin = %admin_addr, "kv-router listening");
     let servers = async {
-        let (g, a) = tokio::join!(grpc, admin);
-        g.with_context(|| format!("gRPC server on {grpc_addr}"))?;
-        a.with_context(|| format!("admin server on {admin_addr}"))
+        let (g, ()) = tokio::join!(grpc, admin);
+        g.with_context(|| format!("gRPC server on {grpc_addr}"))
     };
     // Graceful shutdown waits for every open stream; past the grace period they are closed
     // (dropping the servers) so the process exits inside Kubernetes' termination grace.

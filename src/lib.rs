@@ -20,6 +20,7 @@
 //! which truth, and which reads may be stale: `docs/architecture.md`.
 
 pub(crate) mod admin;
+mod admin_serve;
 pub mod app;
 pub mod blocks;
 pub mod config;

@@ -151,3 +151,37 @@ async fn sigterm_goes_not_serving_then_exits_0_despite_an_idle_stream() {
     );
     drop(tx);
 }
+
+#[tokio::test]
+async fn admin_port_closes_connections_that_dribble_headers() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let (_pod, r) = router(|_| {}).await;
+    let mut slow = Vec::new();
+    for _ in 0..20 {
+        let mut s = tokio::net::TcpStream::connect(r.admin).await.unwrap();
+        s.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n").await.unwrap();
+        slow.push(s);
+    }
+    let started = Instant::now();
+    // Dribble one header byte a second; the server must give up on all of them.
+    let mut closed = 0;
+    while closed < slow.len() {
+        assert!(
+            started.elapsed() < Duration::from_secs(12),
+            "{closed}/20 slow connections closed after 12 s"
+        );
+        closed = 0;
+        for s in &mut slow {
+            let _ = s.write_all(b"X").await;
+            let mut buf = [0u8; 512];
+            match tokio::time::timeout(Duration::from_millis(10), s.read(&mut buf)).await {
+                Ok(Ok(_)) | Ok(Err(_)) => closed += 1, // EOF, 408, or reset
+                Err(_) => {}
+            }
+        }
+        // The admin port keeps answering meanwhile.
+        let ok = reqwest::get(format!("{}/healthz", r.admin_url())).await.unwrap();
+        assert_eq!(ok.status(), 200);
+        tokio::time::sleep(Duration::from_millis(1_000)).await;
+    }
+}
