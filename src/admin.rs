@@ -40,18 +40,59 @@ pub struct AdminState {
     /// Largest `POST /debug/explain` input: the configured body limit plus room for its JSON
     /// wrapping (axum's own default is 2 MB).
     pub body_limit: usize,
+    /// Bearer token `/debug/*` requires; `None` = open.
+    pub token: Option<Arc<str>>,
 }
 
 /// The admin router.
 pub fn router(state: AdminState) -> Router {
     let limit = axum::extract::DefaultBodyLimit::max(state.body_limit);
+    let debug = Router::new()
+        .route("/debug/pods", get(debug_pods))
+        .route("/debug/explain", post(explain).layer(limit))
+        .route_layer(axum::middleware::from_fn_with_state(
+            state.token.clone(),
+            require_token,
+        ));
     Router::new()
         .route("/metrics", get(metrics))
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(readyz))
-        .route("/debug/pods", get(debug_pods))
-        .route("/debug/explain", post(explain).layer(limit))
+        .merge(debug)
         .with_state(state)
+}
+
+/// `/debug/*` shows pod addresses and explains decisions: with a token configured, only
+/// callers presenting it get in.
+async fn require_token(
+    State(token): State<Option<Arc<str>>>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let Some(token) = token else {
+        return next.run(req).await;
+    };
+    let presented = req
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .unwrap_or("");
+    if constant_time_eq(presented.as_bytes(), token.as_bytes()) {
+        next.run(req).await
+    } else {
+        (
+            StatusCode::UNAUTHORIZED,
+            [(header::WWW_AUTHENTICATE, "Bearer")],
+            "admin token required",
+        )
+            .into_response()
+    }
+}
+
+/// Equality whose time does not depend on where the inputs differ.
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
 async fn metrics(State(s): State<AdminState>) -> Response {

@@ -247,7 +247,12 @@ pub async fn run(cfg: Config, tokenizers: TokenizerRegistry) -> anyhow::Result<(
         .serve_with_shutdown(grpc_addr, stopped(stopping.clone()));
 
     let admin_addr = cfg.admin_addr();
+    let token = admin_token(&cfg)?;
+    if token.is_none() && !admin_addr.ip().is_loopback() {
+        warn!(admin = %admin_addr, "the admin port is not on loopback and no admin.token is set: /debug/* is open to anyone who reaches it");
+    }
     let admin_app = admin::router(AdminState {
+        token,
         registry,
         pods: pods.clone(),
         decider,
@@ -283,6 +288,18 @@ pub async fn run(cfg: Config, tokenizers: TokenizerRegistry) -> anyhow::Result<(
     }
     info!("kv-router stopped");
     Ok(())
+}
+
+/// The admin bearer token: `admin.token_file` (trimmed) wins over `admin.token`; none = open.
+fn admin_token(cfg: &Config) -> anyhow::Result<Option<Arc<str>>> {
+    let token = match &cfg.admin.token_file {
+        Some(path) => std::fs::read_to_string(path)
+            .with_context(|| format!("reading admin.token_file {}", path.display()))?
+            .trim()
+            .to_string(),
+        None => cfg.admin.token.clone(),
+    };
+    Ok((!token.is_empty()).then(|| token.into()))
 }
 
 /// Resolves once shutdown has begun.

@@ -10,7 +10,7 @@ use common::{bins, FAST_SIM};
 use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue};
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request as In;
-use envoy_types::pb::envoy::service::ext_proc::v3::{HttpHeaders, ProcessingRequest};
+use envoy_types::pb::envoy::service::ext_proc::v3::{HttpBody, HttpHeaders, ProcessingRequest};
 use kv_router::config::Config;
 use tokio_stream::StreamExt;
 use tonic_health::pb::health_check_response::ServingStatus;
@@ -27,10 +27,33 @@ async fn router(tweak: impl FnOnce(&mut Config)) -> (SimPod, RouterProc) {
     let r = RouterProc::spawn(&bins.kv_router, &cfg)
         .await
         .expect("start kv-router");
-    r.wait_pods_ready(1, Duration::from_secs(10))
-        .await
-        .unwrap_or_else(|e| panic!("{e:#}\nrouter stderr:\n{}", r.stderr_tail(40)));
+    // spawn waited for /readyz (a healthy pod); /debug/pods may need a token.
+    if cfg.admin.token.is_empty() {
+        r.wait_pods_ready(1, Duration::from_secs(10))
+            .await
+            .unwrap_or_else(|e| panic!("{e:#}\nrouter stderr:\n{}", r.stderr_tail(40)));
+    }
     (pod, r)
+}
+
+/// A request-headers message as Envoy sends it.
+fn request_headers(headers: &[(&str, &str)], end_of_stream: bool) -> ProcessingRequest {
+    let headers = headers
+        .iter()
+        .map(|(k, v)| HeaderValue {
+            key: k.to_string(),
+            raw_value: v.as_bytes().to_vec(),
+            ..Default::default()
+        })
+        .collect();
+    ProcessingRequest {
+        request: Some(In::RequestHeaders(HttpHeaders {
+            headers: Some(HeaderMap { headers }),
+            end_of_stream,
+            ..Default::default()
+        })),
+        ..Default::default()
+    }
 }
 
 #[tokio::test]
@@ -63,27 +86,7 @@ async fn sigterm_goes_not_serving_then_exits_0_despite_an_idle_stream() {
         .unwrap();
     // An idle ext_proc stream: request headers sent, body never comes.
     let (tx, rx) = tokio::sync::mpsc::channel(4);
-    let headers = ProcessingRequest {
-        request: Some(In::RequestHeaders(HttpHeaders {
-            headers: Some(HeaderMap {
-                headers: vec![
-                    HeaderValue {
-                        key: ":path".into(),
-                        raw_value: b"/v1/completions".to_vec(),
-                        ..Default::default()
-                    },
-                    HeaderValue {
-                        key: ":method".into(),
-                        raw_value: b"POST".to_vec(),
-                        ..Default::default()
-                    },
-                ],
-            }),
-            end_of_stream: false,
-            ..Default::default()
-        })),
-        ..Default::default()
-    };
+    let headers = request_headers(&[(":path", "/v1/completions"), (":method", "POST")], false);
     tx.send(headers).await.unwrap();
     let mut extproc = ExternalProcessorClient::new(channel.clone());
     let mut replies = extproc
@@ -159,7 +162,9 @@ async fn admin_port_closes_connections_that_dribble_headers() {
     let mut slow = Vec::new();
     for _ in 0..20 {
         let mut s = tokio::net::TcpStream::connect(r.admin).await.unwrap();
-        s.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n").await.unwrap();
+        s.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
+            .await
+            .unwrap();
         slow.push(s);
     }
     let started = Instant::now();
@@ -180,8 +185,122 @@ async fn admin_port_closes_connections_that_dribble_headers() {
             }
         }
         // The admin port keeps answering meanwhile.
-        let ok = reqwest::get(format!("{}/healthz", r.admin_url())).await.unwrap();
+        let ok = reqwest::get(format!("{}/healthz", r.admin_url()))
+            .await
+            .unwrap();
         assert_eq!(ok.status(), 200);
         tokio::time::sleep(Duration::from_millis(1_000)).await;
+    }
+}
+
+#[tokio::test]
+async fn debug_needs_the_admin_token_when_one_is_set_and_metrics_stay_open() {
+    let (_pod, r) = router(|c| c.admin.token = "s3cret-token".into()).await;
+    let client = reqwest::Client::new();
+    let get = |path: &str, token: Option<&str>| {
+        let mut req = client.get(format!("{}{path}", r.admin_url()));
+        if let Some(t) = token {
+            req = req.bearer_auth(t);
+        }
+        req.send()
+    };
+    assert_eq!(get("/debug/pods", None).await.unwrap().status(), 401);
+    assert_eq!(
+        get("/debug/pods", Some("wrong")).await.unwrap().status(),
+        401
+    );
+    assert_eq!(
+        get("/debug/pods", Some("s3cret-token"))
+            .await
+            .unwrap()
+            .status(),
+        200
+    );
+    let explain = client
+        .post(format!("{}/debug/explain", r.admin_url()))
+        .body("{}")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(explain.status(), 401);
+    assert_eq!(get("/metrics", None).await.unwrap().status(), 200);
+    assert_eq!(get("/readyz", None).await.unwrap().status(), 200);
+}
+
+#[tokio::test]
+async fn prompts_and_session_ids_never_reach_logs_or_metrics() {
+    const PROMPT_MARK: &str = "zebra-quokka-7731-marker";
+    const SESSION: &str = "session-id-8842-marker";
+    let (_pod, r) = router(|c| c.log.level = "debug".into()).await;
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", r.grpc))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let bodies = [
+        serde_json::json!({"model": "m", "prompt": format!("{PROMPT_MARK} {}", "words ".repeat(100)), "user": SESSION}).to_string(),
+        format!("{{\"model\": \"m\", \"prompt\": \"{PROMPT_MARK} broken json"),
+        serde_json::json!({"model": "unknown-model", "messages": [{"role": "user", "content": PROMPT_MARK}]}).to_string(),
+    ];
+    for body in bodies {
+        let (tx, rx) = tokio::sync::mpsc::channel(4);
+        tx.send(request_headers(
+            &[
+                (":path", "/v1/completions"),
+                (":method", "POST"),
+                ("x-session-id", SESSION),
+            ],
+            false,
+        ))
+        .await
+        .unwrap();
+        tx.send(ProcessingRequest {
+            request: Some(In::RequestBody(HttpBody {
+                body: body.into_bytes(),
+                end_of_stream: true,
+                ..Default::default()
+            })),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+        drop(tx);
+        let mut replies = ExternalProcessorClient::new(channel.clone())
+            .process(tokio_stream::wrappers::ReceiverStream::new(rx))
+            .await
+            .unwrap()
+            .into_inner();
+        while let Some(Ok(_)) = replies.next().await {}
+    }
+    // Explain echoes the decision, never the prompt.
+    let explain = reqwest::Client::new()
+        .post(format!("{}/debug/explain", r.admin_url()))
+        .json(&serde_json::json!({"headers": {"x-session-id": SESSION}, "body": {"model": "m", "prompt": PROMPT_MARK}}))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let metrics = reqwest::get(format!("{}/metrics", r.admin_url()))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let logs = r.stderr_tail(100_000);
+    assert!(
+        logs.contains("DEBUG") || logs.contains("debug"),
+        "debug logging was on"
+    );
+    for (what, text) in [
+        ("logs", &logs),
+        ("metrics", &metrics),
+        ("explain", &explain),
+    ] {
+        for secret in [PROMPT_MARK, SESSION] {
+            assert!(!text.contains(secret), "{secret} found in {what}");
+        }
     }
 }

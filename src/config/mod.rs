@@ -50,6 +50,19 @@ pub struct Config {
     pub pick_api: PickApiConfig,
     /// gRPC server limits and shutdown.
     pub server: ServerConfig,
+    /// Admin port access.
+    pub admin: AdminConfig,
+}
+
+/// Admin port access: `/debug/*` needs `Authorization: Bearer <token>` when a token is set;
+/// `/metrics`, `/healthz` and `/readyz` stay open (scrapers and probes).
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct AdminConfig {
+    /// The bearer token (prefer `token_file`).
+    pub token: String,
+    /// A file holding the token (e.g. a mounted Secret); wins over `token`.
+    pub token_file: Option<std::path::PathBuf>,
 }
 
 /// gRPC server limits and shutdown.
@@ -161,6 +174,7 @@ impl Default for Config {
             log: LogConfig::default(),
             pick_api: PickApiConfig::default(),
             server: ServerConfig::default(),
+            admin: AdminConfig::default(),
         }
     }
 }
