@@ -231,7 +231,8 @@ pub async fn run(cfg: Config, tokenizers: TokenizerRegistry) -> anyhow::Result<(
         extproc_metrics,
         cfg.body_limit_bytes,
         cfg.destination_header,
-    );
+    )
+    .with_body_budget(cfg.server.max_buffered_body_bytes);
     let grpc_addr = cfg.grpc_addr();
     // Validated to at most 1 GiB; saturating all the same so no value can wrap the limit.
     let limit = cfg.body_limit_bytes.saturating_add(1 << 20);

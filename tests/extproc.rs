@@ -34,6 +34,10 @@ struct Harness {
 }
 
 async fn harness(limit: usize) -> Harness {
+    harness_with_budget(limit, usize::MAX).await
+}
+
+async fn harness_with_budget(limit: usize, budget: usize) -> Harness {
     let mut cfg = Config::default();
     cfg.pods.static_pods = (0..3)
         .map(|i| StaticPod {
@@ -70,7 +74,8 @@ async fn harness(limit: usize) -> Harness {
         ExtProcMetrics::register(&mut registry, errors),
         limit,
         true,
-    );
+    )
+    .with_body_budget(budget);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     tokio::spawn(
@@ -346,6 +351,43 @@ async fn oversized_body_gets_413_json() {
     assert_eq!(ir.status.unwrap().code, 413);
     let v: serde_json::Value = serde_json::from_slice(&ir.body).unwrap();
     assert!(v["error"]["message"].as_str().unwrap().contains("limit"));
+}
+
+async fn open_full_duplex(h: &mut Harness) -> Stream {
+    let s = Stream::open(h).await;
+    s.send(
+        headers("/v1/completions", &[], false),
+        Some(BodySendMode::FullDuplexStreamed),
+    )
+    .await;
+    s
+}
+
+#[tokio::test]
+async fn bodies_past_the_shared_buffer_budget_get_a_fast_503() {
+    let mut h = harness_with_budget(1 << 20, 10_000).await;
+    let holder = open_full_duplex(&mut h).await;
+    holder.send(body(&vec![b'a'; 6_000], false), None).await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let mut late = open_full_duplex(&mut h).await;
+    late.send(body(&vec![b'a'; 6_000], false), None).await;
+    let Some(Out::ImmediateResponse(ir)) = late.next().await.response else {
+        panic!("immediate response")
+    };
+    assert_eq!(ir.status.unwrap().code, 503);
+    let v: serde_json::Value = serde_json::from_slice(&ir.body).unwrap();
+    assert_eq!(v["error"]["code"], "router_overloaded");
+    // The holder's stream ends: its bytes return to the budget.
+    drop(holder);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let mut next = open_full_duplex(&mut h).await;
+    next.send(body(&completion(&"y".repeat(5_000)), true), None)
+        .await;
+    let r = next.next().await;
+    assert!(
+        !matches!(r.response, Some(Out::ImmediateResponse(_))),
+        "decided, not refused: {r:?}"
+    );
 }
 
 #[tokio::test]

@@ -86,6 +86,12 @@ pub(super) fn upper_bounds(cfg: &Config, bad: &mut impl FnMut(&str, &str)) {
     if !(1..=1 << 20).contains(&cfg.server.max_concurrent_streams) {
         bad("server.max_concurrent_streams", "must be in 1..=1048576");
     }
+    if cfg.server.max_buffered_body_bytes < cfg.body_limit_bytes {
+        bad(
+            "server.max_buffered_body_bytes",
+            "must be at least body_limit_bytes (one full body must fit)",
+        );
+    }
     if cfg.server.shutdown_grace_ms > 300_000 {
         bad("server.shutdown_grace_ms", "must be at most 300000 (5 min)");
     }

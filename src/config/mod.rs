@@ -73,6 +73,8 @@ pub struct ServerConfig {
     pub max_concurrent_streams: u32,
     /// After SIGTERM/SIGINT, in-flight streams get this long before they are closed.
     pub shutdown_grace_ms: u64,
+    /// Request-body bytes buffered across all ext_proc streams; a chunk past it gets a 503.
+    pub max_buffered_body_bytes: usize,
 }
 
 impl Default for ServerConfig {
@@ -80,6 +82,7 @@ impl Default for ServerConfig {
         Self {
             max_concurrent_streams: 4096,
             shutdown_grace_ms: 20_000,
+            max_buffered_body_bytes: 1 << 30,
         }
     }
 }

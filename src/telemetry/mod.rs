@@ -40,6 +40,8 @@ pub enum ErrorKind {
     KubernetesRestart,
     /// A probe or scrape of one pod panicked (that pod's round is lost, nothing else).
     ProbePanic,
+    /// A body chunk was refused: the buffered-body budget of all streams was spent.
+    BodyBudget,
 }
 
 impl ErrorKind {
@@ -59,6 +61,7 @@ impl ErrorKind {
             ErrorKind::KubernetesWatch => "kubernetes_watch",
             ErrorKind::KubernetesRestart => "kubernetes_restart",
             ErrorKind::ProbePanic => "probe_panic",
+            ErrorKind::BodyBudget => "body_budget",
         }
     }
 }
