@@ -466,3 +466,104 @@ async fn reset_stream_releases_in_flight_load() {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
 }
+
+/// Fuzz smoke of the per-stream state machine (stable Rust: proptest values, run on one
+/// server): arbitrary sequences of ProcessingRequest messages — out of order, duplicate
+/// end-of-stream, empty and oversized bodies, trailers without body, a second headers message,
+/// response-side messages — never kill the service, and every stream's in-flight load returns.
+#[tokio::test]
+async fn arbitrary_message_sequences_never_break_the_service() {
+    use proptest::prelude::*;
+    use proptest::strategy::ValueTree;
+    use proptest::test_runner::TestRunner;
+
+    let msg = prop_oneof![
+        (any::<bool>(), any::<bool>()).prop_map(|(chat, eos)| {
+            headers(
+                if chat {
+                    "/v1/chat/completions"
+                } else {
+                    "/v1/completions"
+                },
+                &[],
+                eos,
+            )
+        }),
+        (0usize..3, any::<bool>()).prop_map(|(kind, eos)| match kind {
+            0 => body(b"", eos),
+            1 => body(&completion("shared words for routing"), eos),
+            _ => body(&vec![b'z'; 12_000], eos), // over the 10 kB limit below
+        }),
+        Just(In::RequestTrailers(HttpTrailers::default())),
+        Just(In::ResponseHeaders(HttpHeaders::default())),
+        any::<bool>().prop_map(|eos| In::ResponseBody(HttpBody {
+            body: b"data: {}\n\n".to_vec(),
+            end_of_stream: eos,
+            ..Default::default()
+        })),
+        Just(In::ResponseTrailers(HttpTrailers::default())),
+    ];
+    let mode = prop_oneof![
+        Just(BodySendMode::Buffered),
+        Just(BodySendMode::Streamed),
+        Just(BodySendMode::FullDuplexStreamed),
+        Just(BodySendMode::None),
+    ];
+    let case = (mode, prop::collection::vec(msg, 1..8));
+    let mut runner = TestRunner::deterministic();
+    let mut h = harness(10_000).await;
+    for _ in 0..300 {
+        let (mode, msgs) = case.new_tree(&mut runner).unwrap().current();
+        let mut s = Stream::open(&mut h).await;
+        for (i, m) in msgs.into_iter().enumerate() {
+            if s.tx.is_closed() {
+                break;
+            }
+            let pc = (i == 0).then_some(mode);
+            let _ =
+                s.tx.send(ProcessingRequest {
+                    request: Some(m),
+                    protocol_config: pc.map(|m| ProtocolConfiguration {
+                        request_body_mode: m as i32,
+                        response_body_mode: m as i32,
+                        ..Default::default()
+                    }),
+                    ..Default::default()
+                })
+                .await;
+        }
+        drop(s.tx);
+        // Drain: the stream ends (replies, an error status, or end) within the timeout.
+        tokio::time::timeout(Duration::from_secs(5), async {
+            while let Some(Ok(_)) = s.rx.next().await {}
+        })
+        .await
+        .expect("every stream ends");
+    }
+    // Still serving, and no in-flight load left behind.
+    let mut s = Stream::open(&mut h).await;
+    s.send(
+        headers("/v1/completions", &[], false),
+        Some(BodySendMode::Buffered),
+    )
+    .await;
+    let _ = s.next().await;
+    s.send(body(&completion("after the fuzz"), true), None)
+        .await;
+    assert!(destination(&s.next().await).starts_with("10.1.0."));
+    drop(s);
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while h
+        .pods
+        .snapshot()
+        .pods()
+        .iter()
+        .any(|p| p.inflight_counts().0 != 0)
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "in-flight load left behind"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}

@@ -232,4 +232,30 @@ mod tests {
             ""
         );
     }
+
+    mod fuzz {
+        use super::*;
+        use proptest::prelude::*;
+
+        proptest! {
+            #![proptest_config(ProptestConfig { cases: 1000, ..ProptestConfig::default() })]
+            #[test]
+            fn any_yaml_text_loads_or_errors_never_panics(
+                text in prop_oneof![
+                    "[a-z_:{}\\[\\], \n\"'0-9.-]{0,200}",
+                    any::<String>(),
+                ],
+                key in prop_oneof![
+                    Just("body_limit_bytes"), Just("scorers: { session: { capacity"),
+                    Just("kv_events: { data_parallel_size"), Just("log: { level"),
+                    Just("pods: { scrape_interval_ms"), Just("server: { max_concurrent_streams"),
+                ],
+                number in prop_oneof![Just(u64::MAX.to_string()), Just("-1".into()), Just("1e400".into()), any::<u64>().prop_map(|n| n.to_string())],
+            ) {
+                let _ = Config::from_yaml(&text);
+                let closing = "}".repeat(key.matches('{').count());
+                let _ = Config::from_yaml(&format!("{POD}{key}: {number}{closing}\n"));
+            }
+        }
+    }
 }

@@ -414,4 +414,29 @@ vllm:prefix_cache_hits_total{engine="0",model_name="m"} 100.0
         assert_eq!(label(r#"a="1",b="x\"y",c="3""#, "c"), Some("3"));
         assert_eq!(label(r#"a="1""#, "z"), None);
     }
+
+    mod fuzz {
+        use super::*;
+        use proptest::prelude::*;
+
+        proptest! {
+            #![proptest_config(ProptestConfig { cases: 2000, ..ProptestConfig::default() })]
+            #[test]
+            fn any_metrics_text_parses_without_panic(
+                lines in prop::collection::vec(
+                    prop_oneof![
+                        "[a-z:_{}=\", .0-9#\\-]{0,60}",
+                        any::<String>(),
+                        Just("vllm:cache_config_info{block_size=\"16\",num_gpu_blocks=\"99999999999999999999\"} 1".to_string()),
+                        Just("vllm:kv_cache_usage_perc 1e308".to_string()),
+                    ],
+                    0..20,
+                )
+            ) {
+                let s = parse_vllm_metrics(&lines.join("\n"));
+                prop_assert!((0.0..=1.0).contains(&s.kv_usage));
+                prop_assert!(s.waiting.is_finite() || s.waiting.is_infinite());
+            }
+        }
+    }
 }
