@@ -18,6 +18,7 @@ use crate::decide::{DecideRequest, Decider};
 use crate::extproc::reply::Rejection;
 use crate::pods::PodRegistry;
 use crate::scoring::SessionStore;
+use crate::supervise::Supervisor;
 
 /// What the admin handlers read.
 #[derive(Clone)]
@@ -34,17 +35,64 @@ pub struct AdminState {
     pub stale_after: Duration,
     /// Routing mode description.
     pub mode: &'static str,
+    /// Background loops (readiness fails while one is down).
+    pub supervisor: Supervisor,
+    /// Largest `POST /debug/explain` input: the configured body limit plus room for its JSON
+    /// wrapping (axum's own default is 2 MB).
+    pub body_limit: usize,
+    /// Bearer token `/debug/*` requires; `None` = open.
+    pub token: Option<Arc<str>>,
 }
 
 /// The admin router.
 pub fn router(state: AdminState) -> Router {
+    let limit = axum::extract::DefaultBodyLimit::max(state.body_limit);
+    let debug = Router::new()
+        .route("/debug/pods", get(debug_pods))
+        .route("/debug/explain", post(explain).layer(limit))
+        .route_layer(axum::middleware::from_fn_with_state(
+            state.token.clone(),
+            require_token,
+        ));
     Router::new()
         .route("/metrics", get(metrics))
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(readyz))
-        .route("/debug/pods", get(debug_pods))
-        .route("/debug/explain", post(explain))
+        .merge(debug)
         .with_state(state)
+}
+
+/// `/debug/*` shows pod addresses and explains decisions: with a token configured, only
+/// callers presenting it get in.
+async fn require_token(
+    State(token): State<Option<Arc<str>>>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let Some(token) = token else {
+        return next.run(req).await;
+    };
+    let presented = req
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .unwrap_or("");
+    if constant_time_eq(presented.as_bytes(), token.as_bytes()) {
+        next.run(req).await
+    } else {
+        (
+            StatusCode::UNAUTHORIZED,
+            [(header::WWW_AUTHENTICATE, "Bearer")],
+            "admin token required",
+        )
+            .into_response()
+    }
+}
+
+/// Equality whose time does not depend on where the inputs differ.
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
 async fn metrics(State(s): State<AdminState>) -> Response {
@@ -63,7 +111,11 @@ async fn metrics(State(s): State<AdminState>) -> Response {
 }
 
 async fn readyz(State(s): State<AdminState>) -> Response {
-    if s.pods.any_healthy() {
+    let down = s.supervisor.down();
+    if !down.is_empty() {
+        let msg = format!("background task down, restarting: {}", down.join(", "));
+        (StatusCode::SERVICE_UNAVAILABLE, msg).into_response()
+    } else if s.pods.any_healthy() {
         "ready".into_response()
     } else {
         (StatusCode::SERVICE_UNAVAILABLE, "no healthy pod yet").into_response()

@@ -20,8 +20,9 @@ use crate::index::{build_index, index_capacity};
 use crate::ingest::{self, IngestMetrics};
 use crate::pick_api::proto::picker_server::PickerServer;
 use crate::pick_api::PickService;
-use crate::pods::{DnsSource, PodMetrics, PodRegistry, PodSource, Prober, StaticSource};
+use crate::pods::{DnsSource, PodId, PodMetrics, PodRegistry, PodSource, Prober, StaticSource};
 use crate::scoring::SessionStore;
+use crate::supervise::Supervisor;
 use crate::telemetry::{ErrorKind, Errors};
 use crate::tokenize::TokenizerRegistry;
 
@@ -81,6 +82,7 @@ pub async fn run(cfg: Config, tokenizers: TokenizerRegistry) -> anyhow::Result<(
     let extproc_metrics = ExtProcMetrics::register(registry, errors.clone());
     let pod_metrics = PodMetrics::register(registry);
     let maintenance_metrics = MaintenanceMetrics::register(registry);
+    let supervisor = Supervisor::register(registry);
     let registry = Arc::new(root);
     let pods = Arc::new(PodRegistry::default());
     let index = build_index(&cfg);
@@ -95,7 +97,7 @@ pub async fn run(cfg: Config, tokenizers: TokenizerRegistry) -> anyhow::Result<(
         pods.clone(),
         index.clone(),
         sessions.clone(),
-        decision_metrics,
+        decision_metrics.clone(),
     ));
     info!(mode, policy = cfg.policy.as_str(), "kv-router starting");
     if cfg.kv_events.enabled {
@@ -105,12 +107,15 @@ pub async fn run(cfg: Config, tokenizers: TokenizerRegistry) -> anyhow::Result<(
         if cfg.tokenizers.is_empty() {
             warn!("KV events are on but no tokenizer is configured: request keys stay approximate and only speculative entries can match");
         }
-        tokio::spawn(ingest::run(
-            cfg.kv_events.clone(),
-            pods.clone(),
-            index.clone(),
-            ingest_metrics,
-        ));
+        let (ev, pods, index) = (cfg.kv_events.clone(), pods.clone(), index.clone());
+        supervisor.spawn("kv_events", move || {
+            ingest::run(
+                ev.clone(),
+                pods.clone(),
+                index.clone(),
+                ingest_metrics.clone(),
+            )
+        });
     }
 
     // Pod discovery, health, load.
@@ -150,38 +155,59 @@ pub async fn run(cfg: Config, tokenizers: TokenizerRegistry) -> anyhow::Result<(
         let sessions = sessions.clone();
         let pod_metrics = pod_metrics.clone();
         let errors = errors.clone();
-        tokio::spawn(prober.clone().run_discovery(
-            sources,
-            Duration::from_millis(refresh_ms),
-            move |gone| {
-                for pod in gone {
-                    sessions.forget_pod(&pod);
-                    pod_metrics.forget(&pod);
-                    let index = index.clone();
-                    let errors = errors.clone();
-                    tokio::spawn(async move {
-                        if let Err(e) = index.forget_pod(&pod).await {
-                            warn!(pod = %pod, error = %e, "forgetting a departed pod's index entries failed");
-                            errors.inc(ErrorKind::Index);
-                        }
-                    });
-                }
-            },
-        ));
+        let sources: Arc<[Box<dyn PodSource>]> = sources.into();
+        let on_gone: Arc<dyn Fn(Vec<PodId>) + Send + Sync> = Arc::new(move |gone: Vec<PodId>| {
+            for pod in gone {
+                sessions.forget_pod(&pod);
+                pod_metrics.forget(&pod);
+                decision_metrics.forget_pod(&pod);
+                let index = index.clone();
+                let errors = errors.clone();
+                tokio::spawn(async move {
+                    if let Err(e) = index.forget_pod(&pod).await {
+                        warn!(pod = %pod, error = %e, "forgetting a departed pod's index entries failed");
+                        errors.inc(ErrorKind::Index);
+                    }
+                });
+            }
+        });
+        let p = prober.clone();
+        let refresh = Duration::from_millis(refresh_ms);
+        supervisor.spawn("discovery", move || {
+            p.clone()
+                .run_discovery(sources.clone(), refresh, on_gone.clone())
+        });
     }
-    tokio::spawn(prober.clone().run_health());
-    tokio::spawn(prober.run_scrape());
-    tokio::spawn(maintenance(
-        cfg.clone(),
-        pods.clone(),
-        decider.clone(),
-        sessions.clone(),
-        Gauges {
+    let p = prober.clone();
+    supervisor.spawn("health", move || p.clone().run_health());
+    let p = prober.clone();
+    supervisor.spawn("scrape", move || p.clone().run_scrape());
+    {
+        let (cfg, pods, decider, sessions) =
+            (cfg.clone(), pods.clone(), decider.clone(), sessions.clone());
+        let gauges = Gauges {
             pods: pod_metrics,
             maintenance: maintenance_metrics,
             errors: errors.clone(),
-        },
-    ));
+        };
+        supervisor.spawn("maintenance", move || {
+            maintenance(
+                cfg.clone(),
+                pods.clone(),
+                decider.clone(),
+                sessions.clone(),
+                gauges.clone(),
+            )
+        });
+    }
+
+    // Shutdown: a signal flips `stopping`; readiness goes NOT_SERVING before the servers stop.
+    let (stop_tx, stopping) = tokio::sync::watch::channel(false);
+    tokio::spawn(async move {
+        shutdown_signal().await;
+        info!("shutdown signal: readiness NOT_SERVING, draining");
+        let _ = stop_tx.send(true);
+    });
 
     // gRPC: ext_proc + Pick + health.
     let (health_reporter, health_service) = tonic_health::server::health_reporter();
@@ -194,26 +220,10 @@ pub async fn run(cfg: Config, tokenizers: TokenizerRegistry) -> anyhow::Result<(
             .await;
     }
     {
-        let pods = pods.clone();
-        tokio::spawn(async move {
-            let mut last = None;
-            let mut tick = interval(Duration::from_millis(200));
-            loop {
-                tick.tick().await;
-                let ready = pods.any_healthy();
-                if last != Some(ready) {
-                    let status = if ready {
-                        ServingStatus::Serving
-                    } else {
-                        ServingStatus::NotServing
-                    };
-                    for svc in &HEALTH_SERVICES[1..] {
-                        health_reporter.set_service_status(*svc, status).await;
-                    }
-                    health_reporter.set_service_status("", status).await;
-                    last = Some(ready);
-                }
-            }
+        let (pods, sup, stopping) = (pods.clone(), supervisor.clone(), stopping.clone());
+        supervisor.spawn("readiness", move || {
+            let (pods, sup, health_reporter) = (pods.clone(), sup.clone(), health_reporter.clone());
+            readiness(pods, sup, health_reporter, stopping.clone())
         });
     }
     let extproc = ExtProc::new(
@@ -221,40 +231,116 @@ pub async fn run(cfg: Config, tokenizers: TokenizerRegistry) -> anyhow::Result<(
         extproc_metrics,
         cfg.body_limit_bytes,
         cfg.destination_header,
-    );
+    )
+    .with_body_budget(cfg.server.max_buffered_body_bytes);
     let grpc_addr = cfg.grpc_addr();
-    let limit = cfg.body_limit_bytes + (1 << 20);
+    // Validated to at most 1 GiB; saturating all the same so no value can wrap the limit.
+    let limit = cfg.body_limit_bytes.saturating_add(1 << 20);
     let grpc = tonic::transport::Server::builder()
         .http2_keepalive_interval(Some(Duration::from_secs(30)))
+        .max_concurrent_streams(Some(cfg.server.max_concurrent_streams))
         .add_service(health_service)
         .add_service(ExternalProcessorServer::new(extproc).max_decoding_message_size(limit))
         .add_service(
-            PickerServer::new(PickService::new(decider.clone())).max_decoding_message_size(limit),
+            PickerServer::new(PickService::new(decider.clone(), cfg.pick_api.clone()))
+                .max_decoding_message_size(limit),
         )
-        .serve_with_shutdown(grpc_addr, shutdown_signal());
+        .serve_with_shutdown(grpc_addr, stopped(stopping.clone()));
 
     let admin_addr = cfg.admin_addr();
+    let token = admin_token(&cfg)?;
+    if token.is_none() && !admin_addr.ip().is_loopback() {
+        warn!(admin = %admin_addr, "the admin port is not on loopback and no admin.token is set: /debug/* is open to anyone who reaches it");
+    }
     let admin_app = admin::router(AdminState {
+        token,
         registry,
         pods: pods.clone(),
         decider,
         sessions,
         stale_after: Duration::from_millis(cfg.pods.stale_after_ms),
         mode,
+        supervisor,
+        // An explain input wraps a body as a JSON string: escaping may double it.
+        body_limit: cfg
+            .body_limit_bytes
+            .saturating_mul(2)
+            .saturating_add(1 << 20),
     });
     let listener = tokio::net::TcpListener::bind(admin_addr)
         .await
         .with_context(|| format!("binding admin listener {admin_addr}"))?;
-    let admin = axum::serve(listener, admin_app).with_graceful_shutdown(shutdown_signal());
+    let admin = crate::admin_serve::serve(listener, admin_app, stopping.clone());
     info!(grpc = %grpc_addr, admin = %admin_addr, "kv-router listening");
-    let (g, a) = tokio::join!(grpc, admin);
-    g.with_context(|| format!("gRPC server on {grpc_addr}"))?;
-    a.with_context(|| format!("admin server on {admin_addr}"))?;
+    let servers = async {
+        let (g, ()) = tokio::join!(grpc, admin);
+        g.with_context(|| format!("gRPC server on {grpc_addr}"))
+    };
+    // Graceful shutdown waits for every open stream; past the grace period they are closed
+    // (dropping the servers) so the process exits inside Kubernetes' termination grace.
+    let grace = Duration::from_millis(cfg.server.shutdown_grace_ms);
+    let deadline = async {
+        stopped(stopping.clone()).await;
+        tokio::time::sleep(grace).await;
+    };
+    tokio::select! {
+        r = servers => r?,
+        () = deadline => warn!(grace_ms = cfg.server.shutdown_grace_ms, "shutdown grace period over: closing the remaining streams"),
+    }
     info!("kv-router stopped");
     Ok(())
 }
 
+/// The admin bearer token: `admin.token_file` (trimmed) wins over `admin.token`; none = open.
+fn admin_token(cfg: &Config) -> anyhow::Result<Option<Arc<str>>> {
+    let token = match &cfg.admin.token_file {
+        Some(path) => std::fs::read_to_string(path)
+            .with_context(|| format!("reading admin.token_file {}", path.display()))?
+            .trim()
+            .to_string(),
+        None => cfg.admin.token.clone(),
+    };
+    Ok((!token.is_empty()).then(|| token.into()))
+}
+
+/// Resolves once shutdown has begun.
+async fn stopped(mut stopping: tokio::sync::watch::Receiver<bool>) {
+    let _ = stopping.wait_for(|s| *s).await;
+}
+
+/// Keeps the gRPC readiness services equal to: not stopping, a healthy pod and no loop down.
+async fn readiness(
+    pods: Arc<PodRegistry>,
+    supervisor: Supervisor,
+    health_reporter: tonic_health::server::HealthReporter,
+    mut stopping: tokio::sync::watch::Receiver<bool>,
+) {
+    let mut last = None;
+    let mut tick = interval(Duration::from_millis(200));
+    loop {
+        // Wake at once on a shutdown signal, else every tick.
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = stopping.changed(), if !*stopping.borrow() => {}
+        }
+        let ready = !*stopping.borrow() && pods.any_healthy() && supervisor.down().is_empty();
+        if last != Some(ready) {
+            let status = if ready {
+                ServingStatus::Serving
+            } else {
+                ServingStatus::NotServing
+            };
+            for svc in &HEALTH_SERVICES[1..] {
+                health_reporter.set_service_status(*svc, status).await;
+            }
+            health_reporter.set_service_status("", status).await;
+            last = Some(ready);
+        }
+    }
+}
+
 /// What the maintenance loop reports to.
+#[derive(Clone)]
 struct Gauges {
     pods: PodMetrics,
     maintenance: MaintenanceMetrics,

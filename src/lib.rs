@@ -20,6 +20,7 @@
 //! which truth, and which reads may be stale: `docs/architecture.md`.
 
 pub(crate) mod admin;
+mod admin_serve;
 pub mod app;
 pub mod blocks;
 pub mod config;
@@ -34,5 +35,6 @@ pub mod picker;
 pub mod pods;
 pub mod request;
 pub mod scoring;
+pub mod supervise;
 pub mod telemetry;
 pub mod tokenize;

@@ -93,7 +93,10 @@ fn main() -> ExitCode {
                     return ExitCode::FAILURE;
                 }
             };
-            match rt.block_on(kv_router::app::run(cfg, tokenizers)) {
+            let result = rt.block_on(kv_router::app::run(cfg, tokenizers));
+            // Background loops stop with the runtime; a stuck blocking task cannot hold the exit.
+            rt.shutdown_timeout(std::time::Duration::from_secs(2));
+            match result {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {
                     tracing::error!("{e:#}");

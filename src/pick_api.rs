@@ -6,6 +6,7 @@ use std::sync::Arc;
 
 use tonic::{Request, Response, Status};
 
+use crate::config::PickApiConfig;
 use crate::decide::{DecideError, DecideRequest, Decider, Decision, ScoredPod};
 
 /// Generated protobuf types and service stubs.
@@ -21,12 +22,13 @@ use proto::{PickRequest, PickResponse, ScoredEndpoint};
 #[derive(Clone)]
 pub struct PickService {
     decider: Arc<Decider>,
+    allowed: PickApiConfig,
 }
 
 impl PickService {
-    /// Over the shared decision path.
-    pub fn new(decider: Arc<Decider>) -> Self {
-        Self { decider }
+    /// Over the shared decision path; `allowed` says whether callers may commit or name a subset.
+    pub fn new(decider: Arc<Decider>, allowed: PickApiConfig) -> Self {
+        Self { decider, allowed }
     }
 }
 
@@ -67,6 +69,17 @@ fn status(e: &DecideError) -> Status {
 impl Picker for PickService {
     async fn pick(&self, request: Request<PickRequest>) -> Result<Response<PickResponse>, Status> {
         let r = request.into_inner();
+        // Anyone who reaches the gRPC port can call Pick: writes are opt-in (pick_api.*).
+        if r.commit && !self.allowed.allow_commit {
+            return Err(Status::permission_denied(
+                "Pick with commit is disabled (pick_api.allow_commit: false)",
+            ));
+        }
+        if !r.subset.is_empty() && !self.allowed.allow_subset {
+            return Err(Status::permission_denied(
+                "Pick with a subset is disabled (pick_api.allow_subset: false)",
+            ));
+        }
         let headers: Vec<(String, String)> = r
             .headers
             .into_iter()
@@ -98,7 +111,11 @@ mod tests {
     async fn service() -> (PickService, Arc<Decider>) {
         let (decider, _) = crate::decide::tests::decider(3, |_| {}).await;
         let decider = Arc::new(decider);
-        (PickService::new(decider.clone()), decider)
+        let open = PickApiConfig {
+            allow_commit: true,
+            allow_subset: true,
+        };
+        (PickService::new(decider.clone(), open), decider)
     }
 
     fn pick(commit: bool) -> Request<PickRequest> {
@@ -131,6 +148,29 @@ mod tests {
         let again = svc.pick(pick(false)).await.unwrap().into_inner();
         assert_eq!(again.endpoints[0].address, first.endpoints[0].address);
         assert!(again.endpoints[0].matched_blocks > 0.0);
+    }
+
+    #[tokio::test]
+    async fn by_default_a_caller_can_neither_commit_nor_choose_a_subset() {
+        let (decider, _) = crate::decide::tests::decider(3, |_| {}).await;
+        let decider = Arc::new(decider);
+        let svc = PickService::new(decider.clone(), PickApiConfig::default());
+        let err = svc.pick(pick(true)).await.unwrap_err();
+        assert_eq!(err.code(), tonic::Code::PermissionDenied);
+        let mut req = pick(false);
+        req.get_mut().subset = vec!["127.0.0.1:8000".into()];
+        let err = svc.pick(req).await.unwrap_err();
+        assert_eq!(err.code(), tonic::Code::PermissionDenied);
+        assert_eq!(decider.index().stats().entries, 0, "nothing recorded");
+        assert_eq!(
+            svc.pick(pick(false))
+                .await
+                .unwrap()
+                .into_inner()
+                .endpoints
+                .len(),
+            3
+        );
     }
 
     #[tokio::test]

@@ -34,6 +34,10 @@ struct Harness {
 }
 
 async fn harness(limit: usize) -> Harness {
+    harness_with_budget(limit, usize::MAX).await
+}
+
+async fn harness_with_budget(limit: usize, budget: usize) -> Harness {
     let mut cfg = Config::default();
     cfg.pods.static_pods = (0..3)
         .map(|i| StaticPod {
@@ -70,7 +74,8 @@ async fn harness(limit: usize) -> Harness {
         ExtProcMetrics::register(&mut registry, errors),
         limit,
         true,
-    );
+    )
+    .with_body_budget(budget);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     tokio::spawn(
@@ -348,6 +353,43 @@ async fn oversized_body_gets_413_json() {
     assert!(v["error"]["message"].as_str().unwrap().contains("limit"));
 }
 
+async fn open_full_duplex(h: &mut Harness) -> Stream {
+    let s = Stream::open(h).await;
+    s.send(
+        headers("/v1/completions", &[], false),
+        Some(BodySendMode::FullDuplexStreamed),
+    )
+    .await;
+    s
+}
+
+#[tokio::test]
+async fn bodies_past_the_shared_buffer_budget_get_a_fast_503() {
+    let mut h = harness_with_budget(1 << 20, 10_000).await;
+    let holder = open_full_duplex(&mut h).await;
+    holder.send(body(&vec![b'a'; 6_000], false), None).await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let mut late = open_full_duplex(&mut h).await;
+    late.send(body(&vec![b'a'; 6_000], false), None).await;
+    let Some(Out::ImmediateResponse(ir)) = late.next().await.response else {
+        panic!("immediate response")
+    };
+    assert_eq!(ir.status.unwrap().code, 503);
+    let v: serde_json::Value = serde_json::from_slice(&ir.body).unwrap();
+    assert_eq!(v["error"]["code"], "router_overloaded");
+    // The holder's stream ends: its bytes return to the budget.
+    drop(holder);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let mut next = open_full_duplex(&mut h).await;
+    next.send(body(&completion(&"y".repeat(5_000)), true), None)
+        .await;
+    let r = next.next().await;
+    assert!(
+        !matches!(r.response, Some(Out::ImmediateResponse(_))),
+        "decided, not refused: {r:?}"
+    );
+}
+
 #[tokio::test]
 async fn no_healthy_pod_gets_503_json() {
     let mut h = harness(1 << 20).await;
@@ -422,5 +464,106 @@ async fn reset_stream_releases_in_flight_load() {
             "in-flight count never released"
         );
         tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// Fuzz smoke of the per-stream state machine (stable Rust: proptest values, run on one
+/// server): arbitrary sequences of ProcessingRequest messages — out of order, duplicate
+/// end-of-stream, empty and oversized bodies, trailers without body, a second headers message,
+/// response-side messages — never kill the service, and every stream's in-flight load returns.
+#[tokio::test]
+async fn arbitrary_message_sequences_never_break_the_service() {
+    use proptest::prelude::*;
+    use proptest::strategy::ValueTree;
+    use proptest::test_runner::TestRunner;
+
+    let msg = prop_oneof![
+        (any::<bool>(), any::<bool>()).prop_map(|(chat, eos)| {
+            headers(
+                if chat {
+                    "/v1/chat/completions"
+                } else {
+                    "/v1/completions"
+                },
+                &[],
+                eos,
+            )
+        }),
+        (0usize..3, any::<bool>()).prop_map(|(kind, eos)| match kind {
+            0 => body(b"", eos),
+            1 => body(&completion("shared words for routing"), eos),
+            _ => body(&vec![b'z'; 12_000], eos), // over the 10 kB limit below
+        }),
+        Just(In::RequestTrailers(HttpTrailers::default())),
+        Just(In::ResponseHeaders(HttpHeaders::default())),
+        any::<bool>().prop_map(|eos| In::ResponseBody(HttpBody {
+            body: b"data: {}\n\n".to_vec(),
+            end_of_stream: eos,
+            ..Default::default()
+        })),
+        Just(In::ResponseTrailers(HttpTrailers::default())),
+    ];
+    let mode = prop_oneof![
+        Just(BodySendMode::Buffered),
+        Just(BodySendMode::Streamed),
+        Just(BodySendMode::FullDuplexStreamed),
+        Just(BodySendMode::None),
+    ];
+    let case = (mode, prop::collection::vec(msg, 1..8));
+    let mut runner = TestRunner::deterministic();
+    let mut h = harness(10_000).await;
+    for _ in 0..300 {
+        let (mode, msgs) = case.new_tree(&mut runner).unwrap().current();
+        let mut s = Stream::open(&mut h).await;
+        for (i, m) in msgs.into_iter().enumerate() {
+            if s.tx.is_closed() {
+                break;
+            }
+            let pc = (i == 0).then_some(mode);
+            let _ =
+                s.tx.send(ProcessingRequest {
+                    request: Some(m),
+                    protocol_config: pc.map(|m| ProtocolConfiguration {
+                        request_body_mode: m as i32,
+                        response_body_mode: m as i32,
+                        ..Default::default()
+                    }),
+                    ..Default::default()
+                })
+                .await;
+        }
+        drop(s.tx);
+        // Drain: the stream ends (replies, an error status, or end) within the timeout.
+        tokio::time::timeout(Duration::from_secs(5), async {
+            while let Some(Ok(_)) = s.rx.next().await {}
+        })
+        .await
+        .expect("every stream ends");
+    }
+    // Still serving, and no in-flight load left behind.
+    let mut s = Stream::open(&mut h).await;
+    s.send(
+        headers("/v1/completions", &[], false),
+        Some(BodySendMode::Buffered),
+    )
+    .await;
+    let _ = s.next().await;
+    s.send(body(&completion("after the fuzz"), true), None)
+        .await;
+    assert!(destination(&s.next().await).starts_with("10.1.0."));
+    drop(s);
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while h
+        .pods
+        .snapshot()
+        .pods()
+        .iter()
+        .any(|p| p.inflight_counts().0 != 0)
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "in-flight load left behind"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }

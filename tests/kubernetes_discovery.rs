@@ -402,6 +402,7 @@ async fn router_forgets_pods_that_leave_the_cluster() {
         refresh_ms: 50,
         ..Default::default()
     });
+    cfg.pick_api.allow_commit = true; // this test records a decision through Pick
     let router = RouterProc::spawn(&bins.kv_router, &cfg)
         .await
         .expect("start kv-router");

@@ -5,7 +5,7 @@ use std::path::Path;
 
 use serde_yaml::Value;
 
-use super::{Config, ConfigError, KubernetesOverrides};
+use super::{check_yaml_shape, Config, ConfigError, KubernetesOverrides, MAX_YAML_BYTES};
 
 /// Most layer files read from one directory (a ConfigMap has a handful).
 const MAX_LAYERS: usize = 64;
@@ -18,10 +18,19 @@ impl Config {
     /// supplies one.
     pub fn load_with(path: &Path, overrides: KubernetesOverrides) -> Result<Self, ConfigError> {
         let read = |p: &Path| {
-            std::fs::read_to_string(p).map_err(|source| ConfigError::Read {
+            let io = |source| ConfigError::Read {
                 path: p.display().to_string(),
                 source,
-            })
+            };
+            // Never read an unbounded file into memory.
+            let len = std::fs::metadata(p).map_err(io)?.len();
+            if len > MAX_YAML_BYTES as u64 {
+                return Err(ConfigError::Shape(format!(
+                    "{}: {len} bytes; at most {MAX_YAML_BYTES} are read",
+                    p.display()
+                )));
+            }
+            std::fs::read_to_string(p).map_err(io)
         };
         if !path.is_dir() {
             return Self::from_yaml_with(&read(path)?, overrides);
@@ -47,6 +56,7 @@ impl Config {
             if text.trim().is_empty() {
                 continue;
             }
+            check_yaml_shape(&text)?;
             let layer: Value = serde_yaml::from_str(&text)?;
             merge(&mut merged, layer);
         }
@@ -64,6 +74,7 @@ impl Config {
         let mut cfg: Config = if text.trim().is_empty() {
             Config::default()
         } else {
+            check_yaml_shape(text)?;
             serde_yaml::from_str(text)?
         };
         overrides.apply_to(&mut cfg);

@@ -8,8 +8,10 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
+mod bounds;
 mod kubernetes;
 mod load;
+pub use bounds::{check_yaml_shape, MAX_YAML_BYTES};
 pub use kubernetes::{KubernetesConfig, KubernetesOverrides, PoolRef, PortRef};
 
 /// Root of `router.yaml`.
@@ -44,6 +46,56 @@ pub struct Config {
     pub tokenizers: Vec<TokenizerConfig>,
     /// Logging.
     pub log: LogConfig,
+    /// What callers of the `Pick` gRPC service may do.
+    pub pick_api: PickApiConfig,
+    /// gRPC server limits and shutdown.
+    pub server: ServerConfig,
+    /// Admin port access.
+    pub admin: AdminConfig,
+}
+
+/// Admin port access: `/debug/*` needs `Authorization: Bearer <token>` when a token is set;
+/// `/metrics`, `/healthz` and `/readyz` stay open (scrapers and probes).
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct AdminConfig {
+    /// The bearer token (prefer `token_file`).
+    pub token: String,
+    /// A file holding the token (e.g. a mounted Secret); wins over `token`.
+    pub token_file: Option<std::path::PathBuf>,
+}
+
+/// gRPC server limits and shutdown.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct ServerConfig {
+    /// Most concurrent HTTP/2 streams per gRPC connection (Envoy opens more connections).
+    pub max_concurrent_streams: u32,
+    /// After SIGTERM/SIGINT, in-flight streams get this long before they are closed.
+    pub shutdown_grace_ms: u64,
+    /// Request-body bytes buffered across all ext_proc streams; a chunk past it gets a 503.
+    pub max_buffered_body_bytes: usize,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        Self {
+            max_concurrent_streams: 4096,
+            shutdown_grace_ms: 20_000,
+            max_buffered_body_bytes: 1 << 30,
+        }
+    }
+}
+
+/// The `Pick` service shares the ext_proc port, so anyone who reaches that port may call it:
+/// by default it only ranks (reads), and recording state is opt-in.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct PickApiConfig {
+    /// Accept `commit: true` (record the decision: index, session pin, in-flight load).
+    pub allow_commit: bool,
+    /// Accept a caller-chosen `subset` of endpoints.
+    pub allow_subset: bool,
 }
 
 /// vLLM KV-event ingestion.
@@ -123,6 +175,9 @@ impl Default for Config {
             kv_events: KvEventsConfig::default(),
             tokenizers: Vec::new(),
             log: LogConfig::default(),
+            pick_api: PickApiConfig::default(),
+            server: ServerConfig::default(),
+            admin: AdminConfig::default(),
         }
     }
 }
@@ -298,6 +353,9 @@ pub struct LoadScorerConfig {
     /// Assumed prefill speed of a pod: routed uncached tokens stay counted for `tokens / this`
     /// seconds when the response itself is not observed (BUFFERED mode).
     pub prefill_tokens_per_sec: f64,
+    /// Most prompt tokens one request is charged as in-flight load (the models' max_model_len):
+    /// a longer prompt from a client cannot count for more than a pod would accept.
+    pub max_prompt_tokens: u64,
 }
 
 impl Default for LoadScorerConfig {
@@ -310,6 +368,7 @@ impl Default for LoadScorerConfig {
             tokens_full: 32_768.0,
             tokens_weight: 1.0,
             prefill_tokens_per_sec: 10_000.0,
+            max_prompt_tokens: 131_072,
         }
     }
 }
@@ -374,6 +433,8 @@ pub struct PodsConfig {
     pub probe_timeout_ms: u64,
     /// How often `/v1/models` is re-read for pods without configured models.
     pub models_refresh_ms: u64,
+    /// Largest `/metrics` or `/v1/models` body read from a pod; a larger one fails the probe.
+    pub max_response_bytes: usize,
 }
 
 impl Default for PodsConfig {
@@ -389,6 +450,7 @@ impl Default for PodsConfig {
             stale_after_ms: 2_000,
             probe_timeout_ms: 1_000,
             models_refresh_ms: 30_000,
+            max_response_bytes: 8 << 20,
         }
     }
 }
@@ -473,6 +535,9 @@ pub enum ConfigError {
     /// The YAML does not match the schema.
     #[error("invalid YAML: {0}")]
     Yaml(#[from] serde_yaml::Error),
+    /// The text is too large or too deeply nested to parse.
+    #[error("YAML refused before parsing: {0}")]
+    Shape(String),
     /// One or more values are out of range (all listed).
     #[error("invalid configuration:\n{}", .0.iter().map(|p| format!("  - {p}")).collect::<Vec<_>>().join("\n"))]
     Invalid(Vec<Problem>),
@@ -508,6 +573,7 @@ impl Config {
         let cfg: Config = if text.trim().is_empty() {
             Config::default()
         } else {
+            check_yaml_shape(text)?;
             serde_yaml::from_str(text)?
         };
         cfg.validate()
@@ -676,6 +742,7 @@ impl Config {
         if self.pods.unhealthy_after == 0 {
             bad("pods.unhealthy_after", "must be at least 1");
         }
+        bounds::upper_bounds(&self, &mut bad);
         if p.is_empty() {
             Ok(self)
         } else {

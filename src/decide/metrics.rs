@@ -63,4 +63,43 @@ impl DecisionMetrics {
             })
             .get()
     }
+
+    /// Drops the `decisions{pod}` series of a pod that left (no series outlives its pod).
+    pub fn forget_pod(&self, pod: &PodId) {
+        for reason in Reason::ALL {
+            self.decisions.remove(&DecisionLabels {
+                reason,
+                pod: pod.to_string(),
+            });
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_departed_pods_decision_series_are_dropped() {
+        let mut registry = Registry::default();
+        let m = DecisionMetrics::register(&mut registry, Errors::default());
+        let (gone, stays) = (PodId::new("10.0.0.1:8000"), PodId::new("10.0.0.2:8000"));
+        for (reason, pod) in [
+            (Reason::Scored, &gone),
+            (Reason::AllSaturated, &gone),
+            (Reason::Scored, &stays),
+        ] {
+            m.decisions
+                .get_or_create(&DecisionLabels {
+                    reason,
+                    pod: pod.to_string(),
+                })
+                .inc();
+        }
+        m.forget_pod(&gone);
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
+        assert!(!text.contains("10.0.0.1:8000"), "{text}");
+        assert!(text.contains("10.0.0.2:8000"), "{text}");
+    }
 }

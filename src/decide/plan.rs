@@ -23,6 +23,7 @@ pub struct Stages {
     least_loaded: Picker,
     fallbacks: usize,
     prefill_tokens_per_sec: f64,
+    max_prompt_tokens: u64,
 }
 
 impl Stages {
@@ -43,6 +44,7 @@ impl Stages {
             least_loaded: Picker::new(Policy::LeastLoaded, vec![], cfg.gate.clone()),
             fallbacks: cfg.fallbacks,
             prefill_tokens_per_sec: s.load.prefill_tokens_per_sec,
+            max_prompt_tokens: s.load.max_prompt_tokens,
         }
     }
 
@@ -204,7 +206,11 @@ pub fn plan(stages: &Stages, input: PlanInput, rng: &mut impl Rng) -> Plan {
         reason,
         total_blocks: keys.keys.len(),
         primary,
-        uncached_tokens: keys.prompt_tokens.saturating_sub(cached),
+        // The client sets the prompt length: no request counts past what a model accepts.
+        uncached_tokens: keys
+            .prompt_tokens
+            .min(stages.max_prompt_tokens)
+            .saturating_sub(cached),
         scorer_errors,
         keys,
         session,
@@ -285,5 +291,13 @@ mod tests {
         );
         assert_eq!((a.primary, a.reason), (2, Reason::Scored));
         assert_eq!(a.uncached_tokens, 130 - 5 * 16);
+        let mut huge = input();
+        huge.keys.prompt_tokens = 16 << 20; // a 64 MiB prompt
+        let h = plan(&stages, huge, &mut StdRng::seed_from_u64(3));
+        assert_eq!(
+            h.uncached_tokens,
+            131_072 - 5 * 16,
+            "capped at max_prompt_tokens"
+        );
     }
 }

@@ -5,6 +5,7 @@
 //! reply. FULL_DUPLEX_STREAMED (Endpoint Picker Protocol): buffer the body to end of stream,
 //! then the headers reply with the decision, then the body echoed as `streamed_response` chunks.
 
+mod budget;
 pub mod reply;
 
 use std::pin::Pin;
@@ -31,6 +32,7 @@ use prometheus_client::registry::Registry;
 use crate::decide::{DecideRequest, Decider};
 use crate::pods::InflightGuard;
 use crate::telemetry::Errors;
+pub use budget::{BodyBudget, Reservation};
 use reply::Rejection;
 
 pub use reply::{
@@ -74,9 +76,16 @@ pub struct ExtProc {
     metrics: ExtProcMetrics,
     body_limit: usize,
     destination_header: bool,
+    budget: BodyBudget,
 }
 
 impl ExtProc {
+    /// Caps the request-body bytes buffered across all streams (default: unlimited).
+    pub fn with_body_budget(mut self, bytes: usize) -> Self {
+        self.budget = BodyBudget::new(bytes);
+        self
+    }
+
     /// A service over the shared decision path.
     pub fn new(
         decider: Arc<Decider>,
@@ -89,6 +98,7 @@ impl ExtProc {
             metrics,
             body_limit,
             destination_header,
+            budget: BodyBudget::new(usize::MAX),
         }
     }
 }
@@ -143,6 +153,8 @@ struct StreamState {
     path: String,
     subset: Option<Vec<String>>,
     body: Vec<u8>,
+    /// `body`'s share of the service's buffered-bytes budget.
+    reserved: Reservation,
     decided: bool,
     guard: Option<InflightGuard>,
 }
@@ -158,6 +170,7 @@ impl ExtProc {
             path: String::new(),
             subset: None,
             body: Vec::new(),
+            reserved: self.budget.reservation(),
             decided: false,
             guard: None,
         };
@@ -288,6 +301,12 @@ impl ExtProc {
             send(tx, reply::immediate_error(&r)).await;
             return false;
         }
+        if !st.reserved.grow(chunk.len()) {
+            let r = Rejection::Overloaded;
+            self.metrics.errors.inc(r.kind());
+            send(tx, reply::immediate_error(&r)).await;
+            return false;
+        }
         if st.body.is_empty() && eos {
             st.body = chunk;
         } else {
@@ -302,14 +321,19 @@ impl ExtProc {
             };
         }
         let body = std::mem::take(&mut st.body);
-        self.decide_and_reply(st, Some(body), tx).await
+        let ok = self.decide_and_reply(st, Some(body), tx).await;
+        // The body is gone with the decision; a long response must not hold its budget.
+        st.reserved.release();
+        ok
     }
 
     async fn on_request_trailers(&self, st: &mut StreamState, tx: &Tx) -> bool {
         if !st.decided && st.mode == BodyMode::FullDuplex {
             // The body ended without end_of_stream (trailers follow): decide now.
             let body = std::mem::take(&mut st.body);
-            if !self.decide_and_reply_inner(st, Some(body), tx, false).await {
+            let ok = self.decide_and_reply_inner(st, Some(body), tx, false).await;
+            st.reserved.release();
+            if !ok {
                 return false;
             }
         }

@@ -214,6 +214,8 @@ pub enum Rejection {
     Decide(DecideError),
     /// The body exceeds the configured limit (bytes).
     BodyTooLarge(usize),
+    /// The router's budget of buffered body bytes (all streams) is spent: retry shortly.
+    Overloaded,
 }
 
 impl From<DecideError> for Rejection {
@@ -230,6 +232,7 @@ impl Rejection {
             Rejection::Decide(DecideError::ModelNotFound(_)) => 404,
             Rejection::Decide(DecideError::BadRequest(_)) => 400,
             Rejection::BodyTooLarge(_) => 413,
+            Rejection::Overloaded => 503,
         }
     }
 
@@ -238,6 +241,7 @@ impl Rejection {
         match self {
             Rejection::Decide(e) => e.kind(),
             Rejection::BodyTooLarge(_) => ErrorKind::BodyTooLarge,
+            Rejection::Overloaded => ErrorKind::BodyBudget,
         }
     }
 
@@ -247,6 +251,9 @@ impl Rejection {
             Rejection::Decide(e) => e.to_string(),
             Rejection::BodyTooLarge(limit) => {
                 format!("request body exceeds the {limit}-byte limit")
+            }
+            Rejection::Overloaded => {
+                "the router is buffering too many request bodies; retry shortly".to_string()
             }
         }
     }
@@ -262,6 +269,7 @@ impl Rejection {
             }
             Rejection::Decide(DecideError::BadRequest(_)) => ("BadRequestError", "invalid_request"),
             Rejection::BodyTooLarge(_) => ("RequestTooLargeError", "request_too_large"),
+            Rejection::Overloaded => ("ServiceUnavailableError", "router_overloaded"),
         };
         serde_json::to_vec(&serde_json::json!({
             "error": { "message": self.message(), "type": ty, "param": null, "code": code }

@@ -60,9 +60,15 @@ fn offset_port(endpoint: &str, rank: u32) -> String {
         return endpoint.to_string();
     }
     match endpoint.rsplit_once(':') {
-        Some((head, port)) => match port.parse::<u32>() {
-            Ok(p) if p != 0 => format!("{head}:{}", p + rank),
-            _ => endpoint.to_string(),
+        // Checked: config validation refuses a last rank past 65535, a template port may not.
+        Some((head, port)) => match port
+            .parse::<u16>()
+            .ok()
+            .filter(|&p| p != 0)
+            .and_then(|p| u16::try_from(rank).ok()?.checked_add(p))
+        {
+            Some(p) => format!("{head}:{p}"),
+            None => endpoint.to_string(),
         },
         None => endpoint.to_string(),
     }
@@ -238,6 +244,9 @@ mod tests {
         assert_eq!(offset_port("tcp://10.0.0.5:5557", 2), "tcp://10.0.0.5:5559");
         assert_eq!(offset_port("tcp://10.0.0.5:0", 2), "tcp://10.0.0.5:0");
         assert_eq!(offset_port("ipc:///tmp/x", 1), "ipc:///tmp/x");
+        // Past the last port there is no rank endpoint: never a wrapped or invalid port.
+        assert_eq!(offset_port("tcp://h:65535", 1), "tcp://h:65535");
+        assert_eq!(offset_port("tcp://h:4294967295", 1), "tcp://h:4294967295");
     }
 
     fn spec(id: &str, endpoint: String) -> PodSpec {

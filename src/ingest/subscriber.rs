@@ -92,17 +92,22 @@ fn context() -> &'static zmq::Context {
 }
 
 fn run(spec: SubscriptionSpec, tx: mpsc::Sender<Delivery>, stop: Arc<AtomicBool>) {
-    let socket = match sub_socket(&spec) {
-        Ok(s) => s,
-        Err(e) => {
-            warn!(endpoint = %spec.endpoint, error = %e, "cannot create KV-event subscriber");
-            return;
-        }
+    let Some(mut socket) = MonitoredSub::open(&spec) else {
+        return;
     };
     let mut tracker = SeqTracker::default();
     let send = |d: Delivery| tx.blocking_send(d).is_ok();
     while !stop.load(Ordering::Relaxed) {
-        let frames = match socket.recv_multipart(0) {
+        if socket.disconnected() {
+            // libzmq does not reconnect after dropping a peer for an oversized message.
+            debug!(endpoint = %spec.endpoint, "KV-event publisher disconnected; reconnecting");
+            drop(socket);
+            let Some(s) = MonitoredSub::open(&spec) else {
+                return;
+            };
+            socket = s;
+        }
+        let frames = match socket.sub.recv_multipart(0) {
             Ok(f) => f,
             Err(zmq::Error::EAGAIN) => continue,
             Err(e) => {
@@ -141,12 +146,55 @@ fn run(spec: SubscriptionSpec, tx: mpsc::Sender<Delivery>, stop: Arc<AtomicBool>
     }
 }
 
+/// Largest KV-event message accepted (ZMQ_MAXMSGSIZE: libzmq drops the connection of a peer
+/// that sends more); vLLM's batches are a few KiB.
+pub(crate) const MAX_MESSAGE_BYTES: i64 = 1 << 20;
+/// Messages queued per subscription before libzmq drops new ones (the sequence gap is then
+/// replayed or purged); with [`MAX_MESSAGE_BYTES`] this bounds a hostile publisher to 1 GiB.
+const RECEIVE_HWM: i32 = 1_000;
+
+/// A SUB socket with a monitor that reports disconnects.
+struct MonitoredSub {
+    sub: zmq::Socket,
+    monitor: zmq::Socket,
+}
+
+impl MonitoredSub {
+    fn open(spec: &SubscriptionSpec) -> Option<Self> {
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let open = || -> zmq::Result<Self> {
+            let sub = sub_socket(spec)?;
+            let addr = format!(
+                "inproc://kv-sub-monitor-{}",
+                NEXT.fetch_add(1, Ordering::Relaxed)
+            );
+            sub.monitor(&addr, zmq::SocketEvent::DISCONNECTED as i32)?;
+            let monitor = context().socket(zmq::PAIR)?;
+            monitor.connect(&addr)?;
+            Ok(Self { sub, monitor })
+        };
+        open()
+            .map_err(|e| warn!(endpoint = %spec.endpoint, error = %e, "cannot create KV-event subscriber"))
+            .ok()
+    }
+
+    /// Whether the publisher's connection dropped since the last call.
+    fn disconnected(&self) -> bool {
+        let mut any = false;
+        while let Ok(frames) = self.monitor.recv_multipart(zmq::DONTWAIT) {
+            any |= !frames.is_empty();
+        }
+        any
+    }
+}
+
 fn sub_socket(spec: &SubscriptionSpec) -> zmq::Result<zmq::Socket> {
     let s = context().socket(zmq::SUB)?;
     s.set_rcvtimeo(250)?;
     s.set_reconnect_ivl(200)?;
     s.set_reconnect_ivl_max(2_000)?;
-    s.set_rcvhwm(100_000)?;
+    s.set_maxmsgsize(MAX_MESSAGE_BYTES)?;
+    s.set_rcvhwm(RECEIVE_HWM)?;
     s.set_subscribe(spec.topic.as_bytes())?;
     s.connect(&spec.endpoint)?;
     Ok(s)
@@ -230,6 +278,8 @@ fn replay(endpoint: &str, from: u64, to: u64) -> Result<Vec<(u64, Vec<u8>)>, Rep
     let s = context().socket(zmq::DEALER)?;
     s.set_linger(0)?;
     s.set_rcvtimeo(200)?;
+    s.set_maxmsgsize(MAX_MESSAGE_BYTES)?;
+    s.set_rcvhwm(RECEIVE_HWM)?;
     s.connect(endpoint)?;
     s.send_multipart([Vec::new(), from.to_be_bytes().to_vec()], 0)?;
     let deadline = Instant::now() + Duration::from_secs(2);
@@ -359,6 +409,51 @@ mod tests {
             }
             assert!(Instant::now() < deadline, "no delivery");
             std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    #[test]
+    fn an_oversized_message_is_dropped_by_libzmq_not_buffered() {
+        let (pp, rp) = (free_port(), free_port());
+        let engine = FakeEngine::new(pp, rp);
+        let spec = SubscriptionSpec {
+            endpoint: format!("tcp://127.0.0.1:{pp}"),
+            replay_endpoint: None,
+            topic: "kv@".into(),
+        };
+        let (_h, mut rx) = spawn(spec, "test".into()).unwrap();
+        let big = vec![0u8; 2 * MAX_MESSAGE_BYTES as usize];
+        let send = |seq: u64, p: &[u8]| {
+            let frames = [b"kv@t".to_vec(), seq.to_be_bytes().to_vec(), p.to_vec()];
+            engine.publ.send_multipart(frames, 0).unwrap();
+        };
+        // Small messages until connected, then one oversized, then small ones again.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let mut seq = 0;
+        let mut phase_big_sent = false;
+        let mut after_big = 0;
+        while after_big < 2 {
+            assert!(
+                Instant::now() < deadline,
+                "small messages never arrived (big sent: {phase_big_sent}, seq {seq})"
+            );
+            send(seq, b"small");
+            seq += 1;
+            std::thread::sleep(Duration::from_millis(20));
+            while let Ok(d) = rx.try_recv() {
+                if let Delivery::Batch { payload, .. } = d {
+                    assert!(
+                        payload.len() <= MAX_MESSAGE_BYTES as usize,
+                        "a 2 MiB message got through"
+                    );
+                    after_big += usize::from(phase_big_sent);
+                }
+                if !phase_big_sent {
+                    send(seq, &big);
+                    seq += 1;
+                    phase_big_sent = true;
+                }
+            }
         }
     }
 

@@ -28,6 +28,15 @@ pub enum Reason {
 }
 
 impl Reason {
+    /// Every reason (to drop a departed pod's series).
+    pub const ALL: [Reason; 5] = [
+        Reason::Scored,
+        Reason::AllSaturated,
+        Reason::Policy,
+        Reason::NoBody,
+        Reason::Unparsable,
+    ];
+
     /// The label value and wire name (the one place each is spelled).
     pub fn as_str(self) -> &'static str {
         match self {

@@ -35,11 +35,12 @@ impl Timestamp for Instant {
     }
 }
 
-// Longest prefill a request is charged for: a bad rate cannot pin tokens on a pod for longer.
-const MAX_PREFILL: Duration = Duration::from_secs(3600);
+// Longest prefill a request is charged for: neither a bad rate nor a client's prompt length can
+// pin tokens on a pod for longer (a 128k-token prefill takes well under a minute on a GPU).
+pub const MAX_PREFILL: Duration = Duration::from_secs(300);
 
-/// Estimated prefill time of `tokens` uncached tokens at `prefill_tokens_per_sec` (capped at an
-/// hour; zero when the rate is not positive).
+/// Estimated prefill time of `tokens` uncached tokens at `prefill_tokens_per_sec` (capped at
+/// [`MAX_PREFILL`]; zero when the rate is not positive).
 pub fn prefill_time(tokens: u64, prefill_tokens_per_sec: f64) -> Duration {
     if prefill_tokens_per_sec > 0.0 {
         Duration::from_secs_f64(
@@ -224,6 +225,14 @@ impl Drop for InflightGuard {
 mod tests {
     use super::super::{PodId, PodSpec};
     use super::*;
+
+    #[test]
+    fn no_prompt_pins_tokens_on_a_pod_for_more_than_five_minutes() {
+        // 16 M tokens (a 64 MiB body) at the default 10k tokens/s once counted for an hour.
+        assert_eq!(prefill_time(16 << 20, 10_000.0), MAX_PREFILL);
+        assert!(MAX_PREFILL <= Duration::from_secs(300));
+        assert_eq!(prefill_time(10_000, 10_000.0), Duration::from_secs(1));
+    }
 
     fn pod() -> Arc<Pod> {
         Arc::new(Pod::new(PodSpec {

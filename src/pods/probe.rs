@@ -41,9 +41,9 @@ impl Prober {
     /// answer. Calls `on_gone` for every pod that left.
     pub async fn run_discovery(
         self,
-        sources: Vec<Box<dyn PodSource>>,
+        sources: Arc<[Box<dyn PodSource>]>,
         refresh: Duration,
-        on_gone: impl Fn(Vec<PodId>) + Send + 'static,
+        on_gone: Arc<dyn Fn(Vec<PodId>) + Send + Sync>,
     ) {
         let mut last: Vec<Option<Vec<PodSpec>>> = vec![None; sources.len()];
         let mut tick = interval(refresh);
@@ -83,8 +83,30 @@ impl Prober {
         tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
         loop {
             tick.tick().await;
-            let set = self.registry.snapshot();
-            join_all(set.pods().iter().map(|pod| self.health_once(pod.clone()))).await;
+            self.each_pod(|p, pod| async move { p.health_once(pod).await })
+                .await;
+        }
+    }
+
+    /// Runs `probe` for every pod, each in its own task: a probe that panics costs that pod's
+    /// round (counted as `kv_router_errors_total{kind="probe_panic"}`), never the others' or the loop.
+    async fn each_pod<F, Fut>(&self, probe: F)
+    where
+        F: Fn(Prober, Arc<Pod>) -> Fut,
+        Fut: std::future::Future<Output = ()> + Send + 'static,
+    {
+        let set = self.registry.snapshot();
+        let tasks = set
+            .pods()
+            .iter()
+            .map(|pod| tokio::spawn(probe(self.clone(), pod.clone())));
+        for (result, pod) in join_all(tasks).await.into_iter().zip(set.pods()) {
+            if let Err(e) = result {
+                if e.is_panic() {
+                    warn!(pod = %pod.id(), "a probe of this pod panicked; the other pods are unaffected");
+                    self.errors.inc(ErrorKind::ProbePanic);
+                }
+            }
         }
     }
 
@@ -108,24 +130,21 @@ impl Prober {
         }
     }
 
-    async fn fetch_models(&self, pod: &Pod) -> Result<Vec<String>, reqwest::Error> {
+    async fn fetch_models(&self, pod: &Pod) -> Result<Vec<String>, ProbeError> {
+        #[derive(serde::Deserialize)]
+        struct Models {
+            #[serde(default)]
+            data: Vec<Model>,
+        }
+        #[derive(serde::Deserialize)]
+        struct Model {
+            id: Option<String>,
+        }
         let url = format!("http://{}/v1/models", pod.spec.addr);
-        let v: serde_json::Value = self
-            .client
-            .get(&url)
-            .send()
-            .await?
-            .error_for_status()?
-            .json()
-            .await?;
-        Ok(v.get("data")
-            .and_then(|d| d.as_array())
-            .map(|d| {
-                d.iter()
-                    .filter_map(|m| m.get("id")?.as_str().map(String::from))
-                    .collect()
-            })
-            .unwrap_or_default())
+        let resp = self.client.get(&url).send().await?.error_for_status()?;
+        let body = read_capped(resp, self.cfg.max_response_bytes).await?;
+        let models: Models = serde_json::from_slice(&body)?;
+        Ok(models.data.into_iter().filter_map(|m| m.id).collect())
     }
 
     /// Scrapes `/metrics` of every pod forever.
@@ -134,17 +153,18 @@ impl Prober {
         tick.set_missed_tick_behavior(MissedTickBehavior::Skip);
         loop {
             tick.tick().await;
-            let set = self.registry.snapshot();
-            join_all(set.pods().iter().map(|pod| self.scrape_once(pod.clone()))).await;
+            self.each_pod(|p, pod| async move { p.scrape_once(pod).await })
+                .await;
         }
     }
 
-    /// One scrape of one pod; a failure leaves the last sample to go stale.
+    /// One scrape of one pod; a failure (an oversized body included) leaves the last sample to
+    /// go stale.
     pub async fn scrape_once(&self, pod: Arc<Pod>) {
         let started = Instant::now();
         let url = format!("http://{}/metrics", pod.spec.addr);
-        let text = match self.client.get(&url).send().await {
-            Ok(r) if r.status().is_success() => r.text().await,
+        let body = match self.client.get(&url).send().await {
+            Ok(r) if r.status().is_success() => read_capped(r, self.cfg.max_response_bytes).await,
             Ok(r) => {
                 debug!(pod = %pod.id(), status = %r.status(), "scrape failed");
                 return;
@@ -154,11 +174,39 @@ impl Prober {
                 return;
             }
         };
-        match text {
-            Ok(text) => pod.record_sample(started, parse_vllm_metrics(&text)),
+        match body {
+            Ok(body) => {
+                pod.record_sample(started, parse_vllm_metrics(&String::from_utf8_lossy(&body)))
+            }
             Err(e) => debug!(pod = %pod.id(), error = %e, "scrape body failed"),
         }
     }
+}
+
+/// Why a pod's answer was not used.
+#[derive(Debug, thiserror::Error)]
+enum ProbeError {
+    #[error(transparent)]
+    Http(#[from] reqwest::Error),
+    #[error("response body over {0} bytes")]
+    TooLarge(usize),
+    #[error("invalid JSON: {0}")]
+    Json(#[from] serde_json::Error),
+}
+
+/// Reads a pod's response body, giving up past `cap` bytes (a pod cannot grow our memory).
+async fn read_capped(mut resp: reqwest::Response, cap: usize) -> Result<Vec<u8>, ProbeError> {
+    if resp.content_length().is_some_and(|n| n > cap as u64) {
+        return Err(ProbeError::TooLarge(cap));
+    }
+    let mut body = Vec::new();
+    while let Some(chunk) = resp.chunk().await? {
+        if body.len() + chunk.len() > cap {
+            return Err(ProbeError::TooLarge(cap));
+        }
+        body.extend_from_slice(&chunk);
+    }
+    Ok(body)
 }
 
 /// Extracts the load signals from vLLM's Prometheus text. Several engines (DP ranks) add up;
@@ -202,7 +250,8 @@ pub fn parse_vllm_metrics(text: &str) -> LoadSample {
 fn split_sample(line: &str) -> Option<(&str, &str, f64)> {
     let (name, labels, rest) = match line.find('{') {
         Some(open) if line[..open].find(' ').is_none() => {
-            let close = line.rfind('}')?;
+            // The closing brace must follow the opening one (`x}{ 1` once panicked here).
+            let close = open + line[open..].rfind('}')?;
             (&line[..open], &line[open + 1..close], &line[close + 1..])
         }
         _ => {
@@ -275,8 +324,119 @@ vllm:prefix_cache_hits_total{engine="0",model_name="m"} 100.0
     }
 
     #[test]
+    fn a_closing_brace_before_the_opening_one_is_ignored_not_a_panic() {
+        let s = parse_vllm_metrics(
+            "x}{ 1\nvllm:num_requests_waiting}{ 2\nvllm:num_requests_running 4\n",
+        );
+        assert_eq!(s.running, 4.0);
+        assert_eq!(s.waiting, 0.0);
+    }
+
+    /// Serves `/metrics` with `body` on a random 127.0.0.1 port.
+    async fn metrics_server(body: String) -> std::net::SocketAddr {
+        let app =
+            axum::Router::new().route("/metrics", axum::routing::get(move || async move { body }));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        addr
+    }
+
+    fn pods(addrs: &[std::net::SocketAddr]) -> Arc<PodRegistry> {
+        let registry = Arc::new(PodRegistry::default());
+        registry.update(
+            addrs
+                .iter()
+                .map(|a| PodSpec {
+                    id: PodId::from(*a),
+                    addr: *a,
+                    models: vec!["m".into()],
+                    labels: Default::default(),
+                    kv_events_endpoint: None,
+                    kv_events_replay_endpoint: None,
+                })
+                .collect(),
+        );
+        registry
+    }
+
+    fn prober(registry: &Arc<PodRegistry>, max_response_bytes: usize) -> Prober {
+        let cfg = PodsConfig {
+            scrape_interval_ms: 20,
+            max_response_bytes,
+            ..PodsConfig::default()
+        };
+        Prober::new(cfg, registry.clone(), Errors::default())
+    }
+
+    #[tokio::test]
+    async fn a_hostile_pod_cannot_stop_the_scrape_of_the_others() {
+        let bad = metrics_server("x}{ 1\n".into()).await;
+        let good = metrics_server("vllm:num_requests_waiting 3\n".into()).await;
+        let registry = pods(&[bad, good]);
+        let task = tokio::spawn(prober(&registry, 1 << 20).run_scrape());
+        let good_pod = registry.snapshot().get(&PodId::from(good)).unwrap().clone();
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while good_pod.last_sample().is_none() && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        // Several more rounds: the loop must still be alive.
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert!(!task.is_finished(), "the scrape loop died");
+        let first = good_pod.last_sample().expect("the good pod was scraped").0;
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert!(
+            good_pod.last_sample().unwrap().0 > first,
+            "scrapes continue"
+        );
+        assert_eq!(good_pod.last_sample().unwrap().1.waiting, 3.0);
+        task.abort();
+    }
+
+    #[tokio::test]
+    async fn an_oversized_metrics_body_fails_the_scrape() {
+        let mut big = "vllm:num_requests_waiting 3\n".to_string();
+        big.push_str(&"# padding\n".repeat(20_000));
+        let addr = metrics_server(big).await;
+        let registry = pods(&[addr]);
+        let pod = registry.snapshot().pods()[0].clone();
+        prober(&registry, 64 << 10).scrape_once(pod.clone()).await;
+        assert!(
+            pod.last_sample().is_none(),
+            "a 200 KB body over a 64 KiB cap is not used"
+        );
+        prober(&registry, 1 << 20).scrape_once(pod.clone()).await;
+        assert_eq!(pod.last_sample().unwrap().1.waiting, 3.0);
+    }
+
+    #[test]
     fn label_lookup_handles_escapes() {
         assert_eq!(label(r#"a="1",b="x\"y",c="3""#, "c"), Some("3"));
         assert_eq!(label(r#"a="1""#, "z"), None);
+    }
+
+    mod fuzz {
+        use super::*;
+        use proptest::prelude::*;
+
+        proptest! {
+            #![proptest_config(ProptestConfig { cases: 2000, ..ProptestConfig::default() })]
+            #[test]
+            fn any_metrics_text_parses_without_panic(
+                lines in prop::collection::vec(
+                    prop_oneof![
+                        "[a-z:_{}=\", .0-9#\\-]{0,60}",
+                        any::<String>(),
+                        Just("vllm:cache_config_info{block_size=\"16\",num_gpu_blocks=\"99999999999999999999\"} 1".to_string()),
+                        Just("vllm:kv_cache_usage_perc 1e308".to_string()),
+                    ],
+                    0..20,
+                )
+            ) {
+                let s = parse_vllm_metrics(&lines.join("\n"));
+                prop_assert!((0.0..=1.0).contains(&s.kv_usage));
+                prop_assert!(s.waiting.is_finite() || s.waiting.is_infinite());
+            }
+        }
     }
 }

@@ -482,4 +482,62 @@ mod tests {
             Api::ChatCompletions
         );
     }
+
+    mod fuzz {
+        use super::*;
+        use proptest::prelude::*;
+
+        /// JSON-ish bytes: real request shapes with arbitrary values, and raw noise.
+        fn body() -> impl Strategy<Value = Vec<u8>> {
+            let leaf = prop_oneof![
+                any::<String>().prop_map(serde_json::Value::from),
+                any::<i64>().prop_map(serde_json::Value::from),
+                any::<bool>().prop_map(serde_json::Value::from),
+                Just(serde_json::Value::Null),
+            ];
+            let value = leaf.prop_recursive(4, 32, 6, |inner| {
+                prop_oneof![
+                    prop::collection::vec(inner.clone(), 0..6).prop_map(serde_json::Value::from),
+                    prop::collection::btree_map(
+                        prop_oneof![
+                            Just("model".to_string()),
+                            Just("prompt".to_string()),
+                            Just("messages".to_string()),
+                            Just("role".to_string()),
+                            Just("content".to_string()),
+                            Just("type".to_string()),
+                            Just("text".to_string()),
+                            Just("input".to_string()),
+                            Just("user".to_string()),
+                            Just("cache_salt".to_string()),
+                            any::<String>(),
+                        ],
+                        inner,
+                        0..6
+                    )
+                    .prop_map(|m| serde_json::Value::Object(m.into_iter().collect())),
+                ]
+            });
+            prop_oneof![
+                value.prop_map(|v| v.to_string().into_bytes()),
+                prop::collection::vec(any::<u8>(), 0..400),
+            ]
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig { cases: 2000, ..ProptestConfig::default() })]
+            #[test]
+            fn any_body_on_any_path_parses_or_errors_never_panics(
+                body in body(),
+                path in prop_oneof![
+                    Just("/v1/chat/completions".to_string()),
+                    Just("/v1/completions".to_string()),
+                    Just("/v1/responses".to_string()),
+                    any::<String>(),
+                ],
+            ) {
+                let _ = parse(&path, &body);
+            }
+        }
+    }
 }

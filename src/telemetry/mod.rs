@@ -38,6 +38,10 @@ pub enum ErrorKind {
     KubernetesWatch,
     /// The Kubernetes watch task ended and was restarted.
     KubernetesRestart,
+    /// A probe or scrape of one pod panicked (that pod's round is lost, nothing else).
+    ProbePanic,
+    /// A body chunk was refused: the buffered-body budget of all streams was spent.
+    BodyBudget,
 }
 
 impl ErrorKind {
@@ -56,6 +60,8 @@ impl ErrorKind {
             ErrorKind::PodSource => "pod_source",
             ErrorKind::KubernetesWatch => "kubernetes_watch",
             ErrorKind::KubernetesRestart => "kubernetes_restart",
+            ErrorKind::ProbePanic => "probe_panic",
+            ErrorKind::BodyBudget => "body_budget",
         }
     }
 }

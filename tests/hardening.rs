@@ -1,0 +1,306 @@
+//! Hardening through the real processes (kv-router + vllm-sim on 127.0.0.1): what an attacker or
+//! a careless operator found on the old main, each pinned by a test that failed there.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::deploy::{self, RouterProc, SimPod};
+use common::{bins, FAST_SIM};
+use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue};
+use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
+use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request as In;
+use envoy_types::pb::envoy::service::ext_proc::v3::{HttpBody, HttpHeaders, ProcessingRequest};
+use kv_router::config::Config;
+use tokio_stream::StreamExt;
+use tonic_health::pb::health_check_response::ServingStatus;
+use tonic_health::pb::health_client::HealthClient;
+use tonic_health::pb::HealthCheckRequest;
+
+/// One fast simulated pod and a kv-router over it, `tweak`ed.
+async fn router(tweak: impl FnOnce(&mut Config)) -> (SimPod, RouterProc) {
+    let bins = bins();
+    let args: Vec<String> = FAST_SIM.iter().map(|s| s.to_string()).collect();
+    let pod = SimPod::spawn(&bins.vllm_sim, &args).expect("start vllm-sim");
+    let mut cfg = deploy::local_router_config(&[pod.addr]).expect("router config");
+    tweak(&mut cfg);
+    let r = RouterProc::spawn(&bins.kv_router, &cfg)
+        .await
+        .expect("start kv-router");
+    // spawn waited for /readyz (a healthy pod); /debug/pods may need a token.
+    if cfg.admin.token.is_empty() {
+        r.wait_pods_ready(1, Duration::from_secs(10))
+            .await
+            .unwrap_or_else(|e| panic!("{e:#}\nrouter stderr:\n{}", r.stderr_tail(40)));
+    }
+    (pod, r)
+}
+
+/// A request-headers message as Envoy sends it.
+fn request_headers(headers: &[(&str, &str)], end_of_stream: bool) -> ProcessingRequest {
+    let headers = headers
+        .iter()
+        .map(|(k, v)| HeaderValue {
+            key: k.to_string(),
+            raw_value: v.as_bytes().to_vec(),
+            ..Default::default()
+        })
+        .collect();
+    ProcessingRequest {
+        request: Some(In::RequestHeaders(HttpHeaders {
+            headers: Some(HeaderMap { headers }),
+            end_of_stream,
+            ..Default::default()
+        })),
+        ..Default::default()
+    }
+}
+
+#[tokio::test]
+async fn explain_accepts_bodies_up_to_the_configured_limit() {
+    let (_pod, r) = router(|_| {}).await;
+    // 3 MB: over axum's 2 MB default, well under the 64 MiB body limit.
+    let prompt = "x".repeat(3 << 20);
+    let input = serde_json::json!({"body": {"model": "m", "prompt": prompt}});
+    let resp = reqwest::Client::new()
+        .post(format!("{}/debug/explain", r.admin_url()))
+        .json(&input)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(
+        resp.status(),
+        200,
+        "{}",
+        resp.text().await.unwrap_or_default()
+    );
+}
+
+#[tokio::test]
+async fn sigterm_goes_not_serving_then_exits_0_despite_an_idle_stream() {
+    let (_pod, mut r) = router(|c| c.server.shutdown_grace_ms = 2_000).await;
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", r.grpc))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    // An idle ext_proc stream: request headers sent, body never comes.
+    let (tx, rx) = tokio::sync::mpsc::channel(4);
+    let headers = request_headers(&[(":path", "/v1/completions"), (":method", "POST")], false);
+    tx.send(headers).await.unwrap();
+    let mut extproc = ExternalProcessorClient::new(channel.clone());
+    let mut replies = extproc
+        .process(tokio_stream::wrappers::ReceiverStream::new(rx))
+        .await
+        .unwrap()
+        .into_inner();
+    let mut health = HealthClient::new(channel)
+        .watch(HealthCheckRequest {
+            service: "readiness".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    // Readiness follows the pods' health within a tick of the admin port's /readyz.
+    tokio::time::timeout(Duration::from_secs(3), async {
+        while health.next().await.unwrap().unwrap().status != ServingStatus::Serving as i32 {}
+    })
+    .await
+    .expect("readiness SERVING");
+
+    let pid = r.process().pid().expect("running") as i32;
+    let sent = Instant::now();
+    // SAFETY: a plain kill(2) of our own child.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGTERM) }, 0);
+    let next = tokio::time::timeout(Duration::from_secs(1), health.next())
+        .await
+        .expect("readiness changed within 1 s of SIGTERM")
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        next.status,
+        ServingStatus::NotServing as i32,
+        "NOT_SERVING first"
+    );
+    let status = loop {
+        if let Some(s) = r.process().exited() {
+            break s;
+        }
+        assert!(
+            sent.elapsed() < Duration::from_secs(10),
+            "still running 10 s after SIGTERM with a 2 s grace:\n{}",
+            r.stderr_tail(20)
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert!(
+        status.success(),
+        "exit status {status}:\n{}",
+        r.stderr_tail(20)
+    );
+    assert!(
+        sent.elapsed() >= Duration::from_millis(1_500),
+        "the idle stream had its grace"
+    );
+    // The stream was closed by the server, not left hanging.
+    let end = tokio::time::timeout(Duration::from_secs(2), async {
+        // The headers reply came before the signal; then the stream ends.
+        while let Some(Ok(_)) = replies.next().await {}
+    })
+    .await;
+    assert!(
+        end.is_ok(),
+        "stream still open 2 s after the process exited"
+    );
+    drop(tx);
+}
+
+#[tokio::test]
+async fn admin_port_closes_connections_that_dribble_headers() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let (_pod, r) = router(|_| {}).await;
+    let mut slow = Vec::new();
+    for _ in 0..20 {
+        let mut s = tokio::net::TcpStream::connect(r.admin).await.unwrap();
+        s.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
+            .await
+            .unwrap();
+        slow.push(s);
+    }
+    let started = Instant::now();
+    // Dribble one header byte a second; the server must give up on all of them.
+    let mut closed = 0;
+    while closed < slow.len() {
+        assert!(
+            started.elapsed() < Duration::from_secs(12),
+            "{closed}/20 slow connections closed after 12 s"
+        );
+        closed = 0;
+        for s in &mut slow {
+            let _ = s.write_all(b"X").await;
+            let mut buf = [0u8; 512];
+            match tokio::time::timeout(Duration::from_millis(10), s.read(&mut buf)).await {
+                Ok(Ok(_)) | Ok(Err(_)) => closed += 1, // EOF, 408, or reset
+                Err(_) => {}
+            }
+        }
+        // The admin port keeps answering meanwhile.
+        let ok = reqwest::get(format!("{}/healthz", r.admin_url()))
+            .await
+            .unwrap();
+        assert_eq!(ok.status(), 200);
+        tokio::time::sleep(Duration::from_millis(1_000)).await;
+    }
+}
+
+#[tokio::test]
+async fn debug_needs_the_admin_token_when_one_is_set_and_metrics_stay_open() {
+    let (_pod, r) = router(|c| c.admin.token = "s3cret-token".into()).await;
+    let client = reqwest::Client::new();
+    let get = |path: &str, token: Option<&str>| {
+        let mut req = client.get(format!("{}{path}", r.admin_url()));
+        if let Some(t) = token {
+            req = req.bearer_auth(t);
+        }
+        req.send()
+    };
+    assert_eq!(get("/debug/pods", None).await.unwrap().status(), 401);
+    assert_eq!(
+        get("/debug/pods", Some("wrong")).await.unwrap().status(),
+        401
+    );
+    assert_eq!(
+        get("/debug/pods", Some("s3cret-token"))
+            .await
+            .unwrap()
+            .status(),
+        200
+    );
+    let explain = client
+        .post(format!("{}/debug/explain", r.admin_url()))
+        .body("{}")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(explain.status(), 401);
+    assert_eq!(get("/metrics", None).await.unwrap().status(), 200);
+    assert_eq!(get("/readyz", None).await.unwrap().status(), 200);
+}
+
+#[tokio::test]
+async fn prompts_and_session_ids_never_reach_logs_or_metrics() {
+    const PROMPT_MARK: &str = "zebra-quokka-7731-marker";
+    const SESSION: &str = "session-id-8842-marker";
+    let (_pod, r) = router(|c| c.log.level = "debug".into()).await;
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", r.grpc))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let bodies = [
+        serde_json::json!({"model": "m", "prompt": format!("{PROMPT_MARK} {}", "words ".repeat(100)), "user": SESSION}).to_string(),
+        format!("{{\"model\": \"m\", \"prompt\": \"{PROMPT_MARK} broken json"),
+        serde_json::json!({"model": "unknown-model", "messages": [{"role": "user", "content": PROMPT_MARK}]}).to_string(),
+    ];
+    for body in bodies {
+        let (tx, rx) = tokio::sync::mpsc::channel(4);
+        tx.send(request_headers(
+            &[
+                (":path", "/v1/completions"),
+                (":method", "POST"),
+                ("x-session-id", SESSION),
+            ],
+            false,
+        ))
+        .await
+        .unwrap();
+        tx.send(ProcessingRequest {
+            request: Some(In::RequestBody(HttpBody {
+                body: body.into_bytes(),
+                end_of_stream: true,
+                ..Default::default()
+            })),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+        drop(tx);
+        let mut replies = ExternalProcessorClient::new(channel.clone())
+            .process(tokio_stream::wrappers::ReceiverStream::new(rx))
+            .await
+            .unwrap()
+            .into_inner();
+        while let Some(Ok(_)) = replies.next().await {}
+    }
+    // Explain echoes the decision, never the prompt.
+    let explain = reqwest::Client::new()
+        .post(format!("{}/debug/explain", r.admin_url()))
+        .json(&serde_json::json!({"headers": {"x-session-id": SESSION}, "body": {"model": "m", "prompt": PROMPT_MARK}}))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let metrics = reqwest::get(format!("{}/metrics", r.admin_url()))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let logs = r.stderr_tail(100_000);
+    assert!(
+        logs.contains("DEBUG") || logs.contains("debug"),
+        "debug logging was on"
+    );
+    for (what, text) in [
+        ("logs", &logs),
+        ("metrics", &metrics),
+        ("explain", &explain),
+    ] {
+        for secret in [PROMPT_MARK, SESSION] {
+            assert!(!text.contains(secret), "{secret} found in {what}");
+        }
+    }
+}
