@@ -17,7 +17,10 @@ fn a_server_starts_on_a_random_port_and_answers() {
     assert_eq!(redis_command(r.addr, &["SET", "k", "v"]).unwrap(), "+OK");
     assert_eq!(redis_command(r.addr, &["EXISTS", "k"]).unwrap(), ":1");
     // Fault tests slow the server with DEBUG SLEEP: the command must be enabled.
-    assert_eq!(redis_command(r.addr, &["DEBUG", "SLEEP", "0"]).unwrap(), "+OK");
+    assert_eq!(
+        redis_command(r.addr, &["DEBUG", "SLEEP", "0"]).unwrap(),
+        "+OK"
+    );
     assert!(r.url().starts_with("redis://127.0.0.1:"));
 }
 
@@ -28,6 +31,9 @@ fn two_servers_get_distinct_ports_and_a_killed_one_stops_answering() {
     assert_ne!(a.addr, b.addr);
     let addr = b.addr;
     b.kill();
-    assert!(redis_command(addr, &["PING"]).is_err(), "a killed server must not answer");
+    assert!(
+        redis_command(addr, &["PING"]).is_err(),
+        "a killed server must not answer"
+    );
     assert_eq!(redis_command(a.addr, &["PING"]).unwrap(), "+PONG");
 }

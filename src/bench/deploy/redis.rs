@@ -135,6 +135,9 @@ pub fn command(addr: SocketAddr, args: &[&str]) -> Result<String> {
         }
         buf.extend_from_slice(&chunk[..n]);
     }
-    let end = buf.windows(2).position(|w| w == b"\r\n").unwrap_or(buf.len());
+    let end = buf
+        .windows(2)
+        .position(|w| w == b"\r\n")
+        .unwrap_or(buf.len());
     Ok(String::from_utf8_lossy(&buf[..end]).into_owned())
 }
