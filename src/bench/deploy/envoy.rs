@@ -204,7 +204,11 @@ impl EnvoyProc {
         let deadline = Instant::now() + START_TIMEOUT;
         loop {
             if let Ok(r) = client.get(&url).send().await {
-                if r.status().is_success() && r.text().await.unwrap_or_default().trim() == "LIVE" {
+                // LIVE can precede the workers' listen sockets (reuse_port): wait until one accepts.
+                if r.status().is_success()
+                    && r.text().await.unwrap_or_default().trim() == "LIVE"
+                    && tokio::net::TcpStream::connect(listen).await.is_ok()
+                {
                     break;
                 }
             }
