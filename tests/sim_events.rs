@@ -689,6 +689,9 @@ async fn evictions_name_the_stored_vllm_hashes() {
     let sim = Sim::start(&["--kv-events-endpoint", "tcp://*:0", "--num-gpu-blocks", "8"]);
     let mut sub = Subscriber::connect(&sim.events).await;
     sub.join(&sim).await;
+    // The slow joiner may have missed warm-up stores whose evictions come later: start the
+    // replay from a cleared cache.
+    assert_eq!(sim.post("/reset_prefix_cache", &json!({})).await, 200);
     let a = prompt_100("prompt A");
     let b = prompt_100("prompt B");
     sim.complete(&a, None).await;
@@ -700,9 +703,15 @@ async fn evictions_name_the_stored_vllm_hashes() {
     // Replaying the whole log on an index: every removal names a stored hash.
     let mut index = std::collections::HashSet::new();
     let mut removed = Vec::new();
+    let mut cleared = false;
     for m in &sub.log {
         for ev in m.events() {
-            match kind(&ev).as_str() {
+            let k = kind(&ev);
+            cleared |= k == "AllBlocksCleared";
+            if !cleared {
+                continue;
+            }
+            match k.as_str() {
                 "BlockStored" => {
                     for h in u64s(field(&ev, "block_hashes").unwrap()) {
                         assert!(index.insert(h), "stored twice without removal");
