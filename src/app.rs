@@ -13,10 +13,10 @@ use tonic_health::ServingStatus;
 use tracing::{info, warn};
 
 use crate::admin::{self, AdminState};
-use crate::config::Config;
+use crate::config::{Config, IndexBackend};
 use crate::decide::{Decider, DecisionMetrics};
 use crate::extproc::{ExtProc, ExtProcMetrics};
-use crate::index::{build_index, index_capacity};
+use crate::index::{build_index, index_capacity, RedisMetrics};
 use crate::ingest::{self, IngestMetrics};
 use crate::pick_api::proto::picker_server::PickerServer;
 use crate::pick_api::PickService;
@@ -83,9 +83,11 @@ pub async fn run(cfg: Config, tokenizers: TokenizerRegistry) -> anyhow::Result<(
     let pod_metrics = PodMetrics::register(registry);
     let maintenance_metrics = MaintenanceMetrics::register(registry);
     let supervisor = Supervisor::register(registry);
+    let redis_metrics =
+        (cfg.index.backend == IndexBackend::Redis).then(|| RedisMetrics::register(registry));
     let registry = Arc::new(root);
     let pods = Arc::new(PodRegistry::default());
-    let index = build_index(&cfg);
+    let index = build_index(&cfg, redis_metrics)?;
     let mode = mode(&cfg);
     let sessions = Arc::new(SessionStore::new(
         cfg.scorers.session.capacity,

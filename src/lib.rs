@@ -38,3 +38,12 @@ pub mod scoring;
 pub mod supervise;
 pub mod telemetry;
 pub mod tokenize;
+
+// Unit tests that need real servers (the Redis index's contract) start them with kv-bench's own
+// process harness, mounted here as the integration tests mount it.
+#[cfg(all(test, feature = "bench"))]
+extern crate self as kv_router;
+#[cfg(all(test, feature = "bench"))]
+#[path = "bench/deploy/mod.rs"]
+#[allow(dead_code, unused_imports)]
+pub(crate) mod test_deploy;

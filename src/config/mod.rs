@@ -11,8 +11,10 @@ use thiserror::Error;
 mod bounds;
 mod kubernetes;
 mod load;
+mod redis;
 pub use bounds::{check_yaml_shape, MAX_YAML_BYTES};
 pub use kubernetes::{KubernetesConfig, KubernetesOverrides, PoolRef, PortRef};
+pub use redis::{redact_url, RedisConfig, RedisMode};
 
 /// Root of `router.yaml`.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -250,7 +252,7 @@ impl Default for BlocksConfig {
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(default, deny_unknown_fields)]
 pub struct IndexConfig {
-    /// Backend (only `memory` in this release; the construction matches on it).
+    /// Backend: `memory` (in process) or `redis` (shared by replicas; see `redis`).
     pub backend: IndexBackend,
     /// Entries not refreshed for this long are ignored and swept.
     pub ttl_ms: u64,
@@ -258,6 +260,8 @@ pub struct IndexConfig {
     pub default_capacity_blocks: usize,
     /// Multiplier applied to a pod's `num_gpu_blocks` (router blocks may differ in size).
     pub capacity_factor: f64,
+    /// The shared index (`backend: redis`).
+    pub redis: RedisConfig,
 }
 
 impl Default for IndexConfig {
@@ -267,6 +271,7 @@ impl Default for IndexConfig {
             ttl_ms: 600_000,
             default_capacity_blocks: 31_250,
             capacity_factor: 1.0,
+            redis: RedisConfig::default(),
         }
     }
 }
@@ -278,6 +283,8 @@ impl Default for IndexConfig {
 pub enum IndexBackend {
     /// In process: `MemoryIndex` (decisions) or `EventIndex` (KV events).
     Memory,
+    /// Redis/Valkey shared by replicas (`RedisIndex`), with the in-process index as fallback.
+    Redis,
 }
 
 /// Scorer weights and parameters.
@@ -616,6 +623,11 @@ impl Config {
         }
         if !(self.index.capacity_factor > 0.0 && self.index.capacity_factor.is_finite()) {
             bad("index.capacity_factor", "must be a positive number");
+        }
+        if self.index.backend == IndexBackend::Redis {
+            for (key, reason) in self.index.redis.problems() {
+                bad(&format!("index.redis.{key}"), reason);
+            }
         }
         let s = &self.scorers;
         for (key, w) in [

@@ -3,21 +3,54 @@
 
 use std::sync::Arc;
 
-use super::{EventIndex, EventIndexConfig, KvIndex, MemoryIndex};
+use super::{
+    EventIndex, EventIndexConfig, KvIndex, Local, MemoryIndex, RedisIndex, RedisMetrics, Tuning,
+};
 use crate::config::{Config, IndexBackend};
 
 /// The router's index for `cfg`: fed by KV events when they are enabled, else learned from the
-/// router's own decisions.
-pub fn build_index(cfg: &Config) -> Arc<dyn KvIndex> {
+/// router's own decisions; shared through Redis with `backend: redis`, whose metric families
+/// go to `metrics` (unregistered when `None`). Fails only on a Redis setting that cannot work
+/// (an unreadable password file, a malformed URL). Must run inside a tokio runtime.
+pub fn build_index(
+    cfg: &Config,
+    metrics: Option<RedisMetrics>,
+) -> anyhow::Result<Arc<dyn KvIndex>> {
     // A new backend must say here how it is built.
-    match cfg.index.backend {
-        IndexBackend::Memory => memory_index(cfg),
-    }
+    Ok(match cfg.index.backend {
+        IndexBackend::Memory => match local_index(cfg) {
+            Local::Memory(m) => Arc::new(m),
+            Local::Events(e) => Arc::new(e),
+        },
+        IndexBackend::Redis => {
+            let tuning = Tuning {
+                record_ttl_ms: if cfg.kv_events.enabled {
+                    cfg.kv_events.speculative_ttl_ms
+                } else {
+                    cfg.index.ttl_ms
+                },
+                default_capacity: if cfg.kv_events.enabled {
+                    EventIndexConfig::default().speculative_capacity
+                } else {
+                    cfg.index.default_capacity_blocks
+                },
+                gpu_weight: cfg.kv_events.gpu_weight,
+                cpu_weight: cfg.kv_events.cpu_weight,
+            };
+            let metrics = metrics.unwrap_or_else(RedisMetrics::unregistered);
+            Arc::new(
+                RedisIndex::new(&cfg.index.redis, local_index(cfg), tuning, metrics)
+                    .map_err(anyhow::Error::msg)?,
+            )
+        }
+    })
 }
 
-fn memory_index(cfg: &Config) -> Arc<dyn KvIndex> {
+/// The in-process index for `cfg` (the whole index with `backend: memory`, the fallback with
+/// `backend: redis`).
+fn local_index(cfg: &Config) -> Local {
     if cfg.kv_events.enabled {
-        Arc::new(EventIndex::new(EventIndexConfig {
+        Local::Events(EventIndex::new(EventIndexConfig {
             block_tokens: cfg.kv_events.block_tokens,
             max_blocks: cfg.blocks.max_blocks,
             gpu_weight: cfg.kv_events.gpu_weight,
@@ -26,7 +59,7 @@ fn memory_index(cfg: &Config) -> Arc<dyn KvIndex> {
             ..EventIndexConfig::default()
         }))
     } else {
-        Arc::new(MemoryIndex::new(
+        Local::Memory(MemoryIndex::new(
             cfg.index.ttl_ms,
             cfg.index.default_capacity_blocks,
         ))

@@ -7,13 +7,18 @@
 //! - [`EventIndex`] (precise) learns from vLLM KV events (`apply_events`); `record` only adds
 //!   short-lived speculative entries until the pod's events confirm them.
 //!
-//! Both keep their state in one `table::Table`: pod ↔ slot with a free list, key → holders.
+//! - [`RedisIndex`] shares either of them between replicas through Redis/Valkey, keeping the
+//!   in-process one as its fail-open fallback.
+//!
+//! The in-process two keep their state in one `table::Table`: pod ↔ slot with a free list,
+//! key → holders.
 
 mod build;
 #[cfg(test)]
 mod contract;
 mod events;
 mod memory;
+mod redis;
 mod table;
 
 use async_trait::async_trait;
@@ -26,6 +31,9 @@ use crate::pods::PodId;
 pub use build::{build_index, index_capacity};
 pub use events::{EventIndex, EventIndexConfig};
 pub use memory::MemoryIndex;
+pub use redis::{
+    Local, Reason as RedisFallbackReason, RedisIndex, RedisMetrics, Source as RedisSource, Tuning,
+};
 
 use crate::events::KvEventBatch;
 
@@ -132,7 +140,12 @@ pub trait KvIndex: Send + Sync + 'static {
     async fn forget_rank(&self, pod: &PodId, _rank: u32) -> Result<(), IndexError> {
         self.forget_pod(pod).await
     }
-    /// Current size.
+    /// Waits until every write accepted so far is visible to lookups. Backends that queue writes
+    /// off the request path (Redis) need it for read-your-writes; the others are always there.
+    async fn flush(&self) -> Result<(), IndexError> {
+        Ok(())
+    }
+    /// Current size (of this process's view, for a shared backend).
     fn stats(&self) -> IndexStats;
     /// Backend name for `/debug/pods`.
     fn describe(&self) -> &'static str;

@@ -83,31 +83,44 @@ impl Probe<'_> {
         self.ix
             .record(pod, keys, now)
             .await
-            .map_err(|e| format!("record failed: {e}"))
+            .map_err(|e| format!("record failed: {e}"))?;
+        self.flush().await
+    }
+    /// Every write is followed by a flush: the contract is about what lookups see once the
+    /// backend says the write is visible.
+    async fn flush(&self) -> Outcome {
+        self.ix
+            .flush()
+            .await
+            .map_err(|e| format!("flush failed: {e}"))
     }
     async fn forget(&self, pod: &PodId) -> Outcome {
         self.ix
             .forget_pod(pod)
             .await
-            .map_err(|e| format!("forget_pod failed: {e}"))
+            .map_err(|e| format!("forget_pod failed: {e}"))?;
+        self.flush().await
     }
     async fn forget_rank(&self, pod: &PodId, rank: u32) -> Outcome {
         self.ix
             .forget_rank(pod, rank)
             .await
-            .map_err(|e| format!("forget_rank failed: {e}"))
+            .map_err(|e| format!("forget_rank failed: {e}"))?;
+        self.flush().await
     }
     async fn set_capacity(&self, pod: &PodId, blocks: usize) -> Outcome {
         self.ix
             .set_capacity(pod, blocks)
             .await
-            .map_err(|e| format!("set_capacity failed: {e}"))
+            .map_err(|e| format!("set_capacity failed: {e}"))?;
+        self.flush().await
     }
     async fn sweep(&self, now: u64) -> Outcome {
         self.ix
             .sweep(now)
             .await
-            .map_err(|e| format!("sweep failed: {e}"))
+            .map_err(|e| format!("sweep failed: {e}"))?;
+        self.flush().await
     }
     async fn apply(
         &self,
@@ -115,10 +128,13 @@ impl Probe<'_> {
         rank: u32,
         batch: &KvEventBatch,
     ) -> Result<ApplyStats, String> {
-        self.ix
+        let stats = self
+            .ix
             .apply_events(pod, rank, MODEL, batch)
             .await
-            .map_err(|e| format!("apply_events failed: {e}"))
+            .map_err(|e| format!("apply_events failed: {e}"))?;
+        self.flush().await?;
+        Ok(stats)
     }
     fn stats(&self) -> IndexStats {
         self.ix.stats()
@@ -372,5 +388,63 @@ mod backends {
         let report = run("EventIndex", EVENTS, |s| async move { events(s) }).await;
         report.assert_passed();
         assert_eq!(report.skipped, ["set_capacity_shrinks_a_pod"]);
+    }
+
+    /// The shared backend over a real server: approximate (MEMORY caps) and precise (EVENTS).
+    #[cfg(feature = "bench")]
+    mod redis {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+
+        use super::*;
+        use crate::config::RedisConfig;
+        use crate::index::{Local, RedisIndex, RedisMetrics, Tuning};
+        use crate::test_deploy::{find_redis_server, RedisProc};
+
+        /// A server for one test (fails, never skips, when none can start).
+        pub(crate) fn server() -> RedisProc {
+            let bin = find_redis_server().unwrap_or_else(|e| panic!("{e:#}"));
+            RedisProc::start(&bin).unwrap_or_else(|e| panic!("{}: {e:#}", bin.display()))
+        }
+
+        /// A backend on `url` whose keys no other backend of the test shares.
+        pub(crate) fn redis(url: &str, prefix: String, local: Local, s: Setup) -> RedisIndex {
+            let cfg = RedisConfig {
+                url: url.to_string(),
+                key_prefix: prefix,
+                // Generous: the checks are about behaviour, and CI runs them beside other tests.
+                lookup_budget_ms: 1_000,
+                write_budget_ms: 5_000,
+                ..RedisConfig::default()
+            };
+            let tuning = Tuning {
+                record_ttl_ms: s.ttl_ms,
+                default_capacity: s.capacity,
+                gpu_weight: 1.0,
+                cpu_weight: 0.8,
+            };
+            RedisIndex::new(&cfg, local, tuning, RedisMetrics::unregistered()).unwrap()
+        }
+
+        #[tokio::test]
+        async fn redis_index_passes_the_contract_in_both_modes() {
+            let server = server();
+            let url = server.url();
+            let n = AtomicUsize::new(0);
+            let prefix = || format!("contract{}", n.fetch_add(1, Ordering::Relaxed));
+            let report = run("RedisIndex (approximate)", MEMORY, |s| {
+                let ix = redis(&url, prefix(), Local::Memory(memory(s)), s);
+                async move { ix }
+            })
+            .await;
+            report.assert_passed();
+            assert_eq!(report.skipped.len(), 5, "{:?}", report.skipped);
+            let report = run("RedisIndex (precise)", EVENTS, |s| {
+                let ix = redis(&url, prefix(), Local::Events(events(s)), s);
+                async move { ix }
+            })
+            .await;
+            report.assert_passed();
+            assert_eq!(report.skipped, ["set_capacity_shrinks_a_pod"]);
+        }
     }
 }

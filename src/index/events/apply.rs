@@ -5,7 +5,9 @@ use std::collections::hash_map::Entry;
 
 use smallvec::SmallVec;
 
-use super::{hold, purge, release, Chain, EngineBlock, EventIndexConfig, KeyHolder, PodState};
+use super::{
+    hold, purge, release, Chain, EngineBlock, EventIndexConfig, KeyHolder, PodState, Touched,
+};
 use crate::blocks::{chain_token_block, namespace_seed};
 use crate::events::{BlockHash, ExtraKey, KvEvent, Medium};
 use crate::index::table::{Holders, Slot};
@@ -21,6 +23,8 @@ pub(super) struct Apply<'a> {
     buf: Vec<u8>,
     /// What the batch did so far.
     pub(super) stats: ApplyStats,
+    /// Keys whose hold changed, when someone mirrors this index.
+    pub(super) touched: Option<Touched>,
 }
 
 impl<'a> Apply<'a> {
@@ -39,6 +43,7 @@ impl<'a> Apply<'a> {
             rank,
             buf: Vec::with_capacity(cfg.block_tokens.max(1) * 4),
             stats: ApplyStats::default(),
+            touched: None,
         }
     }
 
@@ -80,6 +85,7 @@ impl<'a> Apply<'a> {
                             salt_of(extra_keys.as_ref(), lora_name.as_deref()).as_deref(),
                         ),
                         pending: SmallVec::new(),
+                        root: 0,
                     },
                     Some(p) => match self.state.blocks.get(&(self.rank, p.as_u64())) {
                         Some(b) => b.end.clone(),
@@ -107,7 +113,13 @@ impl<'a> Apply<'a> {
 
     /// `AllBlocksCleared`: the rank's cache was reset.
     fn cleared(&mut self) {
-        purge(self.state, self.holders, self.slot, Some(self.rank));
+        purge(
+            self.state,
+            self.holders,
+            self.slot,
+            Some(self.rank),
+            &mut self.touched,
+        );
         self.stats.cleared += 1;
     }
 
@@ -120,6 +132,7 @@ impl<'a> Apply<'a> {
                 continue;
             };
             if std::mem::take(tier(block, gpu)) {
+                note(&mut self.touched, block);
                 for key in &block.keys {
                     release(self.holders, key, self.slot, gpu);
                 }
@@ -140,6 +153,7 @@ impl<'a> Apply<'a> {
                 continue;
             };
             if !std::mem::replace(tier(block, gpu), true) {
+                note(&mut self.touched, block);
                 for &key in &block.keys {
                     hold(self.holders, key, self.slot, gpu);
                 }
@@ -170,6 +184,9 @@ impl<'a> Apply<'a> {
             while chain.pending.len() >= r {
                 let key = chain_token_block(chain.prev, &chain.pending[..r], &mut self.buf);
                 chain.prev = key.0;
+                if chain.root == 0 {
+                    chain.root = key.0;
+                }
                 chain.pending.drain(..r);
                 keys.push(key);
             }
@@ -179,7 +196,7 @@ impl<'a> Apply<'a> {
             {
                 // Far more blocks than any KV cache holds: the pod's state cannot be trusted.
                 self.stats.overflow += 1;
-                purge(self.state, self.holders, self.slot, None);
+                purge(self.state, self.holders, self.slot, None, &mut self.touched);
                 break;
             }
             match self.state.blocks.entry(k) {
@@ -187,12 +204,16 @@ impl<'a> Apply<'a> {
                     // Re-announced block (e.g. a hit reported in full): same content.
                     let block = o.get_mut();
                     if !std::mem::replace(tier(block, gpu), true) {
+                        note(&mut self.touched, block);
                         for &key in &block.keys {
                             hold(self.holders, key, self.slot, gpu);
                         }
                     }
                 }
                 Entry::Vacant(v) => {
+                    if let Some(t) = &mut self.touched {
+                        t.extend(keys.iter().map(|&k| (chain.root, k)));
+                    }
                     for &key in &keys {
                         hold(self.holders, key, self.slot, gpu);
                     }
@@ -206,6 +227,13 @@ impl<'a> Apply<'a> {
             }
             self.stats.stored += 1;
         }
+    }
+}
+
+/// Notes `block`'s keys as touched, when tracked.
+fn note(touched: &mut Option<Touched>, block: &EngineBlock) {
+    if let Some(t) = touched {
+        t.extend(block.keys.iter().map(|&k| (block.end.root, k)));
     }
 }
 

@@ -34,13 +34,18 @@ impl Holder for KeyHolder {
     }
 }
 
-/// Where a router-key chain stands after an engine block: the last full router key and the
-/// tokens not yet making a full router block.
+/// Where a router-key chain stands after an engine block: the last full router key, the tokens
+/// not yet making a full router block, and the chain's first router key (its root: a shared
+/// index groups a prefix's keys by it; 0 until the chain completes a key).
 #[derive(Debug, Clone, Default)]
 struct Chain {
     prev: u64,
     pending: SmallVec<[u32; 16]>,
+    root: u64,
 }
+
+/// (root, key) pairs whose hold by a pod may have changed, for a backend mirroring this index.
+pub(crate) type Touched = Vec<(u64, BlockKey)>;
 
 /// One engine block of a pod: the router keys completed in it and its tiers.
 #[derive(Debug, Clone)]
@@ -167,11 +172,21 @@ fn release(holders: &mut Holders<KeyHolder>, key: &BlockKey, slot: Slot, gpu: bo
     });
 }
 
-/// Removes every engine block of `state` (of one rank, or all ranks) and its holds.
-fn purge(state: &mut PodState, holders: &mut Holders<KeyHolder>, slot: Slot, rank: Option<u32>) {
+/// Removes every engine block of `state` (of one rank, or all ranks) and its holds, noting the
+/// keys in `touched` when tracked.
+fn purge(
+    state: &mut PodState,
+    holders: &mut Holders<KeyHolder>,
+    slot: Slot,
+    rank: Option<u32>,
+    touched: &mut Option<Touched>,
+) {
     state.blocks.retain(|(r, _), b| {
         if rank.is_some_and(|x| x != *r) {
             return true;
+        }
+        if let Some(t) = touched {
+            t.extend(b.keys.iter().map(|&k| (b.end.root, k)));
         }
         for key in &b.keys {
             if b.gpu {
@@ -183,6 +198,53 @@ fn purge(state: &mut PodState, holders: &mut Holders<KeyHolder>, slot: Slot, ran
         }
         false
     });
+}
+
+/// What a backend mirroring this index (the Redis one) needs: which keys a change touched, and
+/// what a pod now holds.
+impl EventIndex {
+    /// Applies `batch` as [`KvIndex::apply_events`] does and returns the keys it touched.
+    pub(crate) fn apply_tracked(
+        &self,
+        pod: &PodId,
+        rank: u32,
+        model: &str,
+        batch: &KvEventBatch,
+    ) -> (ApplyStats, Touched) {
+        let mut inner = self.inner.write();
+        let Table { pods, holders } = &mut *inner;
+        let slot =
+            pods.get_or_insert_with(pod, || PodState::new(pod, self.cfg.speculative_capacity));
+        let mut apply = apply::Apply::new(&self.cfg, pods.state_mut(slot), holders, slot, rank);
+        apply.touched = Some(Vec::new());
+        for event in &batch.events {
+            apply.event(model, event);
+        }
+        let touched = apply.touched.take().unwrap_or_default();
+        (apply.stats, touched)
+    }
+
+    /// Drops one rank's event state as [`KvIndex::forget_rank`] does and returns the keys it held.
+    pub(crate) fn forget_rank_tracked(&self, pod: &PodId, rank: u32) -> Touched {
+        let mut inner = self.inner.write();
+        let Table { pods, holders } = &mut *inner;
+        let mut touched = Some(Vec::new());
+        if let Some(slot) = pods.get(pod) {
+            let state = pods.state_mut(slot);
+            purge(state, holders, slot, Some(rank), &mut touched);
+            state.speculative.clear();
+        }
+        touched.unwrap_or_default()
+    }
+
+    /// How `pod` holds `key` through its events: `Some(true)` with a GPU copy, `Some(false)`
+    /// offloaded only, `None` not at all (speculative entries do not count).
+    pub(crate) fn tier(&self, pod: &PodId, key: &BlockKey) -> Option<bool> {
+        let inner = self.inner.read();
+        let slot = inner.pods.get(pod)?;
+        let h = inner.holders.of(key).iter().find(|h| h.slot == slot)?;
+        Some(h.gpu > 0)
+    }
 }
 
 #[async_trait]
@@ -226,7 +288,7 @@ impl KvIndex for EventIndex {
         let mut inner = self.inner.write();
         let Table { pods, holders } = &mut *inner;
         if let Some((slot, mut state)) = pods.remove(pod) {
-            purge(&mut state, holders, slot, None);
+            purge(&mut state, holders, slot, None, &mut None);
         }
         Ok(())
     }
@@ -236,7 +298,7 @@ impl KvIndex for EventIndex {
         let Table { pods, holders } = &mut *inner;
         if let Some(slot) = pods.get(pod) {
             let state = pods.state_mut(slot);
-            purge(state, holders, slot, Some(rank));
+            purge(state, holders, slot, Some(rank), &mut None);
             state.speculative.clear();
         }
         Ok(())

@@ -1,0 +1,233 @@
+//! The shared index's metric families: where lookups were answered, why they fell back, how
+//! long they took, and what happened to writes.
+
+use std::fmt::Write as _;
+
+use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue, LabelValueEncoder};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
+
+use crate::index::IndexError;
+
+/// Where a lookup was answered.
+#[derive(Debug, Clone, Copy, Hash, PartialEq, Eq)]
+pub enum Source {
+    /// By Redis (one round trip).
+    Redis,
+    /// By the match cache (no round trip).
+    Cache,
+    /// By this replica's in-process index (fail open).
+    Fallback,
+}
+
+impl Source {
+    /// The label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Source::Redis => "redis",
+            Source::Cache => "cache",
+            Source::Fallback => "fallback",
+        }
+    }
+}
+
+impl EncodeLabelValue for Source {
+    fn encode(&self, encoder: &mut LabelValueEncoder) -> std::fmt::Result {
+        encoder.write_str(self.as_str())
+    }
+}
+
+/// Why a lookup fell back to the in-process index.
+#[derive(Debug, Clone, Copy, Hash, PartialEq, Eq)]
+pub enum Reason {
+    /// No answer within `lookup_budget_ms`.
+    Timeout,
+    /// Not connected, or the connection broke.
+    Connection,
+    /// Redis out of memory, loading, or the cluster down.
+    Overloaded,
+    /// Authentication or permissions.
+    Refused,
+    /// An answer this router cannot read.
+    Protocol,
+    /// A recent failure: waiting `retry_after_ms` before trying Redis again.
+    RetryWait,
+}
+
+impl Reason {
+    /// The label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Reason::Timeout => "timeout",
+            Reason::Connection => "connection",
+            Reason::Overloaded => "overloaded",
+            Reason::Refused => "refused",
+            Reason::Protocol => "protocol",
+            Reason::RetryWait => "retry_wait",
+        }
+    }
+}
+
+impl EncodeLabelValue for Reason {
+    fn encode(&self, encoder: &mut LabelValueEncoder) -> std::fmt::Result {
+        encoder.write_str(self.as_str())
+    }
+}
+
+impl Reason {
+    /// The reason for an index error.
+    pub(crate) fn of(e: &IndexError) -> Self {
+        match e {
+            IndexError::Timeout(_) => Reason::Timeout,
+            IndexError::Connection(_) => Reason::Connection,
+            IndexError::Overloaded(_) => Reason::Overloaded,
+            IndexError::Refused(_) => Reason::Refused,
+            IndexError::Protocol(_) => Reason::Protocol,
+        }
+    }
+}
+
+/// What happened to writes that did not reach Redis.
+#[derive(Debug, Clone, Copy, Hash, PartialEq, Eq)]
+pub(crate) enum Dropped {
+    /// The write queue was full.
+    QueueFull,
+    /// The batch took longer than `write_budget_ms`.
+    Timeout,
+    /// Redis answered an error or could not be reached.
+    Error,
+}
+
+impl Dropped {
+    /// The label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Dropped::QueueFull => "queue_full",
+            Dropped::Timeout => "timeout",
+            Dropped::Error => "error",
+        }
+    }
+}
+
+impl EncodeLabelValue for Dropped {
+    fn encode(&self, encoder: &mut LabelValueEncoder) -> std::fmt::Result {
+        encoder.write_str(self.as_str())
+    }
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub(crate) struct SourceLabel {
+    pub(crate) source: Source,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub(crate) struct ReasonLabel {
+    pub(crate) reason: Reason,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub(crate) struct DroppedLabel {
+    pub(crate) reason: Dropped,
+}
+
+/// The shared index's metric families.
+#[derive(Debug, Clone)]
+pub struct RedisMetrics {
+    pub(crate) lookups: Family<SourceLabel, Counter>,
+    pub(crate) fallbacks: Family<ReasonLabel, Counter>,
+    pub(crate) round_trips: Counter,
+    pub(crate) lookup_seconds: Histogram,
+    pub(crate) write_queue: Gauge,
+    pub(crate) writes: Counter,
+    pub(crate) writes_dropped: Family<DroppedLabel, Counter>,
+    pub(crate) writer_restarts: Counter,
+}
+
+impl RedisMetrics {
+    /// Families not registered anywhere (`kv-bench simulate`, tests).
+    pub fn unregistered() -> Self {
+        Self {
+            lookups: Family::default(),
+            fallbacks: Family::default(),
+            round_trips: Counter::default(),
+            lookup_seconds: Histogram::new(exponential_buckets(25e-6, 2.0, 16)),
+            write_queue: Gauge::default(),
+            writes: Counter::default(),
+            writes_dropped: Family::default(),
+            writer_restarts: Counter::default(),
+        }
+    }
+
+    /// Registers the families under `redis_*` (`registry` is the `kv_router` sub-registry).
+    pub fn register(registry: &mut Registry) -> Self {
+        let m = Self::unregistered();
+        registry.register(
+            "redis_lookups",
+            "Index lookups by where they were answered (redis, cache, fallback)",
+            m.lookups.clone(),
+        );
+        registry.register(
+            "redis_fallbacks",
+            "Lookups answered by the in-process index instead of Redis, by reason",
+            m.fallbacks.clone(),
+        );
+        registry.register(
+            "redis_round_trips",
+            "Round trips to Redis made by lookups (one per lookup that reached Redis)",
+            m.round_trips.clone(),
+        );
+        registry.register(
+            "redis_lookup_duration_seconds",
+            "Time of lookups that reached Redis, answered or not",
+            m.lookup_seconds.clone(),
+        );
+        registry.register(
+            "redis_write_queue_depth",
+            "Writes waiting for Redis",
+            m.write_queue.clone(),
+        );
+        registry.register("redis_writes", "Writes applied to Redis", m.writes.clone());
+        registry.register(
+            "redis_writes_dropped",
+            "Writes that did not reach Redis, by reason",
+            m.writes_dropped.clone(),
+        );
+        registry.register(
+            "redis_writer_restarts",
+            "Times the Redis writer task died and was restarted",
+            m.writer_restarts.clone(),
+        );
+        m
+    }
+
+    /// Counts a lookup answered by `source`.
+    pub(crate) fn looked_up(&self, source: Source) {
+        self.lookups.get_or_create(&SourceLabel { source }).inc();
+    }
+
+    /// Counts a fallback for `reason`.
+    pub(crate) fn fell_back(&self, reason: Reason) {
+        self.looked_up(Source::Fallback);
+        self.fallbacks.get_or_create(&ReasonLabel { reason }).inc();
+    }
+
+    /// Counts `n` writes dropped for `reason`.
+    pub(crate) fn dropped(&self, reason: Dropped, n: u64) {
+        self.writes_dropped
+            .get_or_create(&DroppedLabel { reason })
+            .inc_by(n);
+    }
+
+    /// Fallbacks so far for `reason` (tests, `/debug`).
+    pub fn fallbacks(&self, reason: Reason) -> u64 {
+        self.fallbacks.get_or_create(&ReasonLabel { reason }).get()
+    }
+
+    /// Lookups answered by `source` so far.
+    pub fn lookups(&self, source: Source) -> u64 {
+        self.lookups.get_or_create(&SourceLabel { source }).get()
+    }
+}

@@ -1,0 +1,499 @@
+//! The shared index: Redis or Valkey, one for every router replica, so N replicas route like
+//! one. Lookups are one server-side script on one shard within a latency budget; writes queue
+//! off the request path. Each replica keeps its own in-process index beside it (the same one
+//! `backend: memory` would build) and answers from it whenever Redis is slow, down or
+//! misbehaving: the client never sees an error. docs/redis-schema.md describes the keys.
+//!
+//! Who may call: only this router, with the credentials in `index.redis`. What it may change:
+//! entries under `key_prefix`. Anyone who can write there can steer routing, so the Redis
+//! deployment must be as private as the router's own ports.
+
+mod conn;
+mod metrics;
+mod schema;
+mod writer;
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use async_trait::async_trait;
+use lru::LruCache;
+use parking_lot::Mutex;
+use tokio::sync::{mpsc, oneshot};
+use xxhash_rust::xxh3::Xxh3;
+
+use self::conn::{to_index_error, Conn};
+pub use self::metrics::{Reason, RedisMetrics, Source};
+use self::schema::{Schema, Scripts};
+use self::writer::WriteOp;
+use super::{ApplyStats, EventIndex, IndexError, IndexStats, KvIndex, MemoryIndex};
+use crate::blocks::BlockKey;
+use crate::config::{RedisConfig, RedisMode};
+use crate::events::KvEventBatch;
+use crate::pods::PodId;
+
+/// Buckets of the per-prefix write generations that invalidate cached lookups.
+const GENERATIONS: usize = 4_096;
+/// Timeouts in a row before lookups pause on Redis (one slow answer is not an outage).
+const TIMEOUTS_BEFORE_PAUSE: u32 = 3;
+
+/// This replica's own index: answers when Redis cannot, and (precise mode) turns KV events
+/// into the per-key changes written to Redis.
+pub enum Local {
+    /// Learns from this replica's decisions.
+    Memory(MemoryIndex),
+    /// Learns from KV events (plus speculative entries).
+    Events(EventIndex),
+}
+
+impl Local {
+    fn index(&self) -> &dyn KvIndex {
+        match self {
+            Local::Memory(m) => m,
+            Local::Events(e) => e,
+        }
+    }
+}
+
+/// How the shared index weighs and bounds entries.
+#[derive(Debug, Clone, Copy)]
+pub struct Tuning {
+    /// How long a recorded entry matches (approximate TTL, or the speculative TTL).
+    pub record_ttl_ms: u64,
+    /// Recorded entries a pod keeps unless `set_capacity` says otherwise.
+    pub default_capacity: usize,
+    /// Weight of a GPU-resident block (and of a recorded entry in precise mode).
+    pub gpu_weight: f64,
+    /// Weight of an offloaded block.
+    pub cpu_weight: f64,
+}
+
+/// Lookups paused after failures (a circuit breaker on the real clock: this is about Redis's
+/// health, not about routing, so it does not take the decision's clock).
+#[derive(Debug, Default)]
+struct Pause {
+    until: Option<Instant>,
+    timeouts: u32,
+}
+
+struct Cached {
+    matched: Vec<f64>,
+    /// Unix ms until which the answer may be reused.
+    until: u64,
+    generation: (u64, u64),
+}
+
+/// A lookup's answer: per-candidate weights, and the earliest expiry among the recorded entries
+/// counted (unix ms).
+struct Answer {
+    matched: Vec<f64>,
+    soonest_expiry: Option<u64>,
+}
+
+/// State shared by the router-facing side and the writer task.
+pub(crate) struct Shared {
+    conn: Conn,
+    schema: Schema,
+    scripts: Scripts,
+    precise: bool,
+    tuning: Tuning,
+    default_capacity: usize,
+    lookup_budget: Duration,
+    write_budget: Duration,
+    retry_after: Duration,
+    pause: Mutex<Pause>,
+    match_cache_ms: u64,
+    cache: Mutex<LruCache<u64, Cached>>,
+    generations: Box<[AtomicU64]>,
+    global_generation: AtomicU64,
+    clock_offset: OnceLock<i64>,
+    metrics: RedisMetrics,
+}
+
+impl Shared {
+    /// Unix milliseconds for the router's monotonic `now_ms`, fixed at first use so entries from
+    /// different replicas compare on one (NTP-synchronised) clock.
+    fn wall(&self, now_ms: u64) -> u64 {
+        let offset = *self.clock_offset.get_or_init(|| {
+            let unix = SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map_or(0, |d| d.as_millis() as i64);
+            unix - now_ms as i64
+        });
+        (now_ms as i64).saturating_add(offset).max(0) as u64
+    }
+
+    fn generation(&self, root: u64) -> (u64, u64) {
+        (
+            self.generations[(root as usize) % GENERATIONS].load(Ordering::Acquire),
+            self.global_generation.load(Ordering::Acquire),
+        )
+    }
+
+    fn wrote(&self, root: u64) {
+        self.generations[(root as usize) % GENERATIONS].fetch_add(1, Ordering::AcqRel);
+    }
+
+    fn wrote_everywhere(&self) {
+        self.global_generation.fetch_add(1, Ordering::AcqRel);
+    }
+
+    fn paused(&self) -> bool {
+        let mut p = self.pause.lock();
+        match p.until {
+            Some(t) if Instant::now() < t => true,
+            Some(_) => {
+                p.until = None;
+                false
+            }
+            None => false,
+        }
+    }
+
+    fn answered(&self) {
+        self.pause.lock().timeouts = 0;
+    }
+
+    fn failed(&self, e: &IndexError) {
+        let mut p = self.pause.lock();
+        if matches!(e, IndexError::Timeout(_)) {
+            p.timeouts += 1;
+            if p.timeouts < TIMEOUTS_BEFORE_PAUSE {
+                return;
+            }
+        }
+        p.timeouts = 0;
+        p.until = Some(Instant::now() + self.retry_after);
+    }
+
+    async fn remote_lookup(
+        &self,
+        keys: &[BlockKey],
+        pods: &[PodId],
+        wall: u64,
+    ) -> Result<Answer, IndexError> {
+        let root = keys[0].0;
+        let mut con = self.conn.lookup().await?;
+        let mut inv = self.scripts.lookup.prepare_invoke();
+        for &k in keys {
+            inv.key(self.schema.recorded(root, k));
+            if self.precise {
+                inv.key(self.schema.evented(root, k));
+            }
+        }
+        let (gw, cw) = if self.precise {
+            (self.tuning.gpu_weight, self.tuning.cpu_weight)
+        } else {
+            (1.0, 1.0)
+        };
+        inv.arg(wall).arg(u8::from(self.precise)).arg(gw).arg(cw);
+        for p in pods {
+            inv.arg(p.as_str());
+        }
+        let out: Vec<String> = inv
+            .invoke_async(&mut con)
+            .await
+            .map_err(|e| to_index_error(&e))?;
+        let Some((soonest, counts)) = out.split_last().filter(|(_, c)| c.len() == pods.len())
+        else {
+            return Err(IndexError::Protocol(format!(
+                "lookup answered {} values for {} pods",
+                out.len(),
+                pods.len()
+            )));
+        };
+        let matched = counts
+            .iter()
+            .map(|s| {
+                s.parse::<f64>()
+                    .ok()
+                    .filter(|v| v.is_finite() && *v >= 0.0)
+                    .ok_or_else(|| IndexError::Protocol("lookup answered a non-count".into()))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let soonest_expiry = soonest
+            .parse::<i64>()
+            .ok()
+            .and_then(|v| u64::try_from(v).ok());
+        Ok(Answer {
+            matched,
+            soonest_expiry,
+        })
+    }
+}
+
+/// The shared index backend.
+pub struct RedisIndex {
+    shared: Arc<Shared>,
+    local: Arc<Local>,
+    tx: mpsc::Sender<WriteOp>,
+}
+
+impl RedisIndex {
+    /// Connects lazily to the Redis of `cfg` (nothing is dialled until the first request), with
+    /// `local` as this replica's own index. Must run inside a tokio runtime (it starts the
+    /// writer task).
+    pub fn new(
+        cfg: &RedisConfig,
+        local: Local,
+        tuning: Tuning,
+        metrics: RedisMetrics,
+    ) -> Result<Self, String> {
+        let password = cfg.resolve_password()?;
+        let conn = Conn::open(cfg, password.as_deref())?;
+        let precise = matches!(local, Local::Events(_));
+        let shared = Arc::new(Shared {
+            conn,
+            schema: Schema::new(&cfg.key_prefix, cfg.mode == RedisMode::Cluster),
+            scripts: Scripts::new(),
+            precise,
+            tuning,
+            default_capacity: tuning.default_capacity.max(1),
+            lookup_budget: Duration::from_millis(cfg.lookup_budget_ms),
+            write_budget: Duration::from_millis(cfg.write_budget_ms),
+            retry_after: Duration::from_millis(cfg.retry_after_ms),
+            pause: Mutex::new(Pause::default()),
+            match_cache_ms: cfg.match_cache_ms,
+            cache: Mutex::new(LruCache::new(
+                std::num::NonZeroUsize::new(cfg.match_cache_entries.max(1)).expect("max(1)"),
+            )),
+            generations: (0..GENERATIONS).map(|_| AtomicU64::new(0)).collect(),
+            global_generation: AtomicU64::new(0),
+            clock_offset: OnceLock::new(),
+            metrics,
+        });
+        let (tx, rx) = mpsc::channel(cfg.write_queue.max(1));
+        let rx = Arc::new(tokio::sync::Mutex::new(rx));
+        let writer_shared = shared.clone();
+        tokio::spawn(async move {
+            loop {
+                let run = tokio::spawn(writer::run(writer_shared.clone(), rx.clone()));
+                match run.await {
+                    Err(e) if e.is_panic() => {
+                        writer_shared.metrics.writer_restarts.inc();
+                        tracing::error!("redis writer task panicked; restarting");
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                    }
+                    _ => return,
+                }
+            }
+        });
+        Ok(Self {
+            shared,
+            local: Arc::new(local),
+            tx,
+        })
+    }
+
+    /// The metric families (tests).
+    pub fn metrics(&self) -> &RedisMetrics {
+        &self.shared.metrics
+    }
+
+    fn enqueue(&self, op: WriteOp) {
+        use mpsc::error::TrySendError;
+        match self.tx.try_send(op) {
+            Ok(()) => {
+                self.shared.metrics.write_queue.inc();
+            }
+            Err(TrySendError::Full(_)) => {
+                self.shared.metrics.dropped(metrics::Dropped::QueueFull, 1)
+            }
+            Err(TrySendError::Closed(_)) => self.shared.metrics.dropped(metrics::Dropped::Error, 1),
+        };
+    }
+
+    /// What `pod`'s events now say about `touched` keys, deduplicated.
+    fn event_changes(
+        &self,
+        ev: &EventIndex,
+        pod: &PodId,
+        mut touched: Vec<(u64, BlockKey)>,
+    ) -> Vec<writer::Change> {
+        touched.sort_unstable_by_key(|&(r, k)| (r, k.0));
+        touched.dedup();
+        touched
+            .into_iter()
+            .map(|(root, key)| {
+                self.shared.wrote(root);
+                (root, key, ev.tier(pod, &key))
+            })
+            .collect()
+    }
+
+    fn cache_key(keys: &[BlockKey], pods: &[PodId]) -> u64 {
+        let mut h = Xxh3::new();
+        for k in keys {
+            h.update(&k.0.to_le_bytes());
+        }
+        h.update(&[0xff]);
+        for p in pods {
+            h.update(p.as_str().as_bytes());
+            h.update(&[0]);
+        }
+        h.digest()
+    }
+}
+
+#[async_trait]
+impl KvIndex for RedisIndex {
+    async fn lookup(
+        &self,
+        keys: &[BlockKey],
+        pods: &[PodId],
+        now_ms: u64,
+    ) -> Result<Vec<f64>, IndexError> {
+        let sh = &self.shared;
+        if keys.is_empty() || pods.is_empty() {
+            return Ok(vec![0.0; pods.len()]);
+        }
+        let root = keys[0].0;
+        let generation = sh.generation(root);
+        let wall = sh.wall(now_ms);
+        let cache_key = (sh.match_cache_ms > 0).then(|| Self::cache_key(keys, pods));
+        if let Some(ck) = cache_key {
+            if let Some(c) = sh.cache.lock().get(&ck) {
+                if wall < c.until && c.generation == generation {
+                    sh.metrics.looked_up(Source::Cache);
+                    return Ok(c.matched.clone());
+                }
+            }
+        }
+        if sh.paused() {
+            sh.metrics.fell_back(Reason::RetryWait);
+            return self.local.index().lookup(keys, pods, now_ms).await;
+        }
+        let started = Instant::now();
+        let answer = tokio::time::timeout(sh.lookup_budget, sh.remote_lookup(keys, pods, wall))
+            .await
+            .unwrap_or(Err(IndexError::Timeout(sh.lookup_budget)));
+        sh.metrics
+            .lookup_seconds
+            .observe(started.elapsed().as_secs_f64());
+        sh.metrics.round_trips.inc();
+        match answer {
+            Ok(answer) => {
+                sh.answered();
+                sh.metrics.looked_up(Source::Redis);
+                if let Some(ck) = cache_key {
+                    let until = wall
+                        .saturating_add(sh.match_cache_ms)
+                        .min(answer.soonest_expiry.unwrap_or(u64::MAX));
+                    sh.cache.lock().put(
+                        ck,
+                        Cached {
+                            matched: answer.matched.clone(),
+                            until,
+                            generation,
+                        },
+                    );
+                }
+                Ok(answer.matched)
+            }
+            Err(e) => {
+                tracing::debug!(error = %e, "redis lookup failed; using this replica's index");
+                sh.failed(&e);
+                sh.metrics.fell_back(Reason::of(&e));
+                self.local.index().lookup(keys, pods, now_ms).await
+            }
+        }
+    }
+
+    async fn record(&self, pod: &PodId, keys: &[BlockKey], now_ms: u64) -> Result<(), IndexError> {
+        self.local.index().record(pod, keys, now_ms).await?;
+        let Some(first) = keys.first() else {
+            return Ok(());
+        };
+        let root = first.0;
+        self.shared.wrote(root);
+        self.enqueue(WriteOp::Record {
+            pod: pod.clone(),
+            root,
+            keys: keys.to_vec(),
+            expiry: self
+                .shared
+                .wall(now_ms)
+                .saturating_add(self.shared.tuning.record_ttl_ms),
+        });
+        Ok(())
+    }
+
+    async fn forget_pod(&self, pod: &PodId) -> Result<(), IndexError> {
+        self.local.index().forget_pod(pod).await?;
+        self.shared.wrote_everywhere();
+        self.enqueue(WriteOp::Forget { pod: pod.clone() });
+        Ok(())
+    }
+
+    async fn set_capacity(&self, pod: &PodId, blocks: usize) -> Result<(), IndexError> {
+        self.local.index().set_capacity(pod, blocks).await?;
+        if !self.shared.precise {
+            self.shared.wrote_everywhere();
+            self.enqueue(WriteOp::Capacity {
+                pod: pod.clone(),
+                blocks: blocks.max(1),
+            });
+        }
+        Ok(())
+    }
+
+    async fn sweep(&self, now_ms: u64) -> Result<(), IndexError> {
+        // Redis frees expired entries by itself (key TTLs, pod capacity); this sweeps the fallback.
+        self.local.index().sweep(now_ms).await
+    }
+
+    async fn apply_events(
+        &self,
+        pod: &PodId,
+        rank: u32,
+        model: &str,
+        batch: &KvEventBatch,
+    ) -> Result<ApplyStats, IndexError> {
+        let Local::Events(ev) = &*self.local else {
+            return Ok(ApplyStats::default());
+        };
+        let (stats, touched) = ev.apply_tracked(pod, rank, model, batch);
+        let changes = self.event_changes(ev, pod, touched);
+        if !changes.is_empty() {
+            self.enqueue(WriteOp::Events {
+                pod: pod.clone(),
+                changes,
+            });
+        }
+        Ok(stats)
+    }
+
+    async fn forget_rank(&self, pod: &PodId, rank: u32) -> Result<(), IndexError> {
+        let Local::Events(ev) = &*self.local else {
+            return self.forget_pod(pod).await;
+        };
+        let touched = ev.forget_rank_tracked(pod, rank);
+        let changes = self.event_changes(ev, pod, touched);
+        if !changes.is_empty() {
+            self.enqueue(WriteOp::Events {
+                pod: pod.clone(),
+                changes,
+            });
+        }
+        Ok(())
+    }
+
+    async fn flush(&self) -> Result<(), IndexError> {
+        let (done, wait) = oneshot::channel();
+        self.tx
+            .send(WriteOp::Flush(done))
+            .await
+            .map_err(|_| IndexError::Connection("redis writer stopped".into()))?;
+        wait.await
+            .map_err(|_| IndexError::Connection("redis writer stopped".into()))
+    }
+
+    fn stats(&self) -> IndexStats {
+        self.local.index().stats()
+    }
+
+    fn describe(&self) -> &'static str {
+        "redis (shared by replicas; this replica's in-process index answers when Redis cannot)"
+    }
+}

@@ -1,0 +1,242 @@
+//! The key schema of the shared index and its server-side scripts; docs/redis-schema.md says why.
+//!
+//! In cluster mode every key of one prompt prefix carries the prefix's root (its first router
+//! block key) as hash tag, so a lookup is one script on one shard; a standalone server needs no
+//! tags (`P:k:K`, `P:e:K`), and a key is then found under any root. A pod's own bookkeeping is
+//! tagged by a stable hash of the pod's name, so per-pod cleanup never scans the keyspace.
+//!
+//! - `P:{R}:k:K` hash, pod → expiry (unix ms): entries recorded from decisions (approximate
+//!   learning, or speculative entries in precise mode). The key expires with its latest entry.
+//! - `P:{R}:e:K` hash, pod → `g` (a GPU copy) | `c` (offloaded only): blocks the pod's KV events
+//!   say it holds. No TTL: the events remove them.
+//! - `P:pod:{T}:lru` sorted set, `RK` (root ‖ key, hex) → recency sequence: the pod's recorded
+//!   entries; the lowest go first once the pod is over its capacity.
+//! - `P:pod:{T}:meta` hash: `seq` (the recency counter), `cap` (capacity from `set_capacity`).
+//! - `P:pod:{T}:ev` set of `RK`: the pod's event-fed entries, for cleanup.
+
+use redis::Script;
+use xxhash_rust::xxh3::xxh3_64;
+
+use crate::blocks::BlockKey;
+use crate::pods::PodId;
+
+/// Builds key names under one prefix.
+#[derive(Debug, Clone)]
+pub(super) struct Schema {
+    prefix: String,
+    tag_roots: bool,
+}
+
+impl Schema {
+    /// Keys under `prefix` (validated by the config: no braces, no whitespace); block keys are
+    /// tagged by their root when `tag_roots` (cluster mode).
+    pub(super) fn new(prefix: &str, tag_roots: bool) -> Self {
+        Self {
+            prefix: prefix.to_string(),
+            tag_roots,
+        }
+    }
+
+    fn block(&self, root: u64, kind: char, key: BlockKey) -> String {
+        if self.tag_roots {
+            format!("{}:{{{root:016x}}}:{kind}:{:016x}", self.prefix, key.0)
+        } else {
+            format!("{}:{kind}:{:016x}", self.prefix, key.0)
+        }
+    }
+
+    /// Recorded entries of `key` (a prefix rooted at `root`).
+    pub(super) fn recorded(&self, root: u64, key: BlockKey) -> String {
+        self.block(root, 'k', key)
+    }
+
+    /// Event-fed entries of `key`.
+    pub(super) fn evented(&self, root: u64, key: BlockKey) -> String {
+        self.block(root, 'e', key)
+    }
+
+    /// The pod's recency-ordered recorded entries.
+    pub(super) fn lru(&self, pod: &PodId) -> String {
+        format!("{}:pod:{{{}}}:lru", self.prefix, pod_tag(pod))
+    }
+
+    /// The pod's counters (`seq`, `cap`).
+    pub(super) fn meta(&self, pod: &PodId) -> String {
+        format!("{}:pod:{{{}}}:meta", self.prefix, pod_tag(pod))
+    }
+
+    /// The pod's event-fed entries.
+    pub(super) fn events(&self, pod: &PodId) -> String {
+        format!("{}:pod:{{{}}}:ev", self.prefix, pod_tag(pod))
+    }
+}
+
+/// The hash tag of a pod's own keys: xxh3-64 of its name, so any name is a safe tag.
+fn pod_tag(pod: &PodId) -> String {
+    format!("{:016x}", xxh3_64(pod.as_str().as_bytes()))
+}
+
+/// A (root, key) member of a pod's sets: 32 hex digits.
+pub(super) fn member(root: u64, key: BlockKey) -> String {
+    format!("{root:016x}{:016x}", key.0)
+}
+
+/// The (root, key) a member names; `None` for anything this router did not write.
+pub(super) fn parse_member(m: &[u8]) -> Option<(u64, BlockKey)> {
+    if m.len() != 32 {
+        return None;
+    }
+    let s = std::str::from_utf8(m).ok()?;
+    let root = u64::from_str_radix(&s[..16], 16).ok()?;
+    let key = u64::from_str_radix(&s[16..], 16).ok()?;
+    Some((root, BlockKey(key)))
+}
+
+/// The lookup: walks the prompt's blocks in order and stops once no candidate holds one.
+/// KEYS: per block its recorded key, then (precise mode) its evented key.
+/// ARGV: now (unix ms), precise (0|1), GPU weight, CPU weight, candidate pods...
+/// Returns each candidate's matched weight as a string (Lua numbers would be truncated), then the
+/// earliest expiry among the recorded entries it counted (`-1`: none), so a cached answer
+/// never outlives them.
+pub(super) const LOOKUP: &str = r#"
+local now = tonumber(ARGV[1])
+local precise = ARGV[2] == '1'
+local gw, cw = tonumber(ARGV[3]), tonumber(ARGV[4])
+local n = #ARGV - 4
+local cand, matched, alive = {}, {}, {}
+local soonest = -1
+for i = 1, n do cand[ARGV[4 + i]] = i; matched[i] = 0; alive[i] = i end
+local stride = precise and 2 or 1
+for b = 1, #KEYS, stride do
+  if #alive == 0 then break end
+  local got = {}
+  if precise then
+    local h = redis.call('HGETALL', KEYS[b + 1])
+    for j = 1, #h, 2 do
+      local c = cand[h[j]]
+      if c then if h[j + 1] == 'g' then got[c] = gw else got[c] = cw end end
+    end
+  end
+  local h = redis.call('HGETALL', KEYS[b])
+  for j = 1, #h, 2 do
+    local c = cand[h[j]]
+    local exp = tonumber(h[j + 1]) or 0
+    if c and not got[c] and exp > now then
+      got[c] = gw
+      if soonest < 0 or exp < soonest then soonest = exp end
+    end
+  end
+  local still = {}
+  for _, c in ipairs(alive) do
+    if got[c] then matched[c] = matched[c] + got[c]; still[#still + 1] = c end
+  end
+  alive = still
+end
+local out = {}
+for i = 1, n do out[i] = tostring(matched[i]) end
+out[n + 1] = tostring(soonest)
+return out
+"#;
+
+/// Records entries of one pod under one root. KEYS: recorded keys. ARGV: pod, expiry (unix ms).
+pub(super) const RECORD: &str = r#"
+for _, k in ipairs(KEYS) do
+  redis.call('HSET', k, ARGV[1], ARGV[2])
+  redis.call('PEXPIREAT', k, ARGV[2], 'NX')
+  redis.call('PEXPIREAT', k, ARGV[2], 'GT')
+end
+return #KEYS
+"#;
+
+/// Refreshes a pod's recency and evicts past its capacity. KEYS: lru, meta.
+/// ARGV: default capacity, members (prompt head first: it ends up most recent).
+/// Returns the evicted members.
+pub(super) const TOUCH: &str = r#"
+local n = #ARGV - 1
+local seq = redis.call('HINCRBY', KEYS[2], 'seq', n)
+for i = 2, #ARGV do redis.call('ZADD', KEYS[1], seq - (i - 2), ARGV[i]) end
+local cap = tonumber(redis.call('HGET', KEYS[2], 'cap') or ARGV[1])
+local over = redis.call('ZCARD', KEYS[1]) - cap
+if over <= 0 then return {} end
+local popped = redis.call('ZPOPMIN', KEYS[1], over)
+local out = {}
+for i = 1, #popped, 2 do out[#out + 1] = popped[i] end
+return out
+"#;
+
+/// Sets a pod's capacity and evicts past it. KEYS: lru, meta. ARGV: capacity.
+/// Returns the evicted members.
+pub(super) const CAPACITY: &str = r#"
+redis.call('HSET', KEYS[2], 'cap', ARGV[1])
+local over = redis.call('ZCARD', KEYS[1]) - tonumber(ARGV[1])
+if over <= 0 then return {} end
+local popped = redis.call('ZPOPMIN', KEYS[1], over)
+local out = {}
+for i = 1, #popped, 2 do out[#out + 1] = popped[i] end
+return out
+"#;
+
+/// Sets what a pod's events say about keys under one root. KEYS: evented keys.
+/// ARGV: pod, then per key `g`, `c` or `-` (not held).
+pub(super) const EVENTS: &str = r#"
+for i, k in ipairs(KEYS) do
+  local t = ARGV[i + 1]
+  if t == '-' then redis.call('HDEL', k, ARGV[1]) else redis.call('HSET', k, ARGV[1], t) end
+end
+return #KEYS
+"#;
+
+/// The scripts, loaded once per process (`invoke_async` loads them again after a restart).
+pub(super) struct Scripts {
+    pub(super) lookup: Script,
+    pub(super) record: Script,
+    pub(super) touch: Script,
+    pub(super) capacity: Script,
+    pub(super) events: Script,
+}
+
+impl Scripts {
+    pub(super) fn new() -> Self {
+        Self {
+            lookup: Script::new(LOOKUP),
+            record: Script::new(RECORD),
+            touch: Script::new(TOUCH),
+            capacity: Script::new(CAPACITY),
+            events: Script::new(EVENTS),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn members_round_trip_and_foreign_ones_are_refused() {
+        let m = member(0xabc, BlockKey(u64::MAX));
+        assert_eq!(m.len(), 32);
+        assert_eq!(
+            parse_member(m.as_bytes()),
+            Some((0xabc, BlockKey(u64::MAX)))
+        );
+        assert_eq!(parse_member(b"not-a-member"), None);
+        assert_eq!(parse_member(&[0xff; 32]), None);
+    }
+
+    #[test]
+    fn a_prefix_shares_one_hash_tag_and_a_pod_gets_its_own() {
+        let s = Schema::new("kvr", true);
+        let (a, b) = (s.recorded(7, BlockKey(1)), s.evented(7, BlockKey(2)));
+        let tag = |k: &str| k[k.find('{').unwrap()..=k.find('}').unwrap()].to_string();
+        assert_eq!(tag(&a), tag(&b));
+        let pod = PodId::new("10.0.0.1:8000");
+        assert_eq!(tag(&s.lru(&pod)), tag(&s.meta(&pod)));
+        assert_eq!(tag(&s.lru(&pod)), tag(&s.events(&pod)));
+        assert_ne!(tag(&s.lru(&pod)), tag(&s.lru(&PodId::new("10.0.0.2:8000"))));
+        let odd = PodId::new("pod{with}braces");
+        assert!(!tag(&s.lru(&odd))[1..17].contains('{'));
+        let flat = Schema::new("kvr", false);
+        assert_eq!(flat.recorded(7, BlockKey(1)), flat.recorded(8, BlockKey(1)));
+        assert!(!flat.recorded(7, BlockKey(1)).contains('{'));
+    }
+}

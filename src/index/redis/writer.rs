@@ -1,0 +1,356 @@
+//! The write path to Redis, off the request path: a bounded queue drained by one task in
+//! batches. Within a batch, records and event changes are sent concurrently on one multiplexed
+//! connection (pipelined, in queue order); capacity changes, forgets and flushes are barriers.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::future::join_all;
+use tokio::sync::{mpsc, oneshot, Mutex};
+use tracing::{debug, warn};
+
+use super::conn::{to_index_error, Handle};
+use super::metrics::Dropped;
+use super::schema::{member, parse_member};
+use super::Shared;
+use crate::blocks::BlockKey;
+use crate::index::IndexError;
+use crate::pods::PodId;
+
+/// Most operations taken from the queue at once.
+const BATCH: usize = 256;
+/// Members popped per round trip when a pod is forgotten.
+const FORGET_CHUNK: usize = 1_000;
+
+/// What a pod's events say about one (root, key): held on GPU, offloaded only, or not.
+pub(super) type Change = (u64, BlockKey, Option<bool>);
+
+/// A write waiting for Redis.
+pub(super) enum WriteOp {
+    /// `pod` was sent `keys` (all under `root`); entries live until `expiry` (unix ms).
+    Record {
+        pod: PodId,
+        root: u64,
+        keys: Vec<BlockKey>,
+        expiry: u64,
+    },
+    /// What `pod`'s events now say about these (root, key)s: held on GPU, offloaded, or not.
+    Events { pod: PodId, changes: Vec<Change> },
+    /// `pod` holds at most `blocks` recorded entries.
+    Capacity { pod: PodId, blocks: usize },
+    /// `pod` left: drop all it had.
+    Forget { pod: PodId },
+    /// Answer once everything queued before is written.
+    Flush(oneshot::Sender<()>),
+}
+
+/// Drains the queue until every sender is gone. Restarted by the owner if it panics, so the
+/// receiver lives behind a lock the next run takes over.
+pub(super) async fn run(shared: Arc<Shared>, rx: Arc<Mutex<mpsc::Receiver<WriteOp>>>) {
+    let mut rx = rx.lock().await;
+    let mut batch = Vec::with_capacity(BATCH);
+    loop {
+        if rx.recv_many(&mut batch, BATCH).await == 0 {
+            return;
+        }
+        shared.metrics.write_queue.set(rx.len() as i64);
+        let mut group: Vec<WriteOp> = Vec::new();
+        for op in batch.drain(..) {
+            match op {
+                WriteOp::Record { .. } | WriteOp::Events { .. } => group.push(op),
+                barrier => {
+                    concurrent(&shared, std::mem::take(&mut group)).await;
+                    single(&shared, barrier).await;
+                }
+            }
+        }
+        concurrent(&shared, group).await;
+    }
+}
+
+/// Runs `f` on a write connection within the write budget; counts `n` writes as done or dropped.
+async fn budgeted<F, Fut>(shared: &Shared, n: u64, budget: Duration, f: F)
+where
+    F: FnOnce(Handle) -> Fut,
+    Fut: std::future::Future<Output = Result<(), IndexError>>,
+{
+    if n == 0 {
+        return;
+    }
+    let con = match shared.conn.write().await {
+        Ok(c) => c,
+        Err(e) => {
+            debug!(error = %e, "redis write skipped: not connected");
+            shared.metrics.dropped(Dropped::Error, n);
+            return;
+        }
+    };
+    match tokio::time::timeout(budget, f(con)).await {
+        Ok(Ok(())) => {
+            shared.metrics.writes.inc_by(n);
+        }
+        Ok(Err(e)) => {
+            debug!(error = %e, "redis write failed");
+            shared.metrics.dropped(Dropped::Error, n);
+        }
+        Err(_) => shared.metrics.dropped(Dropped::Timeout, n),
+    }
+}
+
+/// Records and event changes, sent together; evictions they cause are deleted afterwards,
+/// except entries a later operation of the same group recorded again.
+async fn concurrent(shared: &Shared, ops: Vec<WriteOp>) {
+    let n = ops.len() as u64;
+    budgeted(shared, n, shared.write_budget, |con| async move {
+        let sends = ops.iter().enumerate().map(|(i, op)| {
+            let con = con.clone();
+            async move {
+                match op {
+                    WriteOp::Record {
+                        pod,
+                        root,
+                        keys,
+                        expiry,
+                    } => record(shared, con, pod, *root, keys, *expiry)
+                        .await
+                        .map(|ev| (i, ev)),
+                    WriteOp::Events { pod, changes } => events(shared, con, pod, changes)
+                        .await
+                        .map(|()| (i, Vec::new())),
+                    _ => Ok((i, Vec::new())),
+                }
+            }
+        });
+        let mut evicted = Vec::new();
+        for r in join_all(sends).await {
+            let (i, ev) = r?;
+            let WriteOp::Record { pod, .. } = &ops[i] else {
+                continue;
+            };
+            for (root, key) in ev {
+                let again = ops[i + 1..].iter().any(|later| match later {
+                    WriteOp::Record { pod: p, keys, .. } => p == pod && keys.contains(&key),
+                    _ => false,
+                });
+                if !again {
+                    evicted.push((pod.clone(), root, key));
+                }
+            }
+        }
+        delete_recorded(shared, &con, &evicted).await
+    })
+    .await;
+}
+
+/// A barrier operation, alone.
+async fn single(shared: &Shared, op: WriteOp) {
+    match op {
+        WriteOp::Flush(done) => {
+            let _ = done.send(());
+        }
+        WriteOp::Capacity { pod, blocks } => {
+            budgeted(shared, 1, shared.write_budget, |mut con| async move {
+                let popped: Vec<Vec<u8>> = shared
+                    .scripts
+                    .capacity
+                    .key(shared.schema.lru(&pod))
+                    .key(shared.schema.meta(&pod))
+                    .arg(blocks)
+                    .invoke_async(&mut con)
+                    .await
+                    .map_err(|e| to_index_error(&e))?;
+                let evicted: Vec<_> = popped
+                    .iter()
+                    .filter_map(|m| parse_member(m))
+                    .map(|(r, k)| (pod.clone(), r, k))
+                    .collect();
+                delete_recorded(shared, &con, &evicted).await
+            })
+            .await;
+        }
+        WriteOp::Forget { pod } => {
+            // Chunked, so a pod with millions of entries never makes one huge reply; each chunk
+            // gets the write budget.
+            let budget = shared.write_budget * 20;
+            budgeted(shared, 1, budget, |con| async move {
+                forget(shared, con, &pod).await
+            })
+            .await;
+        }
+        WriteOp::Record { .. } | WriteOp::Events { .. } => {
+            warn!("redis writer: a record or event change reached the barrier path");
+        }
+    }
+}
+
+/// Writes one record: the entries (on the prefix's shard) and the pod's recency (on the pod's),
+/// concurrently. Returns what the pod's capacity evicted.
+async fn record(
+    shared: &Shared,
+    con: Handle,
+    pod: &PodId,
+    root: u64,
+    keys: &[BlockKey],
+    expiry: u64,
+) -> Result<Vec<(u64, BlockKey)>, IndexError> {
+    let mut entries = shared.scripts.record.prepare_invoke();
+    for &k in keys {
+        entries.key(shared.schema.recorded(root, k));
+    }
+    entries.arg(pod.as_str()).arg(expiry);
+    let mut recency = shared.scripts.touch.prepare_invoke();
+    recency
+        .key(shared.schema.lru(pod))
+        .key(shared.schema.meta(pod))
+        .arg(shared.default_capacity);
+    for &k in keys {
+        recency.arg(member(root, k));
+    }
+    let (mut c1, mut c2) = (con.clone(), con);
+    let (a, b) = tokio::join!(
+        entries.invoke_async::<i64>(&mut c1),
+        recency.invoke_async::<Vec<Vec<u8>>>(&mut c2)
+    );
+    a.map_err(|e| to_index_error(&e))?;
+    let popped = b.map_err(|e| to_index_error(&e))?;
+    Ok(popped.iter().filter_map(|m| parse_member(m)).collect())
+}
+
+/// Writes event changes: one script per prefix root, and the pod's membership set.
+async fn events(
+    shared: &Shared,
+    con: Handle,
+    pod: &PodId,
+    changes: &[Change],
+) -> Result<(), IndexError> {
+    // Changes arrive sorted by root: one script per run of equal roots.
+    let by_root = changes.chunk_by(|a, b| a.0 == b.0);
+    let scripts = by_root.map(|v| {
+        let mut con = con.clone();
+        let mut inv = shared.scripts.events.prepare_invoke();
+        for (root, k, _) in v {
+            inv.key(shared.schema.evented(*root, *k));
+        }
+        inv.arg(pod.as_str());
+        for (_, _, tier) in v {
+            inv.arg(match tier {
+                Some(true) => "g",
+                Some(false) => "c",
+                None => "-",
+            });
+        }
+        async move { inv.invoke_async::<i64>(&mut con).await }
+    });
+    let (held, gone): (Vec<_>, Vec<_>) = changes.iter().partition(|c| c.2.is_some());
+    let set = shared.schema.events(pod);
+    let membership = |cmd: &str, v: &[&Change]| {
+        let mut c = redis::cmd(cmd);
+        c.arg(&set);
+        for (root, key, _) in v {
+            c.arg(member(*root, *key));
+        }
+        c
+    };
+    let mut sets = Vec::new();
+    if !held.is_empty() {
+        sets.push(membership("SADD", &held));
+    }
+    if !gone.is_empty() {
+        sets.push(membership("SREM", &gone));
+    }
+    let set_sends = sets.iter().map(|c| {
+        let mut con = con.clone();
+        async move { c.query_async::<i64>(&mut con).await }
+    });
+    let (a, b) = tokio::join!(join_all(scripts), join_all(set_sends));
+    for r in a.into_iter().chain(b) {
+        r.map_err(|e| to_index_error(&e))?;
+    }
+    Ok(())
+}
+
+/// Deletes `pod`'s recorded entries of (root, key)s.
+async fn delete_recorded(
+    shared: &Shared,
+    con: &Handle,
+    entries: &[(PodId, u64, BlockKey)],
+) -> Result<(), IndexError> {
+    // Cached lookups of those prefixes are stale now.
+    for (_, root, _) in entries {
+        shared.wrote(*root);
+    }
+    delete_fields(
+        con,
+        entries
+            .iter()
+            .map(|(p, r, k)| (shared.schema.recorded(*r, *k), p)),
+    )
+    .await
+}
+
+/// `HDEL key pod` for each pair, concurrently.
+async fn delete_fields<'a>(
+    con: &Handle,
+    pairs: impl Iterator<Item = (String, &'a PodId)>,
+) -> Result<(), IndexError> {
+    let sends = pairs.map(|(key, pod)| {
+        let mut con = con.clone();
+        async move {
+            redis::cmd("HDEL")
+                .arg(key)
+                .arg(pod.as_str())
+                .query_async::<i64>(&mut con)
+                .await
+        }
+    });
+    for r in join_all(sends).await {
+        r.map_err(|e| to_index_error(&e))?;
+    }
+    Ok(())
+}
+
+/// Drops everything `pod` had, chunk by chunk, without scanning the keyspace.
+async fn forget(shared: &Shared, mut con: Handle, pod: &PodId) -> Result<(), IndexError> {
+    shared.wrote_everywhere();
+    let (lru, set) = (shared.schema.lru(pod), shared.schema.events(pod));
+    loop {
+        let popped: Vec<Vec<u8>> = redis::cmd("ZPOPMIN")
+            .arg(&lru)
+            .arg(FORGET_CHUNK)
+            .query_async(&mut con)
+            .await
+            .map_err(|e| to_index_error(&e))?;
+        if popped.is_empty() {
+            break;
+        }
+        // ZPOPMIN answers member, score, member, score...
+        let keys = popped
+            .iter()
+            .step_by(2)
+            .filter_map(|m| parse_member(m))
+            .map(|(r, k)| (shared.schema.recorded(r, k), pod));
+        delete_fields(&con, keys).await?;
+    }
+    loop {
+        let popped: Vec<Vec<u8>> = redis::cmd("SPOP")
+            .arg(&set)
+            .arg(FORGET_CHUNK)
+            .query_async(&mut con)
+            .await
+            .map_err(|e| to_index_error(&e))?;
+        if popped.is_empty() {
+            break;
+        }
+        let keys = popped
+            .iter()
+            .filter_map(|m| parse_member(m))
+            .map(|(r, k)| (shared.schema.evented(r, k), pod));
+        delete_fields(&con, keys).await?;
+    }
+    redis::cmd("DEL")
+        .arg(shared.schema.meta(pod))
+        .query_async::<i64>(&mut con)
+        .await
+        .map_err(|e| to_index_error(&e))?;
+    Ok(())
+}
