@@ -87,12 +87,15 @@ pub async fn run(cfg: Config, tokenizers: TokenizerRegistry) -> anyhow::Result<(
         (cfg.index.backend == IndexBackend::Redis).then(|| RedisMetrics::register(registry));
     let registry = Arc::new(root);
     let pods = Arc::new(PodRegistry::default());
-    let index = build_index(&cfg, redis_metrics)?;
+    let built = build_index(&cfg, redis_metrics)?;
+    let index = built.index;
     let mode = mode(&cfg);
-    let sessions = Arc::new(SessionStore::new(
-        cfg.scorers.session.capacity,
-        cfg.scorers.session.ttl_ms,
-    ));
+    let mut sessions = SessionStore::new(cfg.scorers.session.capacity, cfg.scorers.session.ttl_ms);
+    if let Some(shared) = built.sessions {
+        let budget = Duration::from_millis(cfg.index.redis.lookup_budget_ms);
+        sessions = sessions.with_shared(shared, budget);
+    }
+    let sessions = Arc::new(sessions);
     let decider = Arc::new(Decider::new(
         &cfg,
         Arc::new(tokenizers),

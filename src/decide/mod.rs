@@ -276,7 +276,10 @@ impl Decider {
             parsed.as_ref().and_then(|r| r.user.as_deref()),
             self.use_user_field,
         );
-        let session_pod = session.and_then(|s| self.sessions.get(s, now_ms));
+        let session_pod = match session {
+            Some(s) => self.sessions.find(s, now_ms).await,
+            None => None,
+        };
         let now = Instant::now();
         let candidates = pods
             .iter()

@@ -7,20 +7,29 @@ use super::{
     EventIndex, EventIndexConfig, KvIndex, Local, MemoryIndex, RedisIndex, RedisMetrics, Tuning,
 };
 use crate::config::{Config, IndexBackend};
+use crate::scoring::SharedSessions;
+
+/// An index and, when it is shared between replicas, the session map shared with it.
+pub struct BuiltIndex {
+    /// The index.
+    pub index: Arc<dyn KvIndex>,
+    /// Sessions shared through the same backend (`backend: redis`).
+    pub sessions: Option<Arc<dyn SharedSessions>>,
+}
 
 /// The router's index for `cfg`: fed by KV events when they are enabled, else learned from the
 /// router's own decisions; shared through Redis with `backend: redis`, whose metric families
 /// go to `metrics` (unregistered when `None`). Fails only on a Redis setting that cannot work
 /// (an unreadable password file, a malformed URL). Must run inside a tokio runtime.
-pub fn build_index(
-    cfg: &Config,
-    metrics: Option<RedisMetrics>,
-) -> anyhow::Result<Arc<dyn KvIndex>> {
+pub fn build_index(cfg: &Config, metrics: Option<RedisMetrics>) -> anyhow::Result<BuiltIndex> {
     // A new backend must say here how it is built.
     Ok(match cfg.index.backend {
-        IndexBackend::Memory => match local_index(cfg) {
-            Local::Memory(m) => Arc::new(m),
-            Local::Events(e) => Arc::new(e),
+        IndexBackend::Memory => BuiltIndex {
+            index: match local_index(cfg) {
+                Local::Memory(m) => Arc::new(m),
+                Local::Events(e) => Arc::new(e),
+            },
+            sessions: None,
         },
         IndexBackend::Redis => {
             let tuning = Tuning {
@@ -38,10 +47,12 @@ pub fn build_index(
                 cpu_weight: cfg.kv_events.cpu_weight,
             };
             let metrics = metrics.unwrap_or_else(RedisMetrics::unregistered);
-            Arc::new(
-                RedisIndex::new(&cfg.index.redis, local_index(cfg), tuning, metrics)
-                    .map_err(anyhow::Error::msg)?,
-            )
+            let index = RedisIndex::new(&cfg.index.redis, local_index(cfg), tuning, metrics)
+                .map_err(anyhow::Error::msg)?;
+            BuiltIndex {
+                sessions: Some(index.sessions()),
+                index: Arc::new(index),
+            }
         }
     })
 }

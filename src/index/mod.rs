@@ -28,7 +28,7 @@ use thiserror::Error;
 use crate::blocks::BlockKey;
 use crate::pods::PodId;
 
-pub use build::{build_index, index_capacity};
+pub use build::{build_index, index_capacity, BuiltIndex};
 pub use events::{EventIndex, EventIndexConfig};
 pub use memory::MemoryIndex;
 pub use redis::{

@@ -12,7 +12,7 @@ use crate::pods::{PodId, PodLoad};
 pub(crate) use load::LoadScorer;
 pub(crate) use prefix::PrefixScorer;
 pub(crate) use session::SessionScorer;
-pub use session::{SessionKey, SessionStore};
+pub use session::{SessionKey, SessionStore, SharedSessions};
 
 /// One candidate pod as the scorers see it.
 #[derive(Debug, Clone)]

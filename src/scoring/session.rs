@@ -1,6 +1,12 @@
 //! Session stickiness: the pod that served a session last scores 1. Session ids come from
 //! configured headers or the body's `user`; only their hash is stored, bounded by LRU and TTL.
+//! With a shared index (Redis) the session → pod map is shared too, so a conversation sticks to
+//! its pod whichever replica decides; this replica's own map answers when the shared one cannot.
 
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
 use lru::LruCache;
 use parking_lot::Mutex;
 use xxhash_rust::xxh3::xxh3_64;
@@ -33,12 +39,27 @@ impl SessionKey {
     pub fn of(id: &str) -> Self {
         Self(xxh3_64(id.as_bytes()))
     }
+
+    /// The hash (what a shared store keys on; the id itself is never stored).
+    pub fn hash(self) -> u64 {
+        self.0
+    }
 }
 
-/// Session → last pod, bounded by capacity (LRU) and idle TTL.
+/// Sessions shared by router replicas (a seam: the Redis index implements it).
+#[async_trait]
+pub trait SharedSessions: Send + Sync + 'static {
+    /// The session's pod, if the shared store knows it (errors and timeouts answer `None`).
+    async fn get(&self, key: SessionKey) -> Option<PodId>;
+    /// Pins the session to `pod` for `ttl_ms` of idleness (queued, never waits).
+    fn set(&self, key: SessionKey, pod: &PodId, ttl_ms: u64);
+}
+
+/// Session → last pod, bounded by capacity (LRU) and idle TTL; optionally shared.
 pub struct SessionStore {
     map: Mutex<LruCache<SessionKey, (PodId, u64)>>,
     ttl_ms: u64,
+    shared: Option<(Arc<dyn SharedSessions>, Duration)>,
 }
 
 impl SessionStore {
@@ -49,10 +70,28 @@ impl SessionStore {
                 std::num::NonZeroUsize::new(capacity.max(1)).expect("max(1)"),
             )),
             ttl_ms,
+            shared: None,
         }
     }
 
-    /// The session's pod, unless idle for longer than the TTL.
+    /// Shares sessions through `shared`, asked for at most `budget` per lookup.
+    pub fn with_shared(mut self, shared: Arc<dyn SharedSessions>, budget: Duration) -> Self {
+        self.shared = Some((shared, budget));
+        self
+    }
+
+    /// The session's pod: the shared store's answer when it has one, else this replica's own
+    /// (unless idle for longer than the TTL).
+    pub async fn find(&self, key: SessionKey, now_ms: u64) -> Option<PodId> {
+        if let Some((shared, budget)) = &self.shared {
+            if let Ok(Some(pod)) = tokio::time::timeout(*budget, shared.get(key)).await {
+                return Some(pod);
+            }
+        }
+        self.get(key, now_ms)
+    }
+
+    /// The session's pod in this replica's own map, unless idle for longer than the TTL.
     pub fn get(&self, key: SessionKey, now_ms: u64) -> Option<PodId> {
         let mut map = self.map.lock();
         match map.peek(&key) {
@@ -65,8 +104,11 @@ impl SessionStore {
         }
     }
 
-    /// Records the pod that serves the session now.
+    /// Records the pod that serves the session now (here, and in the shared store).
     pub fn set(&self, key: SessionKey, pod: PodId, now_ms: u64) {
+        if let Some((shared, _)) = &self.shared {
+            shared.set(key, &pod, self.ttl_ms);
+        }
         self.map.lock().put(key, (pod, now_ms));
     }
 

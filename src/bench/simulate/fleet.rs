@@ -140,8 +140,11 @@ pub(super) fn simulate(
 ) -> Result<RunOutcome, SimulateError> {
     let cfg = strategy.router_config(&Config::default(), MODEL);
     let stages = Stages::new(&cfg);
-    let index = uses_index(strategy)
-        .then(|| build_index(&cfg, None).expect("simulated fleets use in-process indexes"));
+    let index = uses_index(strategy).then(|| {
+        build_index(&cfg, None)
+            .expect("simulated fleets use in-process indexes")
+            .index
+    });
     let ecfg = EngineConfig {
         block_size: BLOCK_TOKENS,
         ..opts.engine.clone()

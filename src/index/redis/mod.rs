@@ -11,6 +11,7 @@
 mod conn;
 mod metrics;
 mod schema;
+mod sessions;
 mod writer;
 
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -32,6 +33,7 @@ use crate::blocks::BlockKey;
 use crate::config::{RedisConfig, RedisMode};
 use crate::events::KvEventBatch;
 use crate::pods::PodId;
+use crate::scoring::SharedSessions;
 
 /// Buckets of the per-prefix write generations that invalidate cached lookups.
 const GENERATIONS: usize = 4_096;
@@ -289,6 +291,14 @@ impl RedisIndex {
     /// The metric families (tests).
     pub fn metrics(&self) -> &RedisMetrics {
         &self.shared.metrics
+    }
+
+    /// The session map shared through the same Redis.
+    pub fn sessions(&self) -> Arc<dyn SharedSessions> {
+        Arc::new(sessions::RedisSessions {
+            shared: self.shared.clone(),
+            tx: self.tx.clone(),
+        })
     }
 
     fn enqueue(&self, op: WriteOp) {

@@ -13,6 +13,8 @@
 //!   entries; the lowest go first once the pod is over its capacity.
 //! - `P:pod:{T}:meta` hash: `seq` (the recency counter), `cap` (capacity from `set_capacity`).
 //! - `P:pod:{T}:ev` set of `RK`: the pod's event-fed entries, for cleanup.
+//! - `P:s:S` string: the pod a session (by the xxh3-64 of its id) was last sent to, expiring
+//!   after the session TTL.
 
 use redis::Script;
 use xxhash_rust::xxh3::xxh3_64;
@@ -68,6 +70,13 @@ impl Schema {
     /// The pod's event-fed entries.
     pub(super) fn events(&self, pod: &PodId) -> String {
         format!("{}:pod:{{{}}}:ev", self.prefix, pod_tag(pod))
+    }
+}
+
+impl Schema {
+    /// A shared session (by the hash of its id) → its pod.
+    pub(super) fn session(&self, hash: u64) -> String {
+        format!("{}:s:{hash:016x}", self.prefix)
     }
 }
 

@@ -36,6 +36,8 @@ pub(super) enum WriteOp {
     },
     /// What `pod`'s events now say about these (root, key)s: held on GPU, offloaded, or not.
     Events { pod: PodId, changes: Vec<Change> },
+    /// A session (by hash) now goes to `pod`, for `ttl_ms` of idleness.
+    Session { key: u64, pod: PodId, ttl_ms: u64 },
     /// `pod` holds at most `blocks` recorded entries.
     Capacity { pod: PodId, blocks: usize },
     /// `pod` left: drop all it had.
@@ -57,7 +59,9 @@ pub(super) async fn run(shared: Arc<Shared>, rx: Arc<Mutex<mpsc::Receiver<WriteO
         let mut group: Vec<WriteOp> = Vec::new();
         for op in batch.drain(..) {
             match op {
-                WriteOp::Record { .. } | WriteOp::Events { .. } => group.push(op),
+                WriteOp::Record { .. } | WriteOp::Events { .. } | WriteOp::Session { .. } => {
+                    group.push(op)
+                }
                 barrier => {
                     concurrent(&shared, std::mem::take(&mut group)).await;
                     single(&shared, barrier).await;
@@ -117,6 +121,18 @@ async fn concurrent(shared: &Shared, ops: Vec<WriteOp>) {
                     WriteOp::Events { pod, changes } => events(shared, con, pod, changes)
                         .await
                         .map(|()| (i, Vec::new())),
+                    WriteOp::Session { key, pod, ttl_ms } => {
+                        let mut con = con;
+                        redis::cmd("SET")
+                            .arg(shared.schema.session(*key))
+                            .arg(pod.as_str())
+                            .arg("PX")
+                            .arg(*ttl_ms)
+                            .query_async::<()>(&mut con)
+                            .await
+                            .map_err(|e| to_index_error(&e))
+                            .map(|()| (i, Vec::new()))
+                    }
                     _ => Ok((i, Vec::new())),
                 }
             }
@@ -177,7 +193,7 @@ async fn single(shared: &Shared, op: WriteOp) {
             })
             .await;
         }
-        WriteOp::Record { .. } | WriteOp::Events { .. } => {
+        WriteOp::Record { .. } | WriteOp::Events { .. } | WriteOp::Session { .. } => {
             warn!("redis writer: a record or event change reached the barrier path");
         }
     }
