@@ -408,11 +408,6 @@ fn every_overlay_renders_and_validates_offline() {
         // kv-router's config, and the Role it runs with.
         let cfg = match router_config(r, tmp.path()) {
             Ok(c) => c,
-            // The shared Redis index is issue 9's; until it lands the layer's keys are unknown.
-            Err(e) if r.name == "redis" && e.contains("redis") => {
-                eprintln!("redis overlay: router config awaits the Redis backend: {e}");
-                continue;
-            }
             Err(e) => {
                 failures.push(format!("{}: kv-router config: {e}", r.name));
                 continue;
@@ -433,6 +428,19 @@ fn every_overlay_renders_and_validates_offline() {
         }
         if r.name == "gateway-api" {
             assert_eq!(k.pool.as_ref().map(|p| p.name.as_str()), Some("vllm-pool"));
+        }
+        // The redis layer shares the index (and sessions) through the bundled Redis, with the
+        // password from the mounted Secret only.
+        let shared = cfg.index.backend == kv_router::config::IndexBackend::Redis;
+        assert_eq!(shared, r.name == "redis", "{}: index.backend", r.name);
+        if shared {
+            let redis = &cfg.index.redis;
+            assert!(redis.url.contains("redis.llm.svc"), "{}", redis.url);
+            assert_eq!(
+                redis.password_file.as_deref(),
+                Some("/var/run/secrets/redis/password")
+            );
+            assert!(redis.password.is_none() && redis.password_env.is_none());
         }
     }
     assert!(failures.is_empty(), "{}", failures.join("\n\n"));
