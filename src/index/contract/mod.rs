@@ -242,13 +242,13 @@ where
 // ---- Workload: pods, recorded keys, event documents ---------------------------------------
 
 /// Seeds the keys of the suite's event-fed blocks.
-const MODEL: &str = "contract-model";
+pub(crate) const MODEL: &str = "contract-model";
 
-fn pod(i: usize) -> PodId {
+pub(crate) fn pod(i: usize) -> PodId {
     PodId::new(format!("10.9.{}.{}:8000", i / 200, i % 200))
 }
 
-fn pods(n: usize) -> Vec<PodId> {
+pub(crate) fn pods(n: usize) -> Vec<PodId> {
     (0..n).map(pod).collect()
 }
 
@@ -265,7 +265,7 @@ fn doc_tokens(doc: u64, blocks: std::ops::Range<usize>, bt: usize) -> Vec<u32> {
 }
 
 /// The router keys of a document's first `n` blocks, as a request would compute them.
-fn doc_keys(doc: u64, n: usize, bt: usize) -> Vec<BlockKey> {
+pub(crate) fn doc_keys(doc: u64, n: usize, bt: usize) -> Vec<BlockKey> {
     token_keys(
         namespace_seed(MODEL, None),
         &doc_tokens(doc, 0..n, bt),
@@ -288,7 +288,7 @@ fn batch(events: Vec<KvEvent>) -> KvEventBatch {
 }
 
 /// `BlockStored` of a document's blocks `range`, chained to block `range.start - 1`.
-fn store(doc: u64, range: std::ops::Range<usize>, bt: usize) -> KvEventBatch {
+pub(crate) fn store(doc: u64, range: std::ops::Range<usize>, bt: usize) -> KvEventBatch {
     batch(vec![KvEvent::BlockStored {
         block_hashes: range.clone().map(|i| ehash(doc, i)).collect(),
         parent_block_hash: (range.start > 0).then(|| ehash(doc, range.start - 1)),
@@ -305,7 +305,7 @@ fn store(doc: u64, range: std::ops::Range<usize>, bt: usize) -> KvEventBatch {
 }
 
 /// `BlockRemoved` of a document's block `i` (GPU).
-fn remove(doc: u64, i: usize) -> KvEventBatch {
+pub(crate) fn remove(doc: u64, i: usize) -> KvEventBatch {
     batch(vec![KvEvent::BlockRemoved {
         block_hashes: vec![ehash(doc, i)],
         medium: Some("GPU".into()),
@@ -313,7 +313,7 @@ fn remove(doc: u64, i: usize) -> KvEventBatch {
     }])
 }
 
-fn clear() -> KvEventBatch {
+pub(crate) fn clear() -> KvEventBatch {
     batch(vec![KvEvent::AllBlocksCleared])
 }
 

@@ -237,6 +237,43 @@ impl EventIndex {
         touched.unwrap_or_default()
     }
 
+    /// Pods with event state.
+    pub(crate) fn pods(&self) -> Vec<PodId> {
+        let inner = self.inner.read();
+        inner
+            .pods
+            .iter()
+            .filter(|(_, p)| !p.blocks.is_empty())
+            .map(|(_, p)| p.id.clone())
+            .collect()
+    }
+
+    /// Every (root, key, tier) `pod` holds through its events, sorted by root.
+    pub(crate) fn held(&self, pod: &PodId) -> Vec<(u64, BlockKey, Option<bool>)> {
+        let inner = self.inner.read();
+        let Some(slot) = inner.pods.get(pod) else {
+            return Vec::new();
+        };
+        let Some(state) = inner.pods.state(slot) else {
+            return Vec::new();
+        };
+        let mut out: Vec<(u64, BlockKey, Option<bool>)> = Vec::new();
+        for b in state.blocks.values() {
+            for k in &b.keys {
+                let gpu = inner
+                    .holders
+                    .of(k)
+                    .iter()
+                    .find(|h| h.slot == slot)
+                    .map(|h| h.gpu > 0);
+                out.push((b.end.root, *k, gpu));
+            }
+        }
+        out.sort_unstable_by_key(|&(r, k, _)| (r, k.0));
+        out.dedup_by_key(|e| (e.0, e.1));
+        out
+    }
+
     /// How `pod` holds `key` through its events: `Some(true)` with a GPU copy, `Some(false)`
     /// offloaded only, `None` not at all (speculative entries do not count).
     pub(crate) fn tier(&self, pod: &PodId, key: &BlockKey) -> Option<bool> {

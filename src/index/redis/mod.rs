@@ -10,11 +10,13 @@
 
 mod conn;
 mod metrics;
+#[cfg(all(test, feature = "bench"))]
+mod recovery_tests;
 mod schema;
 mod sessions;
 mod writer;
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -110,6 +112,10 @@ pub(crate) struct Shared {
     generations: Box<[AtomicU64]>,
     global_generation: AtomicU64,
     clock_offset: OnceLock<i64>,
+    /// Writes were dropped since the last resync (precise mode rewrites event state then).
+    lost_writes: AtomicBool,
+    /// The last write batch reached Redis (so a resync can).
+    writes_ok: AtomicBool,
     metrics: RedisMetrics,
 }
 
@@ -263,6 +269,8 @@ impl RedisIndex {
             generations: (0..GENERATIONS).map(|_| AtomicU64::new(0)).collect(),
             global_generation: AtomicU64::new(0),
             clock_offset: OnceLock::new(),
+            lost_writes: AtomicBool::new(false),
+            writes_ok: AtomicBool::new(true),
             metrics,
         });
         let (tx, rx) = mpsc::channel(cfg.write_queue.max(1));
@@ -449,7 +457,19 @@ impl KvIndex for RedisIndex {
     }
 
     async fn sweep(&self, now_ms: u64) -> Result<(), IndexError> {
-        // Redis frees expired entries by itself (key TTLs, pod capacity); this sweeps the fallback.
+        // Redis frees expired entries by itself (key TTLs, pod capacity); this sweeps the
+        // fallback, and, once Redis takes writes again after losing some, rewrites each pod's
+        // event state so removals lost in the outage leave nothing stale.
+        if let Local::Events(ev) = &*self.local {
+            let reachable = self.shared.writes_ok.load(Ordering::Acquire);
+            if reachable && self.shared.lost_writes.swap(false, Ordering::AcqRel) {
+                for pod in ev.pods() {
+                    let held = ev.held(&pod);
+                    self.shared.wrote_everywhere();
+                    self.enqueue(WriteOp::Resync { pod, held });
+                }
+            }
+        }
         self.local.index().sweep(now_ms).await
     }
 

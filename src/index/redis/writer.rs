@@ -2,6 +2,8 @@
 //! batches. Within a batch, records and event changes are sent concurrently on one multiplexed
 //! connection (pipelined, in queue order); capacity changes, forgets and flushes are barriers.
 
+use std::collections::HashSet;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -40,6 +42,9 @@ pub(super) enum WriteOp {
     Session { key: u64, pod: PodId, ttl_ms: u64 },
     /// `pod` holds at most `blocks` recorded entries.
     Capacity { pod: PodId, blocks: usize },
+    /// After writes were lost: make Redis say exactly what `held` (this replica's view of
+    /// `pod`'s events) says, dropping event entries it no longer holds.
+    Resync { pod: PodId, held: Vec<Change> },
     /// `pod` left: drop all it had.
     Forget { pod: PodId },
     /// Answer once everything queued before is written.
@@ -86,18 +91,27 @@ where
         Err(e) => {
             debug!(error = %e, "redis write skipped: not connected");
             shared.metrics.dropped(Dropped::Error, n);
+            shared.lost_writes.store(true, Ordering::Release);
+            shared.writes_ok.store(false, Ordering::Release);
             return;
         }
     };
     match tokio::time::timeout(budget, f(con)).await {
         Ok(Ok(())) => {
             shared.metrics.writes.inc_by(n);
+            shared.writes_ok.store(true, Ordering::Release);
         }
         Ok(Err(e)) => {
             debug!(error = %e, "redis write failed");
             shared.metrics.dropped(Dropped::Error, n);
+            shared.lost_writes.store(true, Ordering::Release);
+            shared.writes_ok.store(false, Ordering::Release);
         }
-        Err(_) => shared.metrics.dropped(Dropped::Timeout, n),
+        Err(_) => {
+            shared.metrics.dropped(Dropped::Timeout, n);
+            shared.lost_writes.store(true, Ordering::Release);
+            shared.writes_ok.store(false, Ordering::Release);
+        }
     }
 }
 
@@ -181,6 +195,13 @@ async fn single(shared: &Shared, op: WriteOp) {
                     .map(|(r, k)| (pod.clone(), r, k))
                     .collect();
                 delete_recorded(shared, &con, &evicted).await
+            })
+            .await;
+        }
+        WriteOp::Resync { pod, held } => {
+            let budget = shared.write_budget * 20;
+            budgeted(shared, 1, budget, |con| async move {
+                resync(shared, con, &pod, &held).await
             })
             .await;
         }
@@ -283,6 +304,31 @@ async fn events(
         r.map_err(|e| to_index_error(&e))?;
     }
     Ok(())
+}
+
+/// Rewrites `pod`'s event entries from `held`, and drops those Redis has beyond it.
+async fn resync(
+    shared: &Shared,
+    mut con: Handle,
+    pod: &PodId,
+    held: &[Change],
+) -> Result<(), IndexError> {
+    let members: Vec<Vec<u8>> = redis::cmd("SMEMBERS")
+        .arg(shared.schema.events(pod))
+        .query_async(&mut con)
+        .await
+        .map_err(|e| to_index_error(&e))?;
+    let keep: HashSet<(u64, BlockKey)> = held.iter().map(|&(r, k, _)| (r, k)).collect();
+    let mut changes: Vec<Change> = held.to_vec();
+    changes.extend(
+        members
+            .iter()
+            .filter_map(|m| parse_member(m))
+            .filter(|rk| !keep.contains(rk))
+            .map(|(r, k)| (r, k, None)),
+    );
+    changes.sort_unstable_by_key(|&(r, k, _)| (r, k.0));
+    events(shared, con, pod, &changes).await
 }
 
 /// Deletes `pod`'s recorded entries of (root, key)s.
