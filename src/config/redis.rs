@@ -33,6 +33,13 @@ pub struct RedisConfig {
     pub password_env: Option<String>,
     /// File holding the password (trailing newline ignored), e.g. a mounted Secret.
     pub password_file: Option<String>,
+    /// PEM file of the CA that signed the server's certificate (`rediss://`); default: the
+    /// public web roots.
+    pub tls_ca_file: Option<String>,
+    /// PEM client certificate for servers that require one (`tls-auth-clients yes`).
+    pub tls_cert_file: Option<String>,
+    /// PEM key of `tls_cert_file`.
+    pub tls_key_file: Option<String>,
     /// Prefix of every key; routers sharing one index use the same prefix.
     pub key_prefix: String,
     /// Multiplexed connections the router keeps open (requests are spread over them).
@@ -63,6 +70,9 @@ impl Default for RedisConfig {
             password: None,
             password_env: None,
             password_file: None,
+            tls_ca_file: None,
+            tls_cert_file: None,
+            tls_key_file: None,
             key_prefix: "kvr".into(),
             pool_size: 2,
             lookup_budget_ms: 5,
@@ -92,6 +102,9 @@ impl std::fmt::Debug for RedisConfig {
             .field("password", &self.password.as_ref().map(|_| "<redacted>"))
             .field("password_env", &self.password_env)
             .field("password_file", &self.password_file)
+            .field("tls_ca_file", &self.tls_ca_file)
+            .field("tls_cert_file", &self.tls_cert_file)
+            .field("tls_key_file", &self.tls_key_file)
             .field("key_prefix", &self.key_prefix)
             .field("pool_size", &self.pool_size)
             .field("lookup_budget_ms", &self.lookup_budget_ms)
@@ -132,6 +145,16 @@ impl RedisConfig {
         }
         if self.mode == RedisMode::Standalone && !self.cluster_seeds.is_empty() {
             p.push(("cluster_seeds", "only used with mode: cluster"));
+        }
+        let tls_files = [&self.tls_ca_file, &self.tls_cert_file, &self.tls_key_file];
+        if tls_files.iter().any(|f| f.is_some()) && !self.url.starts_with("rediss://") {
+            p.push(("tls_ca_file", "TLS files need a rediss:// url"));
+        }
+        if self.tls_cert_file.is_some() != self.tls_key_file.is_some() {
+            p.push((
+                "tls_cert_file",
+                "set both tls_cert_file and tls_key_file, or neither",
+            ));
         }
         let sources = [&self.password, &self.password_env, &self.password_file];
         if sources.iter().filter(|s| s.is_some()).count() > 1 {

@@ -8,7 +8,10 @@ use std::time::Duration;
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::ClusterClient;
 use redis::cluster_async::ClusterConnection;
-use redis::{Cmd, IntoConnectionInfo, Pipeline, RedisError, RedisFuture, Value};
+use redis::{
+    ClientTlsConfig, Cmd, IntoConnectionInfo, Pipeline, RedisError, RedisFuture, TlsCertificates,
+    Value,
+};
 use tokio::sync::OnceCell;
 
 use super::super::IndexError;
@@ -98,15 +101,47 @@ impl KindDescription for RedisError {
     }
 }
 
+/// The CA and client certificate of `cfg`, read at startup (`None`: system defaults).
+fn tls_certificates(cfg: &RedisConfig) -> Result<Option<TlsCertificates>, String> {
+    let read = |key: &str, path: &Option<String>| -> Result<Option<Vec<u8>>, String> {
+        path.as_ref()
+            .map(|p| {
+                std::fs::read(p).map_err(|e| format!("index.redis.{key}: cannot read {p}: {e}"))
+            })
+            .transpose()
+    };
+    let root_cert = read("tls_ca_file", &cfg.tls_ca_file)?;
+    let client_tls = match (
+        read("tls_cert_file", &cfg.tls_cert_file)?,
+        read("tls_key_file", &cfg.tls_key_file)?,
+    ) {
+        (Some(client_cert), Some(client_key)) => Some(ClientTlsConfig {
+            client_cert,
+            client_key,
+        }),
+        _ => None,
+    };
+    Ok(
+        (root_cert.is_some() || client_tls.is_some()).then_some(TlsCertificates {
+            client_tls,
+            root_cert,
+        }),
+    )
+}
+
 impl Conn {
     /// Connections for `cfg` (nothing is dialled yet: the first request connects).
     pub(super) fn open(cfg: &RedisConfig, password: Option<&str>) -> Result<Self, String> {
         let username = cfg.username.as_deref();
+        let tls = tls_certificates(cfg)?;
         match cfg.mode {
             RedisMode::Standalone => {
                 let info = connection_info(&cfg.url, username, password)?;
-                let client = redis::Client::open(info)
-                    .map_err(|e| format!("index.redis.url: {}", e.kind_description()))?;
+                let client = match tls {
+                    Some(certs) => redis::Client::build_with_tls(info, certs),
+                    None => redis::Client::open(info),
+                }
+                .map_err(|e| format!("index.redis.url: {}", e.kind_description()))?;
                 let manager = || {
                     let config = ConnectionManagerConfig::new()
                         .set_connection_timeout(Some(CONNECT_TIMEOUT))
@@ -131,10 +166,14 @@ impl Conn {
                     .chain(&cfg.cluster_seeds)
                     .map(|u| connection_info(u, username, password))
                     .collect::<Result<Vec<_>, _>>()?;
-                let client = ClusterClient::builder(nodes)
+                let mut builder = ClusterClient::builder(nodes)
                     .connection_timeout(CONNECT_TIMEOUT)
                     .response_timeout(CONNECT_TIMEOUT)
-                    .retries(2)
+                    .retries(2);
+                if let Some(certs) = tls {
+                    builder = builder.certs(certs);
+                }
+                let client = builder
                     .build()
                     .map_err(|e| format!("index.redis: {}", e.kind_description()))?;
                 Ok(Conn::Cluster {

@@ -14,6 +14,8 @@ mod metrics;
 mod recovery_tests;
 mod schema;
 mod sessions;
+#[cfg(all(test, feature = "bench"))]
+mod tls_tests;
 mod writer;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
