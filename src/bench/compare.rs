@@ -301,6 +301,11 @@ pub async fn compare(
             },
         )
         .await?;
+        if let (Some(s), true) = (&stack, opts.progress) {
+            for line in s.redis_counters().await {
+                eprintln!("kv-bench: {label}: {line}");
+            }
+        }
         drop(stack);
         let summary =
             Summary::of(&run, Some(opts.pods)).with_oracles(&run, opts.pods, opts.gpu_blocks);
@@ -318,11 +323,42 @@ pub async fn compare(
 /// shared index, the Redis they share. Dropping it stops them all.
 struct Stack {
     envoy: EnvoyProc,
-    _routers: Vec<RouterProc>,
-    _redis: Option<RedisProc>,
+    routers: Vec<RouterProc>,
+    redis: Option<RedisProc>,
 }
 
 impl Stack {
+    /// Each replica's shared-index counters (lookups by source, fallbacks by reason), one line
+    /// per replica; none without Redis. Shows whether a run measured Redis or the fallback.
+    async fn redis_counters(&self) -> Vec<String> {
+        if self.redis.is_none() {
+            return Vec::new();
+        }
+        let client = runner::client();
+        let mut out = Vec::new();
+        for (i, r) in self.routers.iter().enumerate() {
+            let text = match client
+                .get(format!("{}/metrics", r.admin_url()))
+                .send()
+                .await
+            {
+                Ok(resp) => resp.text().await.unwrap_or_default(),
+                Err(e) => format!("# unreachable: {e}"),
+            };
+            let counters: Vec<String> = text
+                .lines()
+                .filter(|l| {
+                    l.starts_with("kv_router_redis_lookups_total")
+                        || l.starts_with("kv_router_redis_fallbacks_total")
+                        || l.starts_with("kv_router_redis_writes_dropped_total")
+                })
+                .map(|l| l.trim_start_matches("kv_router_redis_").to_string())
+                .collect();
+            out.push(format!("replica {i}: {}", counters.join(", ")));
+        }
+        out
+    }
+
     /// `replicas` routers with `cfg` (pointed at a fresh Redis from `redis_bin` when given),
     /// each with every pod ready, then Envoy with all of them in its `kv_router` cluster.
     async fn start(
@@ -362,8 +398,8 @@ impl Stack {
         .await?;
         Ok(Self {
             envoy,
-            _routers: routers,
-            _redis: redis,
+            routers,
+            redis,
         })
     }
 }
