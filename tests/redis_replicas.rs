@@ -24,7 +24,7 @@ use common::deploy::{
     RouterProc, SimPod,
 };
 use common::runner::StreamOutcome;
-use common::{bins, completion, envoy_bin, post_to, served_by, text, FAST_SIM};
+use common::{bins, completion, envoy_bin, matched, metric, post_to, served_by, text, FAST_SIM};
 use kv_router::config::{Config, IndexBackend, TokenizerConfig};
 use serde_json::{json, Value};
 
@@ -234,19 +234,28 @@ impl Replicas {
         .await
     }
 
+    /// Sends `prompt` straight to the pod at `addr`, bypassing Envoy and the routers.
+    async fn direct(&self, addr: &str, prompt: &str) {
+        let o = post_to(
+            &self.client,
+            &format!("http://{addr}"),
+            "/v1/completions",
+            &completion(prompt, 4),
+            &[],
+        )
+        .await;
+        served_by(&o, &self.diag());
+    }
+
     async fn via_envoy(&self, prompt: &str) -> String {
         served_by(&self.post(prompt).await, &self.diag())
     }
 
     async fn metrics(&self, replica: usize) -> String {
-        self.client
-            .get(format!("{}/metrics", self.routers[replica].admin_url()))
-            .send()
+        self.routers[replica]
+            .metrics()
             .await
-            .expect("metrics request")
-            .text()
-            .await
-            .expect("metrics text")
+            .unwrap_or_else(|e| panic!("replica {replica} /metrics: {e:#}"))
     }
 
     /// Sum over both replicas of metric `name` with `labels`.
@@ -291,24 +300,6 @@ impl Replicas {
     }
 }
 
-/// Sum of the samples of metric `name` whose labels include every `labels` pair.
-fn metric(text: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
-    text.lines()
-        .filter(|l| !l.starts_with('#'))
-        .filter(|l| {
-            l.strip_prefix(name)
-                .is_some_and(|r| r.starts_with('{') || r.starts_with(' '))
-        })
-        .filter(|l| {
-            labels
-                .iter()
-                .all(|(k, v)| l.contains(&format!("{k}=\"{v}\"")))
-        })
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum::<f64>()
-        + 0.0
-}
-
 /// The largest bucket bound of histogram `name` not above `max`, and its cumulative count.
 fn bucket_at_most(text: &str, name: &str, max: f64) -> (f64, f64) {
     let prefix = format!("{name}_bucket{{le=\"");
@@ -329,17 +320,6 @@ fn redis_lines(text: &str) -> String {
         .filter(|l| l.starts_with("kv_router_redis_"))
         .collect::<Vec<_>>()
         .join("\n")
-}
-
-/// `matched_blocks` of `pod` in an explain answer (0 when not ranked).
-fn matched(v: &Value, pod: &str) -> f64 {
-    v["ranked"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .find(|r| r["pod"] == pod)
-        .and_then(|r| r["matched_blocks"].as_f64())
-        .unwrap_or(0.0)
 }
 
 /// Turn `t` of conversation `c`: its own system prompt, then every earlier exchange, then the
@@ -388,15 +368,7 @@ async fn precise_replicas_agree_after_events() {
     // only replica 0 hears them; replica 1 must learn them from Redis.
     let target = d.pods[2].sim.addr.to_string();
     let prompt = text(4_242, 4_096);
-    let o = post_to(
-        &d.client,
-        &format!("http://{target}"),
-        "/v1/completions",
-        &completion(&prompt, 4),
-        &[],
-    )
-    .await;
-    served_by(&o, &d.diag());
+    d.direct(&target, &prompt).await;
     let probe = format!("{prompt} And a follow-up question: {}", text(4_243, 100));
     let deadline = Instant::now() + POLL;
     let mut n = 0u64;
@@ -404,7 +376,7 @@ async fn precise_replicas_agree_after_events() {
         let answers = [d.explain(0, &probe).await, d.explain(1, &probe).await];
         let agree = answers
             .iter()
-            .all(|v| v["ranked"][0]["pod"] == target.as_str() && matched(v, &target) > 50.0);
+            .all(|v| v["ranked"][0]["pod"] == target.as_str() && matched(v, &target) > 50);
         if agree {
             break;
         }
@@ -420,16 +392,8 @@ async fn precise_replicas_agree_after_events() {
         }
         // ZMQ slow joiner: the first publication may precede replica 0's subscription.
         n += 1;
-        if n % 20 == 0 {
-            let o = post_to(
-                &d.client,
-                &format!("http://{target}"),
-                "/v1/completions",
-                &completion(&prompt, 4),
-                &[],
-            )
-            .await;
-            served_by(&o, &d.diag());
+        if n.is_multiple_of(20) {
+            d.direct(&target, &prompt).await;
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }

@@ -334,17 +334,12 @@ impl Stack {
         if self.redis.is_none() {
             return Vec::new();
         }
-        let client = runner::client();
         let mut out = Vec::new();
         for (i, r) in self.routers.iter().enumerate() {
-            let text = match client
-                .get(format!("{}/metrics", r.admin_url()))
-                .send()
+            let text = r
+                .metrics()
                 .await
-            {
-                Ok(resp) => resp.text().await.unwrap_or_default(),
-                Err(e) => format!("# unreachable: {e}"),
-            };
+                .unwrap_or_else(|e| format!("# unreachable: {e:#}"));
             let counters: Vec<String> = text
                 .lines()
                 .filter(|l| {

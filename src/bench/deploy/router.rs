@@ -107,8 +107,18 @@ impl RouterProc {
     }
 
     /// `http://<admin>`.
+    #[allow(dead_code)] // the end-to-end tests' harness (tests/common mounts deploy/)
     pub fn admin_url(&self) -> String {
         format!("http://{}", self.admin)
+    }
+
+    /// `GET /metrics` as text.
+    pub async fn metrics(&self) -> Result<String> {
+        let r = http()
+            .get(format!("http://{}/metrics", self.admin))
+            .send()
+            .await?;
+        Ok(r.text().await?)
     }
 
     /// `GET /debug/pods` as JSON.
