@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use common::deploy::{self, free_port, EnvoyProc, RouterProc, SimPod};
 use common::runner;
-use common::{bins, completion, envoy_bin, post_to, served_by, text, FAST_SIM};
+use common::{bins, completion, envoy_bin, matched, metric, post_to, served_by, text, FAST_SIM};
 use kv_router::config::{Config, TokenizerConfig};
 use serde_json::{json, Value};
 
@@ -324,43 +324,12 @@ impl Precise {
     }
 }
 
-/// `matched_blocks` of `pod` in an explain answer (0 when it is not ranked). The router reports
-/// it as a number that may be fractional (CPU-offloaded blocks weigh less), so it is read as f64
-/// and rounded down.
-fn matched(v: &Value, pod: &str) -> u64 {
-    v["ranked"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .find(|r| r["pod"] == pod)
-        .and_then(|r| r["matched_blocks"].as_f64())
-        .map_or(0, |m| m.max(0.0) as u64)
-}
-
 /// The first-ranked pod of an explain answer.
 fn first(v: &Value) -> String {
     v["ranked"][0]["pod"]
         .as_str()
         .unwrap_or_default()
         .to_string()
-}
-
-/// Sum of the samples of metric `name` whose labels include every `labels` pair.
-fn metric(text: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
-    text.lines()
-        .filter(|l| !l.starts_with('#'))
-        .filter(|l| {
-            l.strip_prefix(name)
-                .is_some_and(|r| r.starts_with('{') || r.starts_with(' '))
-        })
-        .filter(|l| {
-            labels
-                .iter()
-                .all(|(k, v)| l.contains(&format!("{k}=\"{v}\"")))
-        })
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum::<f64>()
-        + 0.0 // an empty sum is -0.0; print it as 0
 }
 
 /// The KV-event lines of a metrics text (for failure messages).

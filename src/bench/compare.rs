@@ -1,8 +1,10 @@
 //! `kv-bench compare`: one fleet of simulated pods, the same workload once per routing strategy.
 //!
 //! Envoy round robin (no ext_proc) is the baseline; every other strategy is kv-router (restarted
-//! with that strategy's config) behind Envoy's BUFFERED override-host bootstrap. Pod caches are
-//! reset between strategies so each run starts cold.
+//! with that strategy's config) behind Envoy's BUFFERED override-host bootstrap. `redis` is two
+//! replicas sharing a fresh Redis/Valkey, both endpoints of Envoy's `kv_router` cluster (Envoy
+//! spreads ext_proc streams over them). Pod caches are reset between strategies so each run
+//! starts cold; routers, Envoy and Redis live only for their strategy.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -11,7 +13,7 @@ use std::time::Duration;
 use anyhow::{Context, Result};
 use serde::Serialize;
 
-use super::deploy::{self, Binaries, EnvoyOptions, EnvoyProc, RouterProc, SimPod};
+use super::deploy::{self, Binaries, EnvoyOptions, EnvoyProc, RedisProc, RouterProc, SimPod};
 use super::report::Summary;
 use super::runner::{self, RunOptions, RunResult};
 use super::strategy::Strategy;
@@ -37,6 +39,31 @@ pub struct CompareOptions {
     pub model: String,
     /// Progress bars on stderr.
     pub progress: bool,
+    /// kv-router replicas behind Envoy for every router strategy (None: each strategy's
+    /// [`Strategy::default_replicas`]). Replicas without the shared index each learn alone.
+    pub replicas: Option<usize>,
+}
+
+impl CompareOptions {
+    /// kv-router replicas for `strategy` (none for Envoy's own round robin).
+    pub fn replicas(&self, strategy: Strategy) -> usize {
+        match (strategy.default_replicas(), self.replicas) {
+            (0, _) => 0,
+            (_, Some(n)) => n.max(1),
+            (d, None) => d,
+        }
+    }
+
+    /// The label of `strategy` in reports: its name, with the replica count when not the
+    /// strategy's default (`weighted x2`).
+    pub fn label(&self, strategy: Strategy) -> String {
+        let n = self.replicas(strategy);
+        if n == strategy.default_replicas() {
+            strategy.as_str().into()
+        } else {
+            format!("{} x{n}", strategy.as_str())
+        }
+    }
 }
 
 /// A pod with its KV-event ports.
@@ -214,52 +241,53 @@ pub async fn compare(
     };
     drop(sample);
     for &strategy in &opts.strategies {
-        if let Some(why) = strategy.unavailable() {
-            eprintln!("kv-bench: {}: skipped ({why})", strategy.as_str());
-            out.runs.push(StrategyRun {
-                label: strategy.as_str().into(),
-                summary: None,
-                run: None,
-                skipped: Some(why.into()),
-            });
-            continue;
-        }
+        let label = opts.label(strategy);
+        let redis = if strategy.needs_redis() {
+            match deploy::find_redis_server() {
+                Ok(bin) => Some(bin),
+                Err(e) => {
+                    let why = format!("{e:#}");
+                    eprintln!("kv-bench: {label}: skipped ({why})");
+                    out.runs.push(StrategyRun {
+                        label,
+                        summary: None,
+                        run: None,
+                        skipped: Some(why),
+                    });
+                    continue;
+                }
+            }
+        } else {
+            None
+        };
         deploy::reset_caches(&addrs)
             .await
             .context("resetting pod caches")?;
-        // Router and its Envoy live only for this strategy (dropping them stops them).
-        let mut stack: Option<(RouterProc, EnvoyProc)> = None;
+        // Routers, their Envoy and Redis live only for this strategy (dropping them stops them).
+        let mut stack: Option<Stack> = None;
         // Round robin needs no router: Envoy's own round robin is the baseline.
         let target = match strategy {
             Strategy::RoundRobin => fleet.rr_envoy.url(),
             _ => {
-                let cfg = strategy.router_config(&base, &opts.model);
-                let router = RouterProc::spawn(&bins.kv_router, &cfg)
-                    .await
-                    .with_context(|| format!("starting kv-router for {}", strategy.as_str()))?;
-                router
-                    .wait_pods_ready(addrs.len(), Duration::from_secs(20))
-                    .await?;
-                let envoy = EnvoyProc::spawn_with(
-                    &fleet.envoy_bin,
-                    &deploy::envoy_template("override-host-buffered.yaml")?,
-                    Some(router.grpc),
-                    &addrs,
-                    &envoy_options(),
+                let s = Stack::start(
+                    bins,
+                    &fleet,
+                    strategy.router_config(&base, &opts.model),
+                    opts.replicas(strategy),
+                    redis.as_deref(),
                 )
-                .await?;
-                let url = envoy.url();
-                stack = Some((router, envoy));
+                .await
+                .with_context(|| format!("starting {label}"))?;
+                let url = s.envoy.url();
+                stack = Some(s);
                 url
             }
         };
         let w = workload();
         if opts.progress {
             eprintln!(
-                "kv-bench: {} ({} requests) through {}",
-                strategy.as_str(),
-                w.requests,
-                target
+                "kv-bench: {label} ({} requests) through {}",
+                w.requests, target
             );
         }
         let run = runner::run(
@@ -268,22 +296,107 @@ pub async fn compare(
                 target,
                 concurrency,
                 request_timeout: opts.request_timeout,
-                label: strategy.as_str().into(),
+                label: label.clone(),
                 progress: opts.progress,
             },
         )
         .await?;
+        if let (Some(s), true) = (&stack, opts.progress) {
+            for line in s.redis_counters().await {
+                eprintln!("kv-bench: {label}: {line}");
+            }
+        }
         drop(stack);
         let summary =
             Summary::of(&run, Some(opts.pods)).with_oracles(&run, opts.pods, opts.gpu_blocks);
         out.runs.push(StrategyRun {
-            label: strategy.as_str().into(),
+            label,
             summary: Some(summary),
             run: Some(run),
             skipped: None,
         });
     }
     Ok(out)
+}
+
+/// One strategy's processes: its kv-router replicas, the Envoy in front of them and, for the
+/// shared index, the Redis they share. Dropping it stops them all.
+struct Stack {
+    envoy: EnvoyProc,
+    routers: Vec<RouterProc>,
+    redis: Option<RedisProc>,
+}
+
+impl Stack {
+    /// Each replica's shared-index counters (lookups by source, fallbacks by reason), one line
+    /// per replica; none without Redis. Shows whether a run measured Redis or the fallback.
+    async fn redis_counters(&self) -> Vec<String> {
+        if self.redis.is_none() {
+            return Vec::new();
+        }
+        let mut out = Vec::new();
+        for (i, r) in self.routers.iter().enumerate() {
+            let text = r
+                .metrics()
+                .await
+                .unwrap_or_else(|e| format!("# unreachable: {e:#}"));
+            let counters: Vec<String> = text
+                .lines()
+                .filter(|l| {
+                    l.starts_with("kv_router_redis_lookups_total")
+                        || l.starts_with("kv_router_redis_fallbacks_total")
+                        || l.starts_with("kv_router_redis_writes_dropped_total")
+                })
+                .map(|l| l.trim_start_matches("kv_router_redis_").to_string())
+                .collect();
+            out.push(format!("replica {i}: {}", counters.join(", ")));
+        }
+        out
+    }
+
+    /// `replicas` routers with `cfg` (pointed at a fresh Redis from `redis_bin` when given),
+    /// each with every pod ready, then Envoy with all of them in its `kv_router` cluster.
+    async fn start(
+        bins: &Binaries,
+        fleet: &CompareFleet,
+        mut cfg: Config,
+        replicas: usize,
+        redis_bin: Option<&std::path::Path>,
+    ) -> Result<Self> {
+        let redis = redis_bin.map(RedisProc::start).transpose()?;
+        if let Some(r) = &redis {
+            cfg.index.redis.url = r.url();
+        }
+        let addrs = fleet.addrs();
+        let mut routers = Vec::new();
+        for _ in 0..replicas.max(1) {
+            let mut c = cfg.clone();
+            // Each replica its own ports (spawn retries with fresh ones on a clash).
+            c.listen.grpc = format!("127.0.0.1:{}", deploy::free_port()?);
+            c.listen.admin = format!("127.0.0.1:{}", deploy::free_port()?);
+            let router = RouterProc::spawn(&bins.kv_router, &c).await?;
+            router
+                .wait_pods_ready(addrs.len(), Duration::from_secs(20))
+                .await?;
+            routers.push(router);
+        }
+        let envoy = EnvoyProc::spawn_with(
+            &fleet.envoy_bin,
+            &deploy::envoy_template("override-host-buffered.yaml")?,
+            Some(routers[0].grpc),
+            &addrs,
+            &EnvoyOptions {
+                more_pickers: routers[1..].iter().map(|r| r.grpc).collect(),
+                ..envoy_options()
+            },
+        )
+        .await?;
+        Ok(Self {
+            envoy,
+            routers,
+            redis,
+        })
+    }
 }
 
 /// What is known of a fleet managed elsewhere, from the flags or measured.
@@ -406,4 +519,41 @@ pub async fn compare_endpoints(
         fleet,
         runs,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn opts(replicas: Option<usize>) -> CompareOptions {
+        CompareOptions {
+            envoy: None,
+            pods: 4,
+            gpu_blocks: 64,
+            sim_args: Vec::new(),
+            strategies: Strategy::ALL.to_vec(),
+            request_timeout: Duration::from_secs(1),
+            model: "m".into(),
+            progress: false,
+            replicas,
+        }
+    }
+
+    #[test]
+    fn replicas_and_labels() {
+        let d = opts(None);
+        assert_eq!(d.replicas(Strategy::Redis), 2);
+        assert_eq!(d.replicas(Strategy::Weighted), 1);
+        assert_eq!(d.replicas(Strategy::RoundRobin), 0);
+        assert_eq!(d.label(Strategy::Redis), "redis");
+        assert_eq!(d.label(Strategy::Weighted), "weighted");
+        let two = opts(Some(2));
+        assert_eq!(two.label(Strategy::Weighted), "weighted x2");
+        assert_eq!(two.label(Strategy::Redis), "redis");
+        assert_eq!(two.label(Strategy::RoundRobin), "round-robin");
+        let four = opts(Some(4));
+        assert_eq!(four.replicas(Strategy::Redis), 4);
+        assert_eq!(four.label(Strategy::Redis), "redis x4");
+        assert_eq!(opts(Some(0)).replicas(Strategy::Precise), 1);
+    }
 }

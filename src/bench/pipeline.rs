@@ -44,6 +44,7 @@ pub(crate) async fn compare_section(
         request_timeout: Duration::from_secs(a.timeout_s),
         model: a.args.model.clone(),
         progress: true,
+        replicas: a.replicas,
     };
     let cmp = if a.endpoints.is_empty() {
         compare::compare(&bins, &opts, workload, concurrency).await?

@@ -3,7 +3,7 @@
 
 use serde::Serialize;
 
-use kv_router::config::{Config, Policy, TokenizerConfig};
+use kv_router::config::{Config, IndexBackend, Policy, TokenizerConfig};
 
 /// A routing strategy: one router configuration, named.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, clap::ValueEnum)]
@@ -52,15 +52,19 @@ impl Strategy {
         }
     }
 
-    /// Why the strategy cannot run in this build, if it cannot.
+    /// Why `kv-bench simulate` (one router in virtual time) cannot run the strategy, if it
+    /// cannot. `kv-bench compare` runs every strategy.
     pub fn unavailable(self) -> Option<&'static str> {
         match self {
-            Strategy::Redis => Some("the Redis index backend is not built yet"),
+            Strategy::Redis => Some(
+                "the fleet simulator runs one router in one process; the shared Redis index \
+                 needs live replicas (kv-bench compare)",
+            ),
             _ => None,
         }
     }
 
-    /// Every strategy this build can run, baselines first.
+    /// Every strategy the fleet simulator can run, baselines first.
     pub fn available() -> Vec<Strategy> {
         Self::ALL
             .into_iter()
@@ -68,8 +72,24 @@ impl Strategy {
             .collect()
     }
 
+    /// kv-router replicas `compare` puts behind Envoy for this strategy by default: two for the
+    /// shared index (what it is for), one otherwise, none for Envoy's own round robin.
+    pub fn default_replicas(self) -> usize {
+        match self {
+            Strategy::RoundRobin => 0,
+            Strategy::Redis => 2,
+            _ => 1,
+        }
+    }
+
+    /// Whether the strategy needs a Redis/Valkey server.
+    pub fn needs_redis(self) -> bool {
+        self == Strategy::Redis
+    }
+
     /// The router configuration of this strategy on top of `base`, for requests naming `model`
-    /// (precise mode gets vllm-sim's pseudo tokenizer for it).
+    /// (precise mode gets vllm-sim's pseudo tokenizer for it). `redis` leaves `index.redis.url`
+    /// to the caller, who knows where the server runs.
     pub fn router_config(self, base: &Config, model: &str) -> Config {
         let mut cfg = base.clone();
         cfg.policy = Policy::Weighted;
@@ -83,7 +103,11 @@ impl Strategy {
                 cfg.scorers.load.weight = 0.0;
                 cfg.gate.enabled = false;
             }
-            Strategy::Weighted | Strategy::Redis => {}
+            Strategy::Weighted => {}
+            Strategy::Redis => {
+                cfg.index.backend = IndexBackend::Redis;
+                cfg.index.redis.key_prefix = "kv-bench".into();
+            }
             Strategy::Precise => {
                 cfg.kv_events.enabled = true;
                 cfg.kv_events.block_tokens = 16;
@@ -130,7 +154,19 @@ mod tests {
         assert!(precise.kv_events.enabled);
         assert_eq!(precise.tokenizers[0].model, "m");
         assert!(precise.tokenizers[0].builtin);
-        assert!(Strategy::Redis.unavailable().is_some());
+        let r = cfg(Strategy::Redis);
+        assert_eq!(r.index.backend, IndexBackend::Redis);
+        assert_eq!(
+            (r.scorers, r.gate),
+            (w.scorers, w.gate),
+            "redis is weighted, shared"
+        );
+        assert_eq!(Strategy::Redis.default_replicas(), 2);
+        assert_eq!(Strategy::Weighted.default_replicas(), 1);
+        assert!(
+            Strategy::Redis.unavailable().is_some(),
+            "not in the simulator"
+        );
         assert!(!Strategy::available().contains(&Strategy::Redis));
     }
 

@@ -239,3 +239,34 @@ pub fn served_by(o: &StreamOutcome, diag: &str) -> String {
         .unwrap_or_else(|| panic!("response lacks x-vllm-sim-pod: {:?}{diag}", o.headers))
         .to_string()
 }
+
+/// Sum of the samples of metric `name` whose labels include every `labels` pair.
+pub fn metric(text: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter(|l| {
+            l.strip_prefix(name)
+                .is_some_and(|r| r.starts_with('{') || r.starts_with(' '))
+        })
+        .filter(|l| {
+            labels
+                .iter()
+                .all(|(k, v)| l.contains(&format!("{k}=\"{v}\"")))
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum::<f64>()
+        + 0.0 // an empty sum is -0.0; print it as 0
+}
+
+/// `matched_blocks` of `pod` in an explain answer (0 when it is not ranked). The router reports
+/// it as a number that may be fractional (CPU-offloaded blocks weigh less), so it is read as f64
+/// and rounded down.
+pub fn matched(v: &Value, pod: &str) -> u64 {
+    v["ranked"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|r| r["pod"] == pod)
+        .and_then(|r| r["matched_blocks"].as_f64())
+        .map_or(0, |m| m.max(0.0) as u64)
+}

@@ -24,13 +24,14 @@ pub struct EnvoyProc {
 }
 
 /// Rewrites a bundled Envoy bootstrap for a local run (see `envoy/README.md`): listener 0 on
-/// `listen`, admin on `admin`'s port, cluster `kv_router`'s endpoint to `picker`, and cluster
-/// `vllm_pool`'s endpoints to `pods`.
+/// `listen`, admin on `admin`'s port, cluster `kv_router`'s endpoints to `pickers` (several
+/// kv-router replicas: Envoy spreads ext_proc streams over them), and cluster `vllm_pool`'s
+/// endpoints to `pods`.
 pub fn render_envoy_config(
     template: &str,
     listen: SocketAddr,
     admin: SocketAddr,
-    picker: Option<SocketAddr>,
+    pickers: &[SocketAddr],
     pods: &[SocketAddr],
 ) -> Result<String> {
     let mut doc: Value = serde_yaml::from_str(template).context("template is not YAML")?;
@@ -50,6 +51,21 @@ pub fn render_envoy_config(
             addr.port()
         ))
         .expect("static yaml")
+    }
+    fn lb_endpoints(addrs: &[SocketAddr]) -> Value {
+        let list = addrs
+            .iter()
+            .map(|p| {
+                let mut addr = serde_yaml::Mapping::new();
+                addr.insert("socket_address".into(), socket(*p));
+                let mut ep = serde_yaml::Mapping::new();
+                ep.insert("address".into(), Value::Mapping(addr));
+                let mut m = serde_yaml::Mapping::new();
+                m.insert("endpoint".into(), Value::Mapping(ep));
+                Value::Mapping(m)
+            })
+            .collect();
+        Value::Sequence(list)
     }
     *get(
         &mut doc,
@@ -74,40 +90,26 @@ pub fn render_envoy_config(
         match name.as_str() {
             "kv_router" => {
                 saw_picker = true;
-                let p = picker.ok_or_else(|| {
-                    anyhow!("template has a kv_router cluster but no picker address was given")
-                })?;
+                if pickers.is_empty() {
+                    bail!("template has a kv_router cluster but no picker address was given");
+                }
                 let eps = get(c, &["load_assignment", "endpoints"])?;
-                let lb = eps
+                let e0 = eps
                     .get_mut(0)
-                    .and_then(|e| e.get_mut("lb_endpoints"))
-                    .and_then(|l| l.get_mut(0))
-                    .ok_or_else(|| anyhow!("kv_router cluster has no endpoint"))?;
-                *get(lb, &["endpoint", "address", "socket_address"])? = socket(p);
+                    .ok_or_else(|| anyhow!("kv_router cluster has no endpoints[0]"))?;
+                *get(e0, &["lb_endpoints"])? = lb_endpoints(pickers);
             }
             "vllm_pool" => {
-                let list: Vec<Value> = pods
-                    .iter()
-                    .map(|p| {
-                        let mut m = serde_yaml::Mapping::new();
-                        let mut addr = serde_yaml::Mapping::new();
-                        addr.insert("socket_address".into(), socket(*p));
-                        let mut ep = serde_yaml::Mapping::new();
-                        ep.insert("address".into(), Value::Mapping(addr));
-                        m.insert("endpoint".into(), Value::Mapping(ep));
-                        Value::Mapping(m)
-                    })
-                    .collect();
                 let eps = get(c, &["load_assignment", "endpoints"])?;
                 let e0 = eps
                     .get_mut(0)
                     .ok_or_else(|| anyhow!("vllm_pool has no endpoints[0]"))?;
-                *get(e0, &["lb_endpoints"])? = Value::Sequence(list);
+                *get(e0, &["lb_endpoints"])? = lb_endpoints(pods);
             }
             _ => {}
         }
     }
-    if picker.is_some() && !saw_picker {
+    if !pickers.is_empty() && !saw_picker {
         bail!("a picker address was given but the template has no kv_router cluster");
     }
     Ok(serde_yaml::to_string(&doc)?)
@@ -120,6 +122,9 @@ pub struct EnvoyOptions {
     pub concurrency: u32,
     /// `--log-level`.
     pub log_level: String,
+    /// Further kv-router replicas in cluster `kv_router` beside the picker (Envoy's round robin
+    /// spreads ext_proc streams over all of them).
+    pub more_pickers: Vec<SocketAddr>,
 }
 
 impl Default for EnvoyOptions {
@@ -127,6 +132,7 @@ impl Default for EnvoyOptions {
         Self {
             concurrency: 1,
             log_level: "warn".into(),
+            more_pickers: Vec::new(),
         }
     }
 }
@@ -178,7 +184,11 @@ impl EnvoyProc {
         let plain = |e: anyhow::Error| (e, false);
         let listen = free_addr().map_err(plain)?;
         let admin = free_addr().map_err(plain)?;
-        let rendered = render_envoy_config(text, listen, admin, picker, pods)
+        let pickers: Vec<SocketAddr> = picker
+            .into_iter()
+            .chain(opts.more_pickers.iter().copied())
+            .collect();
+        let rendered = render_envoy_config(text, listen, admin, &pickers, pods)
             .with_context(|| format!("rendering {}", template.display()))
             .map_err(plain)?;
         let dir = temp_dir("envoy-").map_err(plain)?;
@@ -264,7 +274,11 @@ mod tests {
     fn renders_every_bundled_template() {
         let listen: SocketAddr = "127.0.0.1:18080".parse().unwrap();
         let admin: SocketAddr = "127.0.0.1:19901".parse().unwrap();
-        let picker: SocketAddr = "127.0.0.1:19002".parse().unwrap();
+        let replicas: Vec<SocketAddr> = vec![
+            "127.0.0.1:19002".parse().unwrap(),
+            "127.0.0.1:19003".parse().unwrap(),
+        ];
+        let pickers = |with: bool| if with { &replicas[..] } else { &[] };
         let pods: Vec<SocketAddr> = vec![
             "127.0.0.1:18001".parse().unwrap(),
             "127.0.0.1:18002".parse().unwrap(),
@@ -278,8 +292,7 @@ mod tests {
         ] {
             let text = std::fs::read_to_string(envoy_template(name).unwrap()).unwrap();
             let out =
-                render_envoy_config(&text, listen, admin, with_picker.then_some(picker), &pods)
-                    .unwrap();
+                render_envoy_config(&text, listen, admin, pickers(with_picker), &pods).unwrap();
             let v: Value = serde_yaml::from_str(&out).unwrap();
             let l = &v["static_resources"]["listeners"][0]["address"]["socket_address"];
             assert_eq!(l["address"].as_str(), Some("127.0.0.1"), "{name}");
@@ -291,9 +304,16 @@ mod tests {
             for c in v["static_resources"]["clusters"].as_sequence().unwrap() {
                 match c["name"].as_str().unwrap() {
                     "kv_router" => {
-                        let sa = &c["load_assignment"]["endpoints"][0]["lb_endpoints"][0]
-                            ["endpoint"]["address"]["socket_address"];
-                        assert_eq!(sa["port_value"].as_u64(), Some(19002), "{name}");
+                        let lb = c["load_assignment"]["endpoints"][0]["lb_endpoints"]
+                            .as_sequence()
+                            .unwrap();
+                        let ports: Vec<_> = lb
+                            .iter()
+                            .map(|e| {
+                                e["endpoint"]["address"]["socket_address"]["port_value"].as_u64()
+                            })
+                            .collect();
+                        assert_eq!(ports, [Some(19002), Some(19003)], "{name}");
                     }
                     "vllm_pool" => {
                         let lb = c["load_assignment"]["endpoints"][0]["lb_endpoints"]
@@ -314,6 +334,6 @@ mod tests {
     fn picker_for_round_robin_is_an_error() {
         let text = std::fs::read_to_string(envoy_template("round-robin.yaml").unwrap()).unwrap();
         let a: SocketAddr = "127.0.0.1:1".parse().unwrap();
-        assert!(render_envoy_config(&text, a, a, Some(a), &[a]).is_err());
+        assert!(render_envoy_config(&text, a, a, &[a], &[a]).is_err());
     }
 }

@@ -112,6 +112,15 @@ impl RouterProc {
         format!("http://{}", self.admin)
     }
 
+    /// `GET /metrics` as text.
+    pub async fn metrics(&self) -> Result<String> {
+        let r = http()
+            .get(format!("http://{}/metrics", self.admin))
+            .send()
+            .await?;
+        Ok(r.text().await?)
+    }
+
     /// `GET /debug/pods` as JSON.
     pub async fn debug_pods(&self) -> Result<serde_json::Value> {
         let r = http()

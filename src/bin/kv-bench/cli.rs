@@ -31,8 +31,9 @@ pub(crate) enum Cmd {
     /// Run a workload against an existing OpenAI-compatible endpoint.
     Run(RunArgs),
     /// Start a fleet of simulated pods and run the same workload once per routing strategy
-    /// (Envoy round robin, kv-router random / least-loaded / prefix-only / weighted / precise);
-    /// report hit ratio against the oracles, TTFT, load balance.
+    /// (Envoy round robin, kv-router random / least-loaded / prefix-only / weighted / precise,
+    /// redis: two replicas sharing a Redis index); report hit ratio against the oracles, TTFT,
+    /// load balance.
     Compare(CompareArgs),
     /// Run every benchmark of `make bench` and write results.md, results.json and images/.
     Report(ReportArgs),
@@ -63,6 +64,10 @@ pub(crate) struct CompareArgs {
     /// Strategies to run, comma-separated, in order.
     #[arg(long, value_enum, value_delimiter = ',', default_values_t = Strategy::ALL)]
     pub(crate) strategies: Vec<Strategy>,
+    /// kv-router replicas behind Envoy for every router strategy [default: 2 for redis, 1 for
+    /// the others]; labelled `weighted x2` etc. when not the default.
+    #[arg(long)]
+    pub(crate) replicas: Option<usize>,
     /// Workload.
     #[arg(long, value_enum, default_value_t = WorkloadKind::Multiturn)]
     pub(crate) workload: WorkloadKind,

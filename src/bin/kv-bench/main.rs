@@ -62,6 +62,7 @@ async fn real_main(cli: Cli) -> Result<()> {
                 request_timeout: Duration::from_secs(60),
                 model: a.workload.model.clone(),
                 progress: true,
+                replicas: None,
             };
             let spec = a.workload.spec();
             let cmp =
