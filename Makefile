@@ -62,11 +62,11 @@ test: redis-server $(VENV)/bin/envoy $(VENV)/.deploy-tools ## run all tests (rel
 demo: build $(VENV)/bin/envoy ## run the kv-bench demo (kv-router vs round robin, simulated vLLM)
 	./target/release/kv-bench demo --envoy $(ENVOY)
 
-bench: build $(VENV)/bin/envoy ## regenerate docs/results.md, docs/results.json, docs/images/ (~20 min)
-	./target/release/kv-bench report --envoy $(ENVOY) --out docs
+bench: build redis-server $(VENV)/bin/envoy ## regenerate docs/results.md, docs/results.json, docs/images/ (~20 min)
+	KV_ROUTER_REDIS_SERVER="$$(cat $(REDIS_SERVER_FILE))" ./target/release/kv-bench report --envoy $(ENVOY) --out docs
 
-bench-quick: build $(VENV)/bin/envoy ## the same pipeline on tiny fleets (~1 min) into target/bench-quick
-	./target/release/kv-bench report --quick --envoy $(ENVOY) --out target/bench-quick
+bench-quick: build redis-server $(VENV)/bin/envoy ## the same pipeline on tiny fleets (~1 min) into target/bench-quick
+	KV_ROUTER_REDIS_SERVER="$$(cat $(REDIS_SERVER_FILE))" ./target/release/kv-bench report --quick --envoy $(ENVOY) --out target/bench-quick
 
 microbench: ## criterion benchmarks (index, tokenization); figures go to docs/microbench.md
 	$(CARGO) bench --bench index --bench tokenize

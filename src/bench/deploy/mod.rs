@@ -7,7 +7,7 @@
 //! tail of stderr is quoted in every start-up error.
 
 mod envoy;
-// Used by the tests today; kv-bench's `redis` strategy (issue 9) will start it too.
+// kv-bench's `redis` strategy starts a server; the cluster half serves the index's tests.
 #[allow(dead_code)]
 mod redis;
 mod router;
@@ -25,7 +25,7 @@ use anyhow::{anyhow, bail, Context, Result};
 
 pub use envoy::{EnvoyOptions, EnvoyProc};
 #[allow(unused_imports)]
-pub use redis::{command as redis_command, find_redis_server, RedisProc};
+pub use redis::{command as redis_command, find_redis_server, RedisCluster, RedisProc};
 pub use router::{local_router_config, RouterProc};
 pub use sim_pod::{reset_caches, spawn_pods, SimPod};
 

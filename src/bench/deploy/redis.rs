@@ -141,3 +141,184 @@ pub fn command(addr: SocketAddr, args: &[&str]) -> Result<String> {
         .unwrap_or(buf.len());
     Ok(String::from_utf8_lossy(&buf[..end]).into_owned())
 }
+
+/// Slots each of the three masters serves.
+const SLOT_RANGES: [(u16, u16); 3] = [(0, 5460), (5461, 10922), (10923, 16383)];
+
+/// One master of a [`RedisCluster`]: its ports and data directory outlive its process, so a
+/// killed master can come back as itself.
+#[derive(Debug)]
+struct ClusterNode {
+    port: u16,
+    bus: u16,
+    data: tempfile::TempDir,
+    proc: Option<ChildProc>,
+}
+
+/// A local Redis Cluster of three masters (no replicas), formed without `redis-cli`: each node
+/// gets a third of the slots, then they meet. Killed on drop.
+#[derive(Debug)]
+pub struct RedisCluster {
+    bin: PathBuf,
+    nodes: Vec<ClusterNode>,
+}
+
+impl RedisCluster {
+    /// Starts three cluster-enabled servers on free ports and forms the cluster.
+    pub fn start(bin: &Path) -> Result<Self> {
+        let mut nodes = Vec::new();
+        for _ in 0..SLOT_RANGES.len() {
+            nodes.push(ClusterNode {
+                port: free_port()?,
+                bus: free_port()?,
+                data: temp_dir("kv-redis-cluster-")?,
+                proc: None,
+            });
+        }
+        let mut cluster = Self {
+            bin: bin.to_path_buf(),
+            nodes,
+        };
+        for i in 0..cluster.nodes.len() {
+            cluster.spawn(i)?;
+        }
+        for (node, (from, to)) in cluster.nodes.iter().zip(SLOT_RANGES) {
+            let reply = command(
+                node.addr(),
+                &[
+                    "CLUSTER",
+                    "ADDSLOTSRANGE",
+                    &from.to_string(),
+                    &to.to_string(),
+                ],
+            )?;
+            if reply != "+OK" {
+                bail!("CLUSTER ADDSLOTSRANGE on {}: {reply}", node.addr());
+            }
+        }
+        let first = cluster.nodes[0].addr();
+        for node in &cluster.nodes[1..] {
+            let reply = command(
+                first,
+                &[
+                    "CLUSTER",
+                    "MEET",
+                    "127.0.0.1",
+                    &node.port.to_string(),
+                    &node.bus.to_string(),
+                ],
+            )?;
+            if reply != "+OK" {
+                bail!("CLUSTER MEET {}: {reply}", node.addr());
+            }
+        }
+        cluster.wait_ok(START_TIMEOUT)?;
+        Ok(cluster)
+    }
+
+    fn spawn(&mut self, i: usize) -> Result<()> {
+        let node = &mut self.nodes[i];
+        let mut cmd = Command::new(&self.bin);
+        // A short node timeout so a dead master is noticed (and the cluster heals) in seconds.
+        cmd.args(["--port", &node.port.to_string(), "--bind", "127.0.0.1"])
+            .args([
+                "--cluster-enabled",
+                "yes",
+                "--cluster-port",
+                &node.bus.to_string(),
+            ])
+            .args([
+                "--cluster-config-file",
+                "nodes.conf",
+                "--cluster-node-timeout",
+                "1000",
+            ])
+            .args(["--save", "", "--appendonly", "no", "--protected-mode", "no"])
+            .arg("--dir")
+            .arg(node.data.path());
+        let mut proc =
+            ChildProc::spawn("redis-cluster-node", cmd, temp_dir("kv-redis-log-")?, false)?;
+        let addr = node.addr();
+        let deadline = Instant::now() + START_TIMEOUT;
+        while command(addr, &["PING"]).ok().as_deref() != Some("+PONG") {
+            if proc.exited().is_some() {
+                return Err(proc.describe_failure("exited before answering PING"));
+            }
+            if Instant::now() > deadline {
+                return Err(proc.describe_failure(&format!("no PONG from {addr}")));
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        node.proc = Some(proc);
+        Ok(())
+    }
+
+    /// Waits until every running node says `cluster_state:ok`.
+    pub fn wait_ok(&self, within: Duration) -> Result<()> {
+        let deadline = Instant::now() + within;
+        loop {
+            let ok = self
+                .nodes
+                .iter()
+                .filter(|n| n.proc.is_some())
+                .all(|n| cluster_info(n.addr()).is_ok_and(|i| i.contains("cluster_state:ok")));
+            if ok {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                bail!("the cluster did not reach cluster_state:ok within {within:?}");
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// `redis://` URLs of the masters (any one is a seed).
+    pub fn urls(&self) -> Vec<String> {
+        self.nodes
+            .iter()
+            .map(|n| format!("redis://{}", n.addr()))
+            .collect()
+    }
+
+    /// Kills master `i` (SIGKILL); its slots are unserved until it returns.
+    pub fn kill(&mut self, i: usize) {
+        if let Some(mut p) = self.nodes[i].proc.take() {
+            p.kill();
+        }
+    }
+
+    /// Starts master `i` again on its ports with its `nodes.conf`: it rejoins as itself.
+    pub fn restart(&mut self, i: usize) -> Result<()> {
+        self.spawn(i)
+    }
+}
+
+impl ClusterNode {
+    fn addr(&self) -> SocketAddr {
+        SocketAddr::from(([127, 0, 0, 1], self.port))
+    }
+}
+
+/// `CLUSTER INFO` of the node at `addr` (a bulk string: read whole).
+pub fn cluster_info(addr: SocketAddr) -> Result<String> {
+    let mut s = TcpStream::connect_timeout(&addr, Duration::from_millis(500))?;
+    s.set_read_timeout(Some(Duration::from_secs(2)))?;
+    s.write_all(b"*2\r\n$7\r\nCLUSTER\r\n$4\r\nINFO\r\n")?;
+    let mut buf = Vec::new();
+    let mut chunk = [0u8; 4096];
+    loop {
+        let n = s.read(&mut chunk)?;
+        if n == 0 {
+            break;
+        }
+        buf.extend_from_slice(&chunk[..n]);
+        // `$<len>\r\n<len bytes>\r\n`
+        if let Some(hdr) = buf.windows(2).position(|w| w == b"\r\n") {
+            let len: usize = std::str::from_utf8(&buf[1..hdr])?.parse().unwrap_or(0);
+            if buf.len() >= hdr + 2 + len + 2 {
+                break;
+            }
+        }
+    }
+    Ok(String::from_utf8_lossy(&buf).into_owned())
+}

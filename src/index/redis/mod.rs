@@ -8,6 +8,8 @@
 //! entries under `key_prefix`. Anyone who can write there can steer routing, so the Redis
 //! deployment must be as private as the router's own ports.
 
+#[cfg(all(test, feature = "bench"))]
+mod cluster_tests;
 mod conn;
 mod metrics;
 #[cfg(all(test, feature = "bench"))]
