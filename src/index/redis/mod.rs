@@ -13,6 +13,8 @@ mod cluster_tests;
 mod conn;
 mod metrics;
 #[cfg(all(test, feature = "bench"))]
+mod prop_tests;
+#[cfg(all(test, feature = "bench"))]
 mod recovery_tests;
 mod schema;
 mod sessions;
@@ -41,7 +43,7 @@ use crate::events::KvEventBatch;
 use crate::pods::PodId;
 use crate::scoring::SharedSessions;
 
-/// Buckets of the per-prefix write generations that invalidate cached lookups.
+/// Buckets (by block key) of the write generations that invalidate cached lookups.
 const GENERATIONS: usize = 4_096;
 /// Timeouts in a row before lookups pause on Redis (one slow answer is not an outage).
 const TIMEOUTS_BEFORE_PAUSE: u32 = 3;
@@ -136,15 +138,18 @@ impl Shared {
         (now_ms as i64).saturating_add(offset).max(0) as u64
     }
 
-    fn generation(&self, root: u64) -> (u64, u64) {
-        (
-            self.generations[(root as usize) % GENERATIONS].load(Ordering::Acquire),
-            self.global_generation.load(Ordering::Acquire),
-        )
+    /// A snapshot that changes whenever this replica writes any of `keys` (or forgets a pod):
+    /// the sum of the keys' write-generation buckets, and the global generation.
+    fn generation(&self, keys: &[BlockKey]) -> (u64, u64) {
+        let sum = keys.iter().fold(0u64, |acc, k| {
+            acc.wrapping_add(self.generations[(k.0 as usize) % GENERATIONS].load(Ordering::Acquire))
+        });
+        (sum, self.global_generation.load(Ordering::Acquire))
     }
 
-    fn wrote(&self, root: u64) {
-        self.generations[(root as usize) % GENERATIONS].fetch_add(1, Ordering::AcqRel);
+    /// Notes a write of `key` (cached lookups that include it are stale).
+    fn wrote(&self, key: BlockKey) {
+        self.generations[(key.0 as usize) % GENERATIONS].fetch_add(1, Ordering::AcqRel);
     }
 
     fn wrote_everywhere(&self) {
@@ -338,7 +343,7 @@ impl RedisIndex {
         touched
             .into_iter()
             .map(|(root, key)| {
-                self.shared.wrote(root);
+                self.shared.wrote(key);
                 (root, key, ev.tier(pod, &key))
             })
             .collect()
@@ -370,8 +375,7 @@ impl KvIndex for RedisIndex {
         if keys.is_empty() || pods.is_empty() {
             return Ok(vec![0.0; pods.len()]);
         }
-        let root = keys[0].0;
-        let generation = sh.generation(root);
+        let generation = sh.generation(keys);
         let wall = sh.wall(now_ms);
         let cache_key = (sh.match_cache_ms > 0).then(|| Self::cache_key(keys, pods));
         if let Some(ck) = cache_key {
@@ -428,7 +432,9 @@ impl KvIndex for RedisIndex {
             return Ok(());
         };
         let root = first.0;
-        self.shared.wrote(root);
+        for &k in keys {
+            self.shared.wrote(k);
+        }
         self.enqueue(WriteOp::Record {
             pod: pod.clone(),
             root,
@@ -444,7 +450,10 @@ impl KvIndex for RedisIndex {
     async fn forget_pod(&self, pod: &PodId) -> Result<(), IndexError> {
         self.local.index().forget_pod(pod).await?;
         self.shared.wrote_everywhere();
-        self.enqueue(WriteOp::Forget { pod: pod.clone() });
+        self.enqueue(WriteOp::Forget {
+            pod: pod.clone(),
+            recorded_only: false,
+        });
         Ok(())
     }
 
@@ -510,6 +519,12 @@ impl KvIndex for RedisIndex {
                 changes,
             });
         }
+        // The engine restarted or we lost its stream: its speculative entries go too.
+        self.shared.wrote_everywhere();
+        self.enqueue(WriteOp::Forget {
+            pod: pod.clone(),
+            recorded_only: true,
+        });
         Ok(())
     }
 

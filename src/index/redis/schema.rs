@@ -52,6 +52,12 @@ impl Schema {
         self.block(root, 'k', key)
     }
 
+    /// A pod's set member for (root, key). Untagged keys are identified by the key alone, so the
+    /// root is left out (0): the same key reached under two roots is one entry.
+    pub(super) fn member(&self, root: u64, key: BlockKey) -> String {
+        member(if self.tag_roots { root } else { 0 }, key)
+    }
+
     /// Event-fed entries of `key`.
     pub(super) fn evented(&self, root: u64, key: BlockKey) -> String {
         self.block(root, 'e', key)

@@ -13,7 +13,7 @@ use tracing::{debug, warn};
 
 use super::conn::{to_index_error, Handle};
 use super::metrics::Dropped;
-use super::schema::{member, parse_member};
+use super::schema::parse_member;
 use super::Shared;
 use crate::blocks::BlockKey;
 use crate::index::IndexError;
@@ -45,8 +45,8 @@ pub(super) enum WriteOp {
     /// After writes were lost: make Redis say exactly what `held` (this replica's view of
     /// `pod`'s events) says, dropping event entries it no longer holds.
     Resync { pod: PodId, held: Vec<Change> },
-    /// `pod` left: drop all it had.
-    Forget { pod: PodId },
+    /// `pod` left: drop all it had (or only its recorded entries).
+    Forget { pod: PodId, recorded_only: bool },
     /// Answer once everything queued before is written.
     Flush(oneshot::Sender<()>),
 }
@@ -205,12 +205,12 @@ async fn single(shared: &Shared, op: WriteOp) {
             })
             .await;
         }
-        WriteOp::Forget { pod } => {
+        WriteOp::Forget { pod, recorded_only } => {
             // Chunked, so a pod with millions of entries never makes one huge reply; each chunk
             // gets the write budget.
             let budget = shared.write_budget * 20;
             budgeted(shared, 1, budget, |con| async move {
-                forget(shared, con, &pod).await
+                forget(shared, con, &pod, recorded_only).await
             })
             .await;
         }
@@ -241,7 +241,7 @@ async fn record(
         .key(shared.schema.meta(pod))
         .arg(shared.default_capacity);
     for &k in keys {
-        recency.arg(member(root, k));
+        recency.arg(shared.schema.member(root, k));
     }
     let (mut c1, mut c2) = (con.clone(), con);
     let (a, b) = tokio::join!(
@@ -284,7 +284,7 @@ async fn events(
         let mut c = redis::cmd(cmd);
         c.arg(&set);
         for (root, key, _) in v {
-            c.arg(member(*root, *key));
+            c.arg(shared.schema.member(*root, *key));
         }
         c
     };
@@ -318,13 +318,16 @@ async fn resync(
         .query_async(&mut con)
         .await
         .map_err(|e| to_index_error(&e))?;
-    let keep: HashSet<(u64, BlockKey)> = held.iter().map(|&(r, k, _)| (r, k)).collect();
+    let keep: HashSet<String> = held
+        .iter()
+        .map(|&(r, k, _)| shared.schema.member(r, k))
+        .collect();
     let mut changes: Vec<Change> = held.to_vec();
     changes.extend(
         members
             .iter()
+            .filter(|m| !std::str::from_utf8(m).is_ok_and(|m| keep.contains(m)))
             .filter_map(|m| parse_member(m))
-            .filter(|rk| !keep.contains(rk))
             .map(|(r, k)| (r, k, None)),
     );
     changes.sort_unstable_by_key(|&(r, k, _)| (r, k.0));
@@ -337,9 +340,9 @@ async fn delete_recorded(
     con: &Handle,
     entries: &[(PodId, u64, BlockKey)],
 ) -> Result<(), IndexError> {
-    // Cached lookups of those prefixes are stale now.
-    for (_, root, _) in entries {
-        shared.wrote(*root);
+    // Cached lookups of those keys are stale now.
+    for (_, _, key) in entries {
+        shared.wrote(*key);
     }
     delete_fields(
         con,
@@ -372,7 +375,12 @@ async fn delete_fields<'a>(
 }
 
 /// Drops everything `pod` had, chunk by chunk, without scanning the keyspace.
-async fn forget(shared: &Shared, mut con: Handle, pod: &PodId) -> Result<(), IndexError> {
+async fn forget(
+    shared: &Shared,
+    mut con: Handle,
+    pod: &PodId,
+    recorded_only: bool,
+) -> Result<(), IndexError> {
     shared.wrote_everywhere();
     let (lru, set) = (shared.schema.lru(pod), shared.schema.events(pod));
     loop {
@@ -392,6 +400,9 @@ async fn forget(shared: &Shared, mut con: Handle, pod: &PodId) -> Result<(), Ind
             .filter_map(|m| parse_member(m))
             .map(|(r, k)| (shared.schema.recorded(r, k), pod));
         delete_fields(&con, keys).await?;
+    }
+    if recorded_only {
+        return Ok(());
     }
     loop {
         let popped: Vec<Vec<u8>> = redis::cmd("SPOP")
