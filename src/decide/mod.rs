@@ -23,7 +23,7 @@ use tracing::debug;
 use crate::blocks::BlockScheme;
 use crate::config::Config;
 use crate::index::KvIndex;
-use crate::keys::Keyer;
+use crate::keys::{Keyer, Keys};
 use crate::pods::{InflightGuard, Pod, PodId, PodRegistry};
 use crate::request::{self, RequestError, RoutingRequest};
 use crate::scoring::{Candidate, SessionKey, SessionStore};
@@ -96,10 +96,16 @@ impl DecideError {
     }
 }
 
+/// Bodies at least this big are parsed off the async workers (a 64 KiB body parses in well
+/// under a millisecond; bigger ones can take tens of milliseconds).
+const OFFLOAD_BYTES: usize = 64 * 1024;
+
 /// The live decision path: owns the keyer, the stages and the stores, and runs them in order.
 pub struct Decider {
     strict: bool,
-    keyer: Keyer,
+    keyer: Arc<Keyer>,
+    /// Bounds how many big bodies are parsed and keyed at once off the async workers.
+    heavy: Arc<tokio::sync::Semaphore>,
     stale_after: Duration,
     session_headers: Vec<String>,
     use_user_field: bool,
@@ -135,14 +141,17 @@ impl Decider {
         let s = &cfg.scorers;
         Self {
             strict: cfg.strict,
-            keyer: Keyer::new(
+            keyer: Arc::new(Keyer::new(
                 BlockScheme {
                     size_chars: cfg.blocks.size_chars,
                     max_blocks: cfg.blocks.max_blocks,
                 },
                 cfg.kv_events.block_tokens,
                 tokenizers,
-            ),
+            )),
+            heavy: Arc::new(tokio::sync::Semaphore::new(
+                std::thread::available_parallelism().map_or(2, |n| n.get()),
+            )),
             stale_after: Duration::from_millis(cfg.pods.stale_after_ms),
             session_headers: s.session.headers.clone(),
             use_user_field: s.session.use_user_field,
@@ -234,24 +243,20 @@ impl Decider {
     }
 
     async fn prepare(&self, req: DecideRequest<'_>) -> Result<Prepared, DecideError> {
-        let parsed: Option<RoutingRequest> = match req.body {
+        let (parsed, keys) = self.parse_and_key(&req).await;
+        let parsed: Option<RoutingRequest> = match parsed {
             None => None,
-            Some(body) => match request::parse(req.path, body) {
-                Ok(r) => Some(r),
-                Err(e) if self.strict => return Err(DecideError::BadRequest(e)),
-                Err(e) => {
-                    debug!(kind = e.kind(), "unparsable body; routing by load");
-                    self.metrics.errors.inc(ErrorKind::Unparsable);
-                    None
-                }
-            },
+            Some(Ok(r)) => Some(r),
+            Some(Err(e)) if self.strict => return Err(DecideError::BadRequest(e)),
+            Some(Err(e)) => {
+                debug!(kind = e.kind(), "unparsable body; routing by load");
+                self.metrics.errors.inc(ErrorKind::Unparsable);
+                None
+            }
         };
         let model = parsed.as_ref().and_then(|r| r.model.clone());
         let pods = self.candidates(req.subset, model.as_deref())?;
-        let keys = parsed
-            .as_ref()
-            .map(|r| self.keyer.keys(r))
-            .unwrap_or_default();
+        let keys = keys.unwrap_or_default();
         if let Some(kind) = keys.tokenize_error {
             debug!(kind, "tokenization failed; approximate keys");
             self.metrics.errors.inc(ErrorKind::Tokenize);
@@ -314,6 +319,40 @@ impl Decider {
             pods,
             now,
             now_ms,
+        })
+    }
+
+    /// Parses the body and computes its keys. Bodies of [`OFFLOAD_BYTES`] or more are parsed
+    /// and keyed (tokenized, in precise mode) on the blocking pool, at most one per core at
+    /// a time, so a huge prompt never stalls the async workers (probes, other streams, health).
+    async fn parse_and_key(
+        &self,
+        req: &DecideRequest<'_>,
+    ) -> (Option<Result<RoutingRequest, RequestError>>, Option<Keys>) {
+        let Some(body) = req.body else {
+            return (None, None);
+        };
+        let work = |keyer: &Keyer, path: &str, body: &[u8]| {
+            let parsed = request::parse(path, body);
+            let keys = parsed.as_ref().ok().map(|r| keyer.keys(r));
+            (Some(parsed), keys)
+        };
+        if body.len() < OFFLOAD_BYTES {
+            return work(&self.keyer, req.path, body);
+        }
+        let Ok(permit) = self.heavy.clone().acquire_owned().await else {
+            return work(&self.keyer, req.path, body);
+        };
+        let (keyer, path, body) = (self.keyer.clone(), req.path.to_string(), body.to_vec());
+        tokio::task::spawn_blocking(move || {
+            let _permit = permit;
+            work(&keyer, &path, &body)
+        })
+        .await
+        .unwrap_or_else(|e| {
+            // A panic while parsing hostile input: treat the body as unparsable.
+            tracing::error!(error = %e, "request parsing panicked");
+            (None, None)
         })
     }
 
@@ -412,6 +451,33 @@ pub(crate) mod tests {
             metrics,
         );
         (d, registry)
+    }
+
+    /// A huge prompt is parsed and keyed off the async worker: on a single-threaded runtime
+    /// another task keeps running while it is decided (inline parsing would starve it).
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_huge_body_does_not_stall_the_runtime() {
+        let (d, _) = decider(2, |_| {}).await;
+        let text = "lorem ipsum dolor sit amet ".repeat(1_000_000);
+        let body = serde_json::json!({"model": "m", "prompt": text}).to_string();
+        let ticks = Arc::new(AtomicU64::new(0));
+        let counter = ticks.clone();
+        let ticker = tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(Duration::from_micros(200)).await;
+                counter.fetch_add(1, Ordering::Relaxed);
+            }
+        });
+        tokio::task::yield_now().await;
+        let before = ticks.load(Ordering::Relaxed);
+        let decision = d.plan(req(body.as_bytes(), &[])).await.unwrap();
+        let during = ticks.load(Ordering::Relaxed) - before;
+        ticker.abort();
+        assert!(decision.plan.total_blocks > 100, "the prompt was keyed");
+        assert!(
+            during >= 3,
+            "the runtime ticked {during} times while a 27 MB body was decided"
+        );
     }
 
     fn req<'a>(body: &'a [u8], headers: &'a [(String, String)]) -> DecideRequest<'a> {
