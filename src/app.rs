@@ -241,7 +241,7 @@ pub async fn run(cfg: Config, tokenizers: TokenizerRegistry) -> anyhow::Result<(
     let grpc_addr = cfg.grpc_addr();
     // Validated to at most 1 GiB; saturating all the same so no value can wrap the limit.
     let limit = cfg.body_limit_bytes.saturating_add(1 << 20);
-    let grpc = tonic::transport::Server::builder()
+    let grpc = grpc_builder(&cfg)?
         .http2_keepalive_interval(Some(Duration::from_secs(30)))
         .max_concurrent_streams(Some(cfg.server.max_concurrent_streams))
         .add_service(health_service)
@@ -294,6 +294,28 @@ pub async fn run(cfg: Config, tokenizers: TokenizerRegistry) -> anyhow::Result<(
     }
     info!("kv-router stopped");
     Ok(())
+}
+
+/// The gRPC server, with TLS (and client-certificate verification) when configured.
+fn grpc_builder(cfg: &Config) -> anyhow::Result<tonic::transport::Server> {
+    use tonic::transport::{Certificate, Identity, ServerTlsConfig};
+    let tls = &cfg.server.tls;
+    let (Some(cert), Some(key)) = (&tls.cert_file, &tls.key_file) else {
+        return Ok(tonic::transport::Server::builder());
+    };
+    let read = |what: &str, path: &str| {
+        std::fs::read(path).with_context(|| format!("server.tls.{what}: cannot read {path}"))
+    };
+    let mut config = ServerTlsConfig::new().identity(Identity::from_pem(
+        read("cert_file", cert)?,
+        read("key_file", key)?,
+    ));
+    if let Some(ca) = &tls.client_ca_file {
+        config = config.client_ca_root(Certificate::from_pem(read("client_ca_file", ca)?));
+    }
+    tonic::transport::Server::builder()
+        .tls_config(config)
+        .context("server.tls: the certificate or key is not usable")
 }
 
 /// The admin bearer token: `admin.token_file` (trimmed) wins over `admin.token`; none = open.

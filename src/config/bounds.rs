@@ -95,6 +95,19 @@ pub(super) fn upper_bounds(cfg: &Config, bad: &mut impl FnMut(&str, &str)) {
     if cfg.server.shutdown_grace_ms > 300_000 {
         bad("server.shutdown_grace_ms", "must be at most 300000 (5 min)");
     }
+    let tls = &cfg.server.tls;
+    if tls.cert_file.is_some() != tls.key_file.is_some() {
+        bad(
+            "server.tls.cert_file",
+            "set both cert_file and key_file, or neither",
+        );
+    }
+    if tls.client_ca_file.is_some() && tls.cert_file.is_none() {
+        bad(
+            "server.tls.client_ca_file",
+            "needs cert_file and key_file (mTLS is TLS first)",
+        );
+    }
     if cfg.kv_events.block_tokens > 1 << 16 {
         bad("kv_events.block_tokens", "must be at most 65536");
     }

@@ -77,6 +77,8 @@ pub struct ServerConfig {
     pub shutdown_grace_ms: u64,
     /// Request-body bytes buffered across all ext_proc streams; a chunk past it gets a 503.
     pub max_buffered_body_bytes: usize,
+    /// TLS on the gRPC port (ext_proc, Pick, health); none of its files set: plaintext.
+    pub tls: GrpcTlsConfig,
 }
 
 impl Default for ServerConfig {
@@ -85,7 +87,27 @@ impl Default for ServerConfig {
             max_concurrent_streams: 4096,
             shutdown_grace_ms: 20_000,
             max_buffered_body_bytes: 1 << 30,
+            tls: GrpcTlsConfig::default(),
         }
+    }
+}
+
+/// TLS for the gRPC port, read at startup (rotate certificates with a rolling restart).
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct GrpcTlsConfig {
+    /// PEM certificate chain the router presents.
+    pub cert_file: Option<String>,
+    /// Its PEM private key.
+    pub key_file: Option<String>,
+    /// PEM CA that client certificates must chain to (mTLS); none: clients are not asked.
+    pub client_ca_file: Option<String>,
+}
+
+impl GrpcTlsConfig {
+    /// Whether the port serves TLS.
+    pub fn enabled(&self) -> bool {
+        self.cert_file.is_some()
     }
 }
 
