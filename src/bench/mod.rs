@@ -9,6 +9,7 @@ pub mod oracle;
 pub mod overhead;
 pub mod pipeline;
 pub mod prose;
+pub mod redis_index;
 pub mod report;
 pub mod results;
 pub mod runner;

@@ -42,6 +42,41 @@ pub(crate) enum Cmd {
     /// Virtual-time simulation of a fleet on a trace with the router's own scoring and index (no
     /// sockets): hit ratio vs oracles, modeled TTFT and load balance per strategy, capacity plan.
     Simulate(SimulateArgs),
+    /// The shared Redis index alone: fills a fresh Redis (or a local 3-master cluster) with
+    /// about a million (pod, block) entries through the backend, then times 256-block lookups
+    /// over 16 and 64 candidate pods; reports write rate, memory per entry, round trips.
+    RedisIndex(RedisIndexArgs),
+}
+
+#[derive(Args)]
+pub(crate) struct RedisIndexArgs {
+    /// redis-server or valkey-server (default: $KV_ROUTER_REDIS_SERVER, PATH, .venv).
+    #[arg(long)]
+    pub(crate) server: Option<PathBuf>,
+    /// (pod, block) entries to store.
+    #[arg(long, default_value_t = 1_000_000)]
+    pub(crate) entries: usize,
+    /// Candidate-set sizes (comma-separated); the largest is the fleet holding the blocks.
+    #[arg(long, value_delimiter = ',', default_value = "16,64")]
+    pub(crate) pods: Vec<usize>,
+    /// Timed lookups per candidate-set size.
+    #[arg(long, default_value_t = 2_000)]
+    pub(crate) lookups: usize,
+    /// Index modes (comma-separated): precise (KV events), approximate (recorded decisions).
+    #[arg(long, value_delimiter = ',', default_value = "precise,approximate")]
+    pub(crate) modes: Vec<String>,
+    /// A local 3-master Redis Cluster instead of one server.
+    #[arg(long)]
+    pub(crate) cluster: bool,
+    /// Seed for which pods hold which prompts and which are looked up.
+    #[arg(long, default_value_t = 1)]
+    pub(crate) seed: u64,
+    /// Print a markdown table too.
+    #[arg(long)]
+    pub(crate) markdown: bool,
+    /// Write the figures as JSON.
+    #[arg(long)]
+    pub(crate) json: Option<PathBuf>,
 }
 
 #[derive(Args)]

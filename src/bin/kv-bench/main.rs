@@ -122,11 +122,47 @@ async fn real_main(cli: Cli) -> Result<()> {
             }
             Ok(())
         }
+        Cmd::RedisIndex(a) => redis_index(&a).await,
         // CPU-bound: off the async workers so the signal handlers stay responsive.
         Cmd::Simulate(a) => tokio::task::spawn_blocking(move || simulate(&a))
             .await
             .context("simulation thread")?,
     }
+}
+
+/// `kv-bench redis-index`: measures, prints the table, writes the JSON when asked.
+async fn redis_index(a: &cli::RedisIndexArgs) -> Result<()> {
+    let server = match &a.server {
+        Some(p) => p.clone(),
+        None => bench::deploy::find_redis_server()?,
+    };
+    let precise = a
+        .modes
+        .iter()
+        .map(|m| match m.as_str() {
+            "precise" => Ok(true),
+            "approximate" => Ok(false),
+            other => anyhow::bail!("--modes: unknown mode {other:?} (precise, approximate)"),
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let opts = bench::redis_index::RedisIndexOptions {
+        server,
+        entries: a.entries,
+        pods: a.pods.clone(),
+        lookups: a.lookups,
+        precise,
+        cluster: a.cluster,
+        seed: a.seed,
+    };
+    let results = bench::redis_index::run(&opts).await?;
+    println!("{}", bench::redis_index::table(&results, Style::Plain));
+    if a.markdown {
+        println!("{}", bench::redis_index::table(&results, Style::Markdown));
+    }
+    if let Some(path) = &a.json {
+        write_json(path, &results)?;
+    }
+    Ok(())
 }
 
 /// `kv-bench simulate`: runs, prints the tables, writes the JSON when asked.

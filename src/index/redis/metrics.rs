@@ -226,6 +226,18 @@ impl RedisMetrics {
         self.fallbacks.get_or_create(&ReasonLabel { reason }).get()
     }
 
+    /// Writes dropped so far, whatever the reason (benchmarks: figures with drops mean little).
+    pub fn writes_dropped_total(&self) -> u64 {
+        [Dropped::QueueFull, Dropped::Timeout, Dropped::Error]
+            .into_iter()
+            .map(|reason| {
+                self.writes_dropped
+                    .get_or_create(&DroppedLabel { reason })
+                    .get()
+            })
+            .sum()
+    }
+
     /// Lookups answered by `source` so far.
     pub fn lookups(&self, source: Source) -> u64 {
         self.lookups.get_or_create(&SourceLabel { source }).get()

@@ -118,34 +118,38 @@ local now = tonumber(ARGV[1])
 local precise = ARGV[2] == '1'
 local gw, cw = tonumber(ARGV[3]), tonumber(ARGV[4])
 local n = #ARGV - 4
-local cand, matched, alive = {}, {}, {}
+-- No table is allocated per block: seen[c] == b marks candidate c as holding block b.
+local cand, matched, alive, seen, w = {}, {}, {}, {}, {}
 local soonest = -1
-for i = 1, n do cand[ARGV[4 + i]] = i; matched[i] = 0; alive[i] = i end
+for i = 1, n do cand[ARGV[4 + i]] = i; matched[i] = 0; alive[i] = i; seen[i] = 0 end
+local nalive = n
 local stride = precise and 2 or 1
 for b = 1, #KEYS, stride do
-  if #alive == 0 then break end
-  local got = {}
+  if nalive == 0 then break end
   if precise then
     local h = redis.call('HGETALL', KEYS[b + 1])
     for j = 1, #h, 2 do
       local c = cand[h[j]]
-      if c then if h[j + 1] == 'g' then got[c] = gw else got[c] = cw end end
+      if c then seen[c] = b; if h[j + 1] == 'g' then w[c] = gw else w[c] = cw end end
     end
   end
   local h = redis.call('HGETALL', KEYS[b])
   for j = 1, #h, 2 do
     local c = cand[h[j]]
-    local exp = tonumber(h[j + 1]) or 0
-    if c and not got[c] and exp > now then
-      got[c] = gw
-      if soonest < 0 or exp < soonest then soonest = exp end
+    if c and seen[c] ~= b then
+      local exp = tonumber(h[j + 1]) or 0
+      if exp > now then
+        seen[c] = b; w[c] = gw
+        if soonest < 0 or exp < soonest then soonest = exp end
+      end
     end
   end
-  local still = {}
-  for _, c in ipairs(alive) do
-    if got[c] then matched[c] = matched[c] + got[c]; still[#still + 1] = c end
+  local m = 0
+  for i = 1, nalive do
+    local c = alive[i]
+    if seen[c] == b then matched[c] = matched[c] + w[c]; m = m + 1; alive[m] = c end
   end
-  alive = still
+  nalive = m
 end
 local out = {}
 for i = 1, n do out[i] = tostring(matched[i]) end
