@@ -46,6 +46,34 @@ pub(crate) enum Cmd {
     /// about a million (pod, block) entries through the backend, then times 256-block lookups
     /// over 16 and 64 candidate pods; reports write rate, memory per entry, round trips.
     RedisIndex(RedisIndexArgs),
+    /// The router's memory under traffic built to grow it (ext_proc straight to kv-router):
+    /// unique prompts, session ids, model names, cache_salts, then streams holding large bodies.
+    Hostile(HostileArgs),
+}
+
+#[derive(Args)]
+pub(crate) struct HostileArgs {
+    /// Requests per unique-value phase.
+    #[arg(long, default_value_t = 1_000_000)]
+    pub(crate) requests: usize,
+    /// Concurrent ext_proc streams in those phases.
+    #[arg(long, default_value_t = 64)]
+    pub(crate) concurrency: usize,
+    /// Streams that each hold an unfinished body in the last phase.
+    #[arg(long, default_value_t = 2_000)]
+    pub(crate) held_streams: usize,
+    /// Bytes of body each of them holds.
+    #[arg(long, default_value_t = 1 << 20)]
+    pub(crate) held_bytes: usize,
+    /// Simulated pods.
+    #[arg(long, default_value_t = 4)]
+    pub(crate) pods: usize,
+    /// Print a markdown table too.
+    #[arg(long)]
+    pub(crate) markdown: bool,
+    /// Write the figures as JSON.
+    #[arg(long)]
+    pub(crate) json: Option<PathBuf>,
 }
 
 #[derive(Args)]

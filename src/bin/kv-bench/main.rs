@@ -123,6 +123,24 @@ async fn real_main(cli: Cli) -> Result<()> {
             Ok(())
         }
         Cmd::RedisIndex(a) => redis_index(&a).await,
+        Cmd::Hostile(a) => {
+            let opts = bench::hostile::HostileOptions {
+                requests: a.requests,
+                concurrency: a.concurrency.max(1),
+                held_streams: a.held_streams,
+                held_bytes: a.held_bytes,
+                pods: a.pods.max(1),
+            };
+            let results = bench::hostile::run(&Binaries::beside_current_exe()?, &opts).await?;
+            println!("{}", bench::hostile::table(&results, Style::Plain));
+            if a.markdown {
+                println!("{}", bench::hostile::table(&results, Style::Markdown));
+            }
+            if let Some(path) = &a.json {
+                write_json(path, &results)?;
+            }
+            Ok(())
+        }
         // CPU-bound: off the async workers so the signal handlers stay responsive.
         Cmd::Simulate(a) => tokio::task::spawn_blocking(move || simulate(&a))
             .await
