@@ -56,6 +56,11 @@ fn load(
     Ok((cfg, tokenizers))
 }
 
+/// Freed request buffers go back to the OS: with glibc's allocator a burst of large bodies kept
+/// ~90 % of its peak RSS after the streams closed (`kv-bench hostile`, docs/results.md).
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {

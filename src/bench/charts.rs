@@ -104,6 +104,55 @@ pub fn ttft_cdf(title: &str, series: &[(String, Vec<f64>)]) -> Result<String, Ch
     Ok(svg)
 }
 
+/// Values over time, one line per series: (seconds, value) points on linear axes.
+pub fn time_series(
+    title: &str,
+    y_desc: &str,
+    series: &[(String, Vec<(f64, f64)>)],
+) -> Result<String, ChartError> {
+    let e = err("time-series");
+    let mut svg = String::new();
+    {
+        let points = || series.iter().flat_map(|(_, v)| v.iter().copied());
+        let x_hi = points().map(|p| p.0).fold(1.0, f64::max);
+        let y_hi = points().map(|p| p.1).fold(1.0, f64::max) * 1.15;
+        let root = SVGBackend::with_string(&mut svg, SIZE).into_drawing_area();
+        root.fill(&WHITE).map_err(|x| e(&x))?;
+        let mut chart = ChartBuilder::on(&root)
+            .caption(title, ("sans-serif", 20))
+            .margin(12)
+            .x_label_area_size(40)
+            .y_label_area_size(60)
+            .build_cartesian_2d(0.0..x_hi, 0.0..y_hi)
+            .map_err(|x| e(&x))?;
+        chart
+            .configure_mesh()
+            .x_desc("seconds")
+            .y_desc(y_desc)
+            .draw()
+            .map_err(|x| e(&x))?;
+        for (i, (label, values)) in series.iter().enumerate() {
+            let c = colour(i);
+            chart
+                .draw_series(LineSeries::new(values.iter().copied(), c.stroke_width(2)))
+                .map_err(|x| e(&x))?
+                .label(label.as_str())
+                .legend(move |(x, y)| {
+                    PathElement::new(vec![(x, y), (x + 18, y)], c.stroke_width(2))
+                });
+        }
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::LowerRight)
+            .background_style(WHITE.mix(0.85))
+            .border_style(BLACK)
+            .draw()
+            .map_err(|x| e(&x))?;
+        root.present().map_err(|x| e(&x))?;
+    }
+    Ok(svg)
+}
+
 /// A bar chart's frame: one labelled segment per group on x, `0..top` on y.
 type Bars<'a, 'b> =
     ChartContext<'a, SVGBackend<'b>, Cartesian2d<SegmentedCoord<RangedCoordusize>, RangedCoordf64>>;
@@ -297,6 +346,14 @@ mod tests {
         )
         .unwrap();
         well_formed(&bars);
+        let line = time_series(
+            "RSS",
+            "MiB",
+            &[("kv-router".into(), vec![(0.0, 20.0), (5.0, 22.0)])],
+        )
+        .unwrap();
+        well_formed(&line);
+        assert!(line.contains("kv-router"));
         assert!(
             bars.contains("pooled oracle 60.0 %"),
             "legend names the oracle"

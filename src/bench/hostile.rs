@@ -13,6 +13,7 @@ use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue};
 use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request as In;
+use envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response as Out;
 use envoy_types::pb::envoy::service::ext_proc::v3::{
     HttpBody, HttpHeaders, ProcessingRequest, ProtocolConfiguration,
 };
@@ -47,7 +48,9 @@ pub struct PhaseResult {
     pub phase: String,
     /// Streams opened.
     pub streams: usize,
-    /// Streams that got no decision (an error status, or no reply).
+    /// Streams answered with an immediate HTTP reply instead of a route (404 unknown model, 503).
+    pub rejected: u64,
+    /// Streams that got no reply or a gRPC error.
     pub failed: u64,
     /// Streams per second.
     pub rate: f64,
@@ -64,7 +67,14 @@ fn rss(pid: u32) -> Result<(u64, u64)> {
     let kb = |field: &str| {
         status
             .lines()
-            .find_map(|l| l.strip_prefix(field)?.trim().strip_suffix("kB")?.trim().parse::<u64>().ok())
+            .find_map(|l| {
+                l.strip_prefix(field)?
+                    .trim()
+                    .strip_suffix("kB")?
+                    .trim()
+                    .parse::<u64>()
+                    .ok()
+            })
             .map(|k| k * 1024)
             .unwrap_or(0)
     };
@@ -125,11 +135,17 @@ fn unique_prompt(i: usize) -> (Vec<(&'static str, String)>, serde_json::Value) {
 
 fn unique_session(i: usize) -> (Vec<(&'static str, String)>, serde_json::Value) {
     let h = vec![("x-session-id", format!("session-{i:08}"))];
-    (h, serde_json::json!({"model": "m", "prompt": "the same short prompt"}))
+    (
+        h,
+        serde_json::json!({"model": "m", "prompt": "the same short prompt"}),
+    )
 }
 
 fn unique_model(i: usize) -> (Vec<(&'static str, String)>, serde_json::Value) {
-    (vec![], serde_json::json!({"model": format!("model-{i:08}"), "prompt": "hello"}))
+    (
+        vec![],
+        serde_json::json!({"model": format!("model-{i:08}"), "prompt": "hello"}),
+    )
 }
 
 fn unique_salt(i: usize) -> (Vec<(&'static str, String)>, serde_json::Value) {
@@ -137,12 +153,23 @@ fn unique_salt(i: usize) -> (Vec<(&'static str, String)>, serde_json::Value) {
     (vec![], b)
 }
 
-/// Sends one whole request on its own stream; true if a routing decision came back.
-async fn one(client: &mut ExternalProcessorClient<Channel>, req: Request, i: usize) -> bool {
+/// What one stream got back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Outcome {
+    /// A routing decision.
+    Routed,
+    /// An immediate HTTP reply (e.g. 404 for a model no pod serves).
+    Rejected,
+    /// No reply, or a gRPC error.
+    Failed,
+}
+
+/// Sends one whole request on its own stream and says what came back.
+async fn one(client: &mut ExternalProcessorClient<Channel>, req: Request, i: usize) -> Outcome {
     let (extra, json) = req(i);
     let (tx, rx) = mpsc::channel(4);
     let Ok(resp) = client.process(ReceiverStream::new(rx)).await else {
-        return false;
+        return Outcome::Failed;
     };
     let mut replies = resp.into_inner();
     let body_bytes = serde_json::to_vec(&json).expect("json");
@@ -153,33 +180,38 @@ async fn one(client: &mut ExternalProcessorClient<Channel>, req: Request, i: usi
     // The headers reply, then the body reply that carries the decision (or an immediate reply).
     for _ in 0..2 {
         match tokio::time::timeout(Duration::from_secs(10), replies.next()).await {
-            Ok(Some(Ok(r))) if r.response.is_some() => {}
-            _ => return false,
+            Ok(Some(Ok(r))) => match r.response {
+                Some(Out::ImmediateResponse(_)) => return Outcome::Rejected,
+                Some(_) => {}
+                None => return Outcome::Failed,
+            },
+            _ => return Outcome::Failed,
         }
     }
-    true
+    Outcome::Routed
 }
 
-async fn phase(
-    channels: &[Channel],
-    opts: &HostileOptions,
-    req: Request,
-) -> (u64, f64) {
+/// Sends the phase's requests; (rejected, failed, streams per second).
+async fn phase(channels: &[Channel], opts: &HostileOptions, req: Request) -> (u64, u64, f64) {
     let next = Arc::new(AtomicU64::new(0));
     let failed = Arc::new(AtomicU64::new(0));
+    let rejected = Arc::new(AtomicU64::new(0));
     let start = Instant::now();
     let mut tasks = Vec::new();
     for w in 0..opts.concurrency {
         let mut client = ExternalProcessorClient::new(channels[w % channels.len()].clone());
         let (next, failed, n) = (next.clone(), failed.clone(), opts.requests as u64);
+        let rejected = rejected.clone();
         tasks.push(tokio::spawn(async move {
             loop {
                 let i = next.fetch_add(1, Ordering::Relaxed);
                 if i >= n {
                     break;
                 }
-                if !one(&mut client, req, i as usize).await {
-                    failed.fetch_add(1, Ordering::Relaxed);
+                match one(&mut client, req, i as usize).await {
+                    Outcome::Routed => {}
+                    Outcome::Rejected => _ = rejected.fetch_add(1, Ordering::Relaxed),
+                    Outcome::Failed => _ = failed.fetch_add(1, Ordering::Relaxed),
                 }
             }
         }));
@@ -188,7 +220,11 @@ async fn phase(
         let _ = t.await;
     }
     let secs = start.elapsed().as_secs_f64();
-    (failed.load(Ordering::Relaxed), opts.requests as f64 / secs)
+    (
+        rejected.load(Ordering::Relaxed),
+        failed.load(Ordering::Relaxed),
+        opts.requests as f64 / secs,
+    )
 }
 
 /// Opens `held_streams` FULL_DUPLEX streams that each send `held_bytes` of body without ending
@@ -211,7 +247,10 @@ async fn held_bodies(
             continue;
         };
         let _ = tx
-            .send(message(headers(&[]), Some(BodySendMode::FullDuplexStreamed)))
+            .send(message(
+                headers(&[]),
+                Some(BodySendMode::FullDuplexStreamed),
+            ))
             .await;
         let _ = tx.send(message(body(chunk.clone(), false), None)).await;
         held.push((tx, resp.into_inner()));
@@ -231,12 +270,12 @@ async fn held_bodies(
     let (rss_held, peak) = rss(pid)?;
     let holding = PhaseResult {
         phase: format!(
-            "{} streams holding {} KiB each ({} refused or answered early)",
+            "{} streams holding {} KiB each",
             opts.held_streams,
             opts.held_bytes / 1024,
-            refused + answered
         ),
         streams: opts.held_streams,
+        rejected: answered,
         failed: refused,
         rate: opts.held_streams as f64 / start.elapsed().as_secs_f64(),
         rss: rss_held,
@@ -248,6 +287,7 @@ async fn held_bodies(
     let closed = PhaseResult {
         phase: "5 s after they closed".into(),
         streams: 0,
+        rejected: 0,
         failed: 0,
         rate: 0.0,
         rss: rss_after,
@@ -258,7 +298,10 @@ async fn held_bodies(
 
 /// Runs every phase against one router and returns the RSS after each.
 pub async fn run(bins: &Binaries, opts: &HostileOptions) -> Result<Vec<PhaseResult>> {
-    let sim_args: Vec<String> = ["--ttft-base-ms", "1"].iter().map(|s| s.to_string()).collect();
+    let sim_args: Vec<String> = ["--ttft-base-ms", "1", "--model", "m"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
     let pods: Vec<SimPod> = (0..opts.pods)
         .map(|_| SimPod::spawn(&bins.vllm_sim, &sim_args))
         .collect::<Result<_>>()?;
@@ -282,6 +325,7 @@ pub async fn run(bins: &Binaries, opts: &HostileOptions) -> Result<Vec<PhaseResu
     let mut out = vec![PhaseResult {
         phase: "started, pods ready".into(),
         streams: 0,
+        rejected: 0,
         failed: 0,
         rate: 0.0,
         rss: rss0,
@@ -294,12 +338,16 @@ pub async fn run(bins: &Binaries, opts: &HostileOptions) -> Result<Vec<PhaseResu
         ("unique cache_salts", unique_salt),
     ];
     for (name, req) in phases {
-        let (failed, rate) = phase(&channels, opts, req).await;
+        let (rejected, failed, rate) = phase(&channels, opts, req).await;
         let (rss, peak) = rss(pid)?;
-        eprintln!("kv-bench hostile: {name}: {rate:.0}/s, RSS {} MiB", rss >> 20);
+        eprintln!(
+            "kv-bench hostile: {name}: {rate:.0}/s, RSS {} MiB",
+            rss >> 20
+        );
         out.push(PhaseResult {
             phase: format!("+ {} {name}", opts.requests),
             streams: opts.requests,
+            rejected,
             failed,
             rate,
             rss,
@@ -310,22 +358,38 @@ pub async fn run(bins: &Binaries, opts: &HostileOptions) -> Result<Vec<PhaseResu
     out.push(holding);
     out.push(closed);
     if router.process().exited().is_some() {
-        bail!("kv-router exited during the run:\n{}", router.stderr_tail(20));
+        bail!(
+            "kv-router exited during the run:\n{}",
+            router.stderr_tail(20)
+        );
     }
     Ok(out)
 }
 
 /// The results as a table.
 pub fn table(results: &[PhaseResult], style: Style) -> String {
-    let mut t = Table::new(["after", "streams", "no decision", "streams/s", "RSS", "peak RSS"])
-        .left(0);
+    let mut t = Table::new([
+        "after",
+        "streams",
+        "rejected",
+        "failed",
+        "streams/s",
+        "RSS",
+        "peak RSS",
+    ])
+    .left(0);
     let mib = |b: u64| format!("{:.0} MiB", b as f64 / (1 << 20) as f64);
     for r in results {
         t.row(vec![
             r.phase.clone(),
             r.streams.to_string(),
+            r.rejected.to_string(),
             r.failed.to_string(),
-            if r.rate > 0.0 { format!("{:.0}", r.rate) } else { "".into() },
+            if r.rate > 0.0 {
+                format!("{:.0}", r.rate)
+            } else {
+                "".into()
+            },
             mib(r.rss),
             mib(r.peak),
         ]);

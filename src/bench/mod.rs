@@ -15,6 +15,7 @@ pub mod report;
 pub mod results;
 pub mod runner;
 pub mod simulate;
+pub mod soak;
 pub mod splitmix;
 pub mod strategy;
 pub mod table;

@@ -307,7 +307,8 @@ impl ExtProc {
             send(tx, reply::immediate_error(&r)).await;
             return false;
         }
-        if st.body.is_empty() && eos {
+        if st.body.is_empty() {
+            // The first chunk is kept as it came: no copy of a body sent in one piece.
             st.body = chunk;
         } else {
             st.body.extend_from_slice(&chunk);

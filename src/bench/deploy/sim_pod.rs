@@ -104,6 +104,11 @@ impl SimPod {
         format!("http://{}", self.addr)
     }
 
+    /// The process id (to pause it with SIGSTOP, as a frozen node would).
+    pub fn pid(&self) -> Option<u32> {
+        self.proc.pid()
+    }
+
     /// Kills the pod now (failure tests).
     #[allow(dead_code)] // the end-to-end tests' harness (tests/common mounts deploy/)
     pub fn kill(&mut self) {

@@ -49,6 +49,32 @@ pub(crate) enum Cmd {
     /// The router's memory under traffic built to grow it (ext_proc straight to kv-router):
     /// unique prompts, session ids, model names, cache_salts, then streams holding large bodies.
     Hostile(HostileArgs),
+    /// Minutes of mixed traffic through real Envoy with a pod frozen every minute; samples the
+    /// router's RSS and in-flight gauges; exits 1 if anything but the bad requests failed,
+    /// in-flight load stays, or RSS keeps growing.
+    Soak(SoakArgs),
+}
+
+#[derive(Args)]
+pub(crate) struct SoakArgs {
+    /// Minutes of load.
+    #[arg(long, default_value_t = 10.0)]
+    pub(crate) minutes: f64,
+    /// Concurrent clients.
+    #[arg(long, default_value_t = 8)]
+    pub(crate) concurrency: usize,
+    /// Envoy binary (default: $KV_ROUTER_ENVOY, .venv/bin/envoy, PATH).
+    #[arg(long)]
+    pub(crate) envoy: Option<PathBuf>,
+    /// Seed of the request mix.
+    #[arg(long, default_value_t = 1)]
+    pub(crate) seed: u64,
+    /// Write the RSS curve here (SVG).
+    #[arg(long)]
+    pub(crate) svg: Option<PathBuf>,
+    /// Write the samples and totals as JSON.
+    #[arg(long)]
+    pub(crate) json: Option<PathBuf>,
 }
 
 #[derive(Args)]

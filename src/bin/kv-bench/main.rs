@@ -123,6 +123,31 @@ async fn real_main(cli: Cli) -> Result<()> {
             Ok(())
         }
         Cmd::RedisIndex(a) => redis_index(&a).await,
+        Cmd::Soak(a) => {
+            let opts = bench::soak::SoakOptions {
+                duration: Duration::from_secs_f64(a.minutes.max(0.1) * 60.0),
+                concurrency: a.concurrency.max(1),
+                sample_every: Duration::from_secs(5),
+                envoy: a.envoy.clone(),
+                seed: a.seed,
+            };
+            let report = bench::soak::run(&Binaries::beside_current_exe()?, &opts).await?;
+            println!("{}", report.markdown());
+            for e in &report.error_examples {
+                println!("error: {e}");
+            }
+            if let Some(path) = &a.svg {
+                std::fs::write(path, report.svg()?)
+                    .with_context(|| format!("writing {}", path.display()))?;
+                eprintln!("kv-bench: wrote {}", path.display());
+            }
+            if let Some(path) = &a.json {
+                write_json(path, &report)?;
+            }
+            report
+                .verdict()
+                .map_err(|why| anyhow::anyhow!("soak failed: {}", why.join("; ")))
+        }
         Cmd::Hostile(a) => {
             let opts = bench::hostile::HostileOptions {
                 requests: a.requests,
