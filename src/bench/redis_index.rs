@@ -177,7 +177,7 @@ async fn script_calls(server: &Server) -> Result<(u64, u64)> {
 
 /// The tokens of prompt `doc` (distinct per doc, deterministic).
 fn prompt_tokens(doc: u64) -> Vec<u32> {
-    let mut rng = StdRng::seed_from_u64(doc ^ 0x5eed_0f_d0c5);
+    let mut rng = StdRng::seed_from_u64(doc ^ 0x005e_ed0f_d0c5);
     (0..PROMPT_BLOCKS * 16)
         .map(|_| rng.random_range(0..150_000))
         .collect()
