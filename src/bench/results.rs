@@ -257,7 +257,18 @@ fn anchor(title: &str) -> String {
         .collect()
 }
 
-/// Writes `results.md`, `results.json` and `images/*.svg` into `dir` (images replaced).
+/// Everything after this line of `results.md` was measured by hand (commands given beside each
+/// figure); regenerating the document keeps it.
+pub const HAND_MARKER: &str =
+    "<!-- Measured by hand below this line, each with its command; `make bench` keeps it. -->";
+
+/// The hand-measured tail of an existing `results.md` (from the marker on), if any.
+fn hand_tail(existing: &str) -> Option<&str> {
+    existing.find(HAND_MARKER).map(|i| &existing[i..])
+}
+
+/// Writes `results.md`, `results.json` and `images/*.svg` into `dir` (images replaced, the
+/// hand-measured tail of an existing `results.md` kept).
 pub fn write(dir: &Path, md: &str, sections: &[Section]) -> Result<()> {
     let images = dir.join("images");
     std::fs::create_dir_all(&images).with_context(|| format!("creating {}", images.display()))?;
@@ -267,6 +278,11 @@ pub fn write(dir: &Path, md: &str, sections: &[Section]) -> Result<()> {
             std::fs::write(&p, &c.svg).with_context(|| format!("writing {}", p.display()))?;
         }
     }
+    let existing = std::fs::read_to_string(dir.join("results.md")).unwrap_or_default();
+    let md = match hand_tail(&existing) {
+        Some(tail) => format!("{}\n{tail}", md.trim_end()),
+        None => md.to_string(),
+    };
     std::fs::write(dir.join("results.md"), md).context("writing results.md")?;
     let json = serde_json::json!({ "sections": sections });
     std::fs::write(dir.join("results.json"), serde_json::to_vec_pretty(&json)?)
@@ -277,7 +293,8 @@ pub fn write(dir: &Path, md: &str, sections: &[Section]) -> Result<()> {
 /// Checks a written report: every section has its command and a table, every linked image
 /// exists and is an SVG document, and `results.json` parses.
 pub fn check(dir: &Path, expected_sections: usize) -> Result<()> {
-    let md = std::fs::read_to_string(dir.join("results.md")).context("reading results.md")?;
+    let whole = std::fs::read_to_string(dir.join("results.md")).context("reading results.md")?;
+    let md = whole.split(HAND_MARKER).next().unwrap_or_default();
     let sections: Vec<&str> = md.split("\n## ").skip(1).collect();
     if sections.len() != expected_sections {
         bail!(
@@ -362,6 +379,20 @@ mod tests {
         std::fs::remove_file(dir.path().join("images/x.svg")).unwrap();
         let e = check(dir.path(), 2).unwrap_err().to_string();
         assert!(e.contains("missing"), "{e}");
+    }
+
+    #[test]
+    fn regenerating_keeps_the_hand_measured_tail() {
+        let dir = tempfile::tempdir().unwrap();
+        let secs = vec![section("Multi-turn chat", true)];
+        let md = render("Results", "intro", &machine(), &secs);
+        let hand = format!("{HAND_MARKER}\n\n## By hand\n\n```sh\nkv-bench soak\n```\n");
+        std::fs::write(dir.path().join("results.md"), format!("old\n{hand}")).unwrap();
+        write(dir.path(), &md, &secs).unwrap();
+        let written = std::fs::read_to_string(dir.path().join("results.md")).unwrap();
+        assert!(written.starts_with("# Results") && written.ends_with(&hand));
+        assert!(!written.contains("old\n"));
+        check(dir.path(), 1).unwrap();
     }
 
     #[test]
