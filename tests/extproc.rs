@@ -415,6 +415,58 @@ async fn no_healthy_pod_gets_503_json() {
     assert_eq!(v["error"]["code"], "no_healthy_upstream");
 }
 
+/// An immediate reply (404 here; 413, 503 alike) once ended the stream before the gateway had
+/// closed its side; the gateway's late frames then hit a stream h2 had already forgotten, each
+/// such reset counts against the connection, and after 1024 h2 sent GOAWAY (ENHANCE_YOUR_CALM,
+/// "too_many_internal_resets"): every stream on the gateway's connection failed. Seen by
+/// `kv-bench hostile` after ~30k rejections.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rejections_never_make_the_server_drop_the_gateways_connection() {
+    let h = harness(1 << 20).await;
+    let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let tasks: Vec<_> = (0..16)
+        .map(|_| {
+            let (mut client, next) = (h.client.clone(), next.clone());
+            tokio::spawn(async move {
+                loop {
+                    let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    if i >= 60_000 {
+                        return Ok(());
+                    }
+                    let (tx, rx) = mpsc::channel(4);
+                    let mut replies = client
+                        .process(ReceiverStream::new(rx))
+                        .await
+                        .map_err(|e| format!("request {i}: {e}"))?
+                        .into_inner();
+                    let unknown =
+                        serde_json::json!({"model": format!("nobody-{i}"), "prompt": "x"});
+                    for r in [
+                        headers("/v1/completions", &[], false),
+                        body(&serde_json::to_vec(&unknown).unwrap(), true),
+                    ] {
+                        let _ = tx
+                            .send(ProcessingRequest {
+                                request: Some(r),
+                                ..Default::default()
+                            })
+                            .await;
+                    }
+                    for _ in 0..2 {
+                        match replies.next().await {
+                            Some(Ok(r)) if r.response.is_some() => {}
+                            other => return Err(format!("request {i}: {other:?}")),
+                        }
+                    }
+                }
+            })
+        })
+        .collect();
+    for t in tasks {
+        t.await.unwrap().unwrap();
+    }
+}
+
 #[tokio::test]
 async fn malformed_json_is_routed_by_load() {
     let mut h = harness(1 << 20).await;

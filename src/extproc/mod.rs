@@ -10,6 +10,7 @@ pub mod reply;
 
 use std::pin::Pin;
 use std::sync::Arc;
+use std::time::Duration;
 
 use envoy_types::pb::envoy::config::core::v3::{HeaderMap, Metadata};
 use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
@@ -161,6 +162,9 @@ struct StreamState {
 
 type Tx = mpsc::Sender<Result<ProcessingResponse, Status>>;
 
+/// How long a stream answered early (immediate reply) waits for the gateway to close its side.
+const DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
+
 impl ExtProc {
     async fn run(self, mut inbound: Streaming<ProcessingRequest>, tx: Tx) {
         let mut st = StreamState {
@@ -248,6 +252,13 @@ impl ExtProc {
                 None => true,
             };
             if !keep_going {
+                // Ending our side first makes h2 reset the stream when the gateway's late frames
+                // arrive; 1024 such resets and h2 drops the whole connection (ENHANCE_YOUR_CALM).
+                st.body = Vec::new();
+                st.reserved.release();
+                drop(st.guard.take());
+                let drain = async { while let Some(Ok(_)) = inbound.next().await {} };
+                let _ = tokio::time::timeout(DRAIN_TIMEOUT, drain).await;
                 break;
             }
         }
