@@ -390,6 +390,36 @@ async fn bodies_past_the_shared_buffer_budget_get_a_fast_503() {
     );
 }
 
+/// A rejected stream that waits for the gateway to close its side still holds its receive
+/// buffer: the wait is charged to the body budget, or a client answered 404 could hold
+/// unbudgeted memory by never closing.
+#[tokio::test]
+async fn a_rejected_stream_waiting_for_the_gateway_is_charged_to_the_budget() {
+    let mut h = harness_with_budget(1 << 20, 10_000).await;
+    let mut rejected = open_full_duplex(&mut h).await;
+    let unknown = serde_json::json!({"model": "nobody", "prompt": "z".repeat(6_000)});
+    rejected
+        .send(body(&serde_json::to_vec(&unknown).unwrap(), true), None)
+        .await;
+    let Some(Out::ImmediateResponse(ir)) = rejected.next().await.response else {
+        panic!("immediate response")
+    };
+    assert_eq!(ir.status.unwrap().code, 404);
+    let mut late = open_full_duplex(&mut h).await;
+    late.send(body(&vec![b'a'; 6_000], false), None).await;
+    let Some(Out::ImmediateResponse(ir)) = late.next().await.response else {
+        panic!("the waiting stream's bytes count: immediate response")
+    };
+    assert_eq!(ir.status.unwrap().code, 503);
+    // The gateway closes the rejected stream: its bytes return to the budget.
+    drop(rejected);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let mut next = open_full_duplex(&mut h).await;
+    next.send(body(&vec![b'a'; 6_000], false), None).await;
+    let r = tokio::time::timeout(Duration::from_millis(300), next.next()).await;
+    assert!(r.is_err(), "buffered, not refused: {r:?}");
+}
+
 #[tokio::test]
 async fn no_healthy_pod_gets_503_json() {
     let mut h = harness(1 << 20).await;

@@ -156,6 +156,8 @@ struct StreamState {
     body: Vec<u8>,
     /// `body`'s share of the service's buffered-bytes budget.
     reserved: Reservation,
+    /// The largest body chunk received: about what the stream's receive buffer keeps.
+    largest_chunk: usize,
     decided: bool,
     guard: Option<InflightGuard>,
 }
@@ -175,6 +177,7 @@ impl ExtProc {
             subset: None,
             body: Vec::new(),
             reserved: self.budget.reservation(),
+            largest_chunk: 0,
             decided: false,
             guard: None,
         };
@@ -257,8 +260,11 @@ impl ExtProc {
                 st.body = Vec::new();
                 st.reserved.release();
                 drop(st.guard.take());
-                let drain = async { while let Some(Ok(_)) = inbound.next().await {} };
-                let _ = tokio::time::timeout(DRAIN_TIMEOUT, drain).await;
+                // The receive buffer lives until the stream ends: wait only if the budget holds it.
+                if st.reserved.grow(st.largest_chunk) {
+                    let drain = async { while let Some(Ok(_)) = inbound.next().await {} };
+                    let _ = tokio::time::timeout(DRAIN_TIMEOUT, drain).await;
+                }
                 break;
             }
         }
@@ -306,6 +312,7 @@ impl ExtProc {
             )
             .await;
         }
+        st.largest_chunk = st.largest_chunk.max(chunk.len());
         if st.body.len() + chunk.len() > self.body_limit {
             let r = Rejection::BodyTooLarge(self.body_limit);
             self.metrics.errors.inc(r.kind());
