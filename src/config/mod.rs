@@ -86,7 +86,7 @@ impl Default for ServerConfig {
         Self {
             max_concurrent_streams: 4096,
             shutdown_grace_ms: 20_000,
-            max_buffered_body_bytes: 1 << 30,
+            max_buffered_body_bytes: 256 << 20,
             tls: GrpcTlsConfig::default(),
         }
     }
