@@ -12,7 +12,7 @@ ENVOY_VERSION ?= 1.40.0
 ENVOY        := $(abspath $(VENV))/bin/envoy
 TEST_THREADS ?= 4
 
-.PHONY: help envoy build test demo bench bench-quick microbench fmt lint clean redis-server deploy-tools image
+.PHONY: help envoy build test demo bench bench-quick soak microbench fmt lint clean redis-server deploy-tools image
 
 help: ## list the targets
 	@echo "kv-router make targets:"
@@ -67,6 +67,9 @@ bench: build redis-server $(VENV)/bin/envoy ## regenerate docs/results.md, docs/
 
 bench-quick: build redis-server $(VENV)/bin/envoy ## the same pipeline on tiny fleets (~1 min) into target/bench-quick
 	KV_ROUTER_REDIS_SERVER="$$(cat $(REDIS_SERVER_FILE))" ./target/release/kv-bench report --quick --envoy $(ENVOY) --out target/bench-quick
+
+soak: build $(VENV)/bin/envoy ## 10 minutes of mixed traffic with a pod frozen each minute; RSS curve into docs/images/soak-rss.svg
+	./target/release/kv-bench soak --minutes 10 --envoy $(ENVOY) --svg docs/images/soak-rss.svg
 
 microbench: ## criterion benchmarks (index, tokenization); figures go to docs/microbench.md
 	$(CARGO) bench --bench index --bench tokenize
