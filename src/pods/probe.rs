@@ -1,11 +1,14 @@
 //! Probes: `/health` for liveness, `/metrics` for load, `/v1/models` for served models, and the
 //! discovery loop that keeps the pod set current.
 
+use std::panic::AssertUnwindSafe;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures::future::join_all;
-use tokio::time::{interval, Instant, MissedTickBehavior};
+use ahash::AHashMap;
+use futures::FutureExt;
+use tokio::time::{interval, Instant, Interval, MissedTickBehavior};
 use tracing::{debug, info, warn};
 
 use super::{LoadSample, Pod, PodId, PodRegistry, PodSource, PodSpec};
@@ -81,31 +84,42 @@ impl Prober {
     pub async fn run_health(self) {
         let mut tick = interval(Duration::from_millis(self.cfg.health_interval_ms));
         tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
-        loop {
-            tick.tick().await;
-            self.each_pod(|p, pod| async move { p.health_once(pod).await })
-                .await;
-        }
+        self.each_pod_each_tick(tick, |p, pod| async move { p.health_once(pod).await })
+            .await
     }
 
-    /// Runs `probe` for every pod, each in its own task: a probe that panics costs that pod's
-    /// round (counted as `kv_router_errors_total{kind="probe_panic"}`), never the others' or the loop.
-    async fn each_pod<F, Fut>(&self, probe: F)
+    /// Every tick, runs `probe` for every pod whose previous probe has finished, each in its own
+    /// task: a pod that hangs until the probe timeout delays only its own rounds (one did delay
+    /// every pod's), and a probe that panics costs that pod's round (counted as
+    /// `kv_router_errors_total{kind="probe_panic"}`), never the others' or the loop.
+    async fn each_pod_each_tick<F, Fut>(&self, mut tick: Interval, probe: F)
     where
         F: Fn(Prober, Arc<Pod>) -> Fut,
         Fut: std::future::Future<Output = ()> + Send + 'static,
     {
-        let set = self.registry.snapshot();
-        let tasks = set
-            .pods()
-            .iter()
-            .map(|pod| tokio::spawn(probe(self.clone(), pod.clone())));
-        for (result, pod) in join_all(tasks).await.into_iter().zip(set.pods()) {
-            if let Err(e) = result {
-                if e.is_panic() {
-                    warn!(pod = %pod.id(), "a probe of this pod panicked; the other pods are unaffected");
-                    self.errors.inc(ErrorKind::ProbePanic);
+        let mut busy: AHashMap<PodId, Arc<AtomicBool>> = AHashMap::new();
+        loop {
+            tick.tick().await;
+            let set = self.registry.snapshot();
+            busy.retain(|id, _| set.get(id).is_some());
+            for pod in set.pods() {
+                let flag = busy.entry(pod.id().clone()).or_default();
+                if flag.swap(true, Ordering::AcqRel) {
+                    continue;
                 }
+                let done = Finished(flag.clone());
+                let (run, errors, id) = (
+                    probe(self.clone(), pod.clone()),
+                    self.errors.clone(),
+                    pod.id().clone(),
+                );
+                tokio::spawn(async move {
+                    let _done = done;
+                    if AssertUnwindSafe(run).catch_unwind().await.is_err() {
+                        warn!(pod = %id, "a probe of this pod panicked; the other pods are unaffected");
+                        errors.inc(ErrorKind::ProbePanic);
+                    }
+                });
             }
         }
     }
@@ -151,11 +165,8 @@ impl Prober {
     pub async fn run_scrape(self) {
         let mut tick = interval(Duration::from_millis(self.cfg.scrape_interval_ms));
         tick.set_missed_tick_behavior(MissedTickBehavior::Skip);
-        loop {
-            tick.tick().await;
-            self.each_pod(|p, pod| async move { p.scrape_once(pod).await })
-                .await;
-        }
+        self.each_pod_each_tick(tick, |p, pod| async move { p.scrape_once(pod).await })
+            .await
     }
 
     /// One scrape of one pod; a failure (an oversized body included) leaves the last sample to
@@ -180,6 +191,15 @@ impl Prober {
             }
             Err(e) => debug!(pod = %pod.id(), error = %e, "scrape body failed"),
         }
+    }
+}
+
+/// Marks a pod's probe finished when dropped (panics included).
+struct Finished(Arc<AtomicBool>);
+
+impl Drop for Finished {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::Release);
     }
 }
 
@@ -391,6 +411,44 @@ vllm:prefix_cache_hits_total{engine="0",model_name="m"} 100.0
         );
         assert_eq!(good_pod.last_sample().unwrap().1.waiting, 3.0);
         task.abort();
+    }
+
+    /// One pod whose `/metrics` never answers once held every pod's scrape round until the probe
+    /// timeout: the healthy pod's sample aged to the timeout instead of the interval.
+    #[tokio::test]
+    async fn a_hanging_pod_does_not_slow_the_scrape_of_the_others() {
+        let hang = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let hang_addr = hang.local_addr().unwrap();
+        let _accepted = tokio::spawn(async move {
+            let mut held = Vec::new();
+            while let Ok((conn, _)) = hang.accept().await {
+                held.push(conn);
+            }
+        });
+        let good = metrics_server("vllm:num_requests_waiting 3\n".into()).await;
+        let registry = pods(&[hang_addr, good]);
+        let cfg = PodsConfig {
+            scrape_interval_ms: 20,
+            probe_timeout_ms: 2_000,
+            ..PodsConfig::default()
+        };
+        let task = tokio::spawn(Prober::new(cfg, registry.clone(), Errors::default()).run_scrape());
+        let good_pod = registry.snapshot().get(&PodId::from(good)).unwrap().clone();
+        let mut oldest = Duration::ZERO;
+        let end = Instant::now() + Duration::from_millis(1_500);
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        while Instant::now() < end {
+            let age = good_pod
+                .last_sample()
+                .map_or(Duration::MAX, |(t, _)| t.elapsed());
+            oldest = oldest.max(age);
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        task.abort();
+        assert!(
+            oldest < Duration::from_millis(400),
+            "healthy pod's sample aged {oldest:?}"
+        );
     }
 
     #[tokio::test]
