@@ -308,6 +308,47 @@ async fn malformed_json_does_not_crash() {
     assert!(d.envoys[0].process().exited().is_none(), "Envoy died");
 }
 
+/// An immediate reply waits for the gateway to close its side of the ext_proc stream (ending it
+/// first piles up h2 resets until h2 drops the connection): Envoy closes it at once, in the
+/// BUFFERED and the FULL_DUPLEX config, so rejected streams are not held for the 10 s wait.
+#[tokio::test]
+async fn envoy_closes_rejected_ext_proc_streams_at_once() {
+    let d = Deployment::start(1, &[BUFFERED, FULL_DUPLEX]).await;
+    for envoy in 0..2 {
+        for i in 0..5 {
+            let body = serde_json::json!({"model": "nobody", "prompt": format!("p{i}")});
+            let r = d
+                .client
+                .post(format!("{}/v1/completions", d.url(envoy)))
+                .json(&body)
+                .send()
+                .await
+                .expect("send");
+            assert_eq!(
+                r.status(),
+                404,
+                "unknown model via envoy {envoy}{}",
+                d.diag()
+            );
+        }
+    }
+    let router = d.router.as_ref().unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(3);
+    loop {
+        let m = router.metrics().await.expect("router metrics");
+        let open = common::metric(&m, "kv_router_extproc_open_streams", &[]);
+        if open == 0.0 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{open} ext_proc streams still open 3 s after their 404s{}",
+            d.diag()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 #[tokio::test]
 async fn session_id_keeps_conversation_on_one_pod() {
     let d = Deployment::start(3, &[BUFFERED]).await;

@@ -28,6 +28,7 @@ use std::fmt::Write as _;
 use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue, LabelValueEncoder};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 
 use crate::decide::{DecideRequest, Decider};
@@ -50,17 +51,33 @@ struct ModeLabels {
 #[derive(Debug, Clone)]
 pub struct ExtProcMetrics {
     streams: Family<ModeLabels, Counter>,
+    open: Gauge,
     errors: Errors,
 }
 
+/// Counts a stream as open until dropped.
+struct OpenStream(Gauge);
+
+impl Drop for OpenStream {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
+}
+
 impl ExtProcMetrics {
-    /// Registers `extproc_streams` (`registry` is the `kv_router` sub-registry); refusals go to
-    /// the shared error counter.
+    /// Registers `extproc_streams` and `extproc_open_streams` (`registry` is the `kv_router`
+    /// sub-registry); refusals go to the shared error counter.
     pub fn register(registry: &mut Registry, errors: Errors) -> Self {
         let m = Self {
             streams: Family::default(),
+            open: Gauge::default(),
             errors,
         };
+        registry.register(
+            "extproc_open_streams",
+            "ext_proc streams open now, including rejected ones waiting for the gateway to close",
+            m.open.clone(),
+        );
         registry.register(
             "extproc_streams",
             "ext_proc streams by body mode",
@@ -169,6 +186,8 @@ const DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
 
 impl ExtProc {
     async fn run(self, mut inbound: Streaming<ProcessingRequest>, tx: Tx) {
+        self.metrics.open.inc();
+        let _open = OpenStream(self.metrics.open.clone());
         let mut st = StreamState {
             mode: BodyMode::Buffered,
             response_full_duplex: false,
