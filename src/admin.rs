@@ -42,6 +42,8 @@ pub struct AdminState {
     pub body_limit: usize,
     /// Bearer token `/debug/*` requires; `None` = open.
     pub token: Option<Arc<str>>,
+    /// True once a shutdown signal arrived (readiness fails from then on).
+    pub stopping: tokio::sync::watch::Receiver<bool>,
 }
 
 /// The admin router.
@@ -112,7 +114,9 @@ async fn metrics(State(s): State<AdminState>) -> Response {
 
 async fn readyz(State(s): State<AdminState>) -> Response {
     let down = s.supervisor.down();
-    if !down.is_empty() {
+    if *s.stopping.borrow() {
+        (StatusCode::SERVICE_UNAVAILABLE, "shutting down").into_response()
+    } else if !down.is_empty() {
         let msg = format!("background task down, restarting: {}", down.join(", "));
         (StatusCode::SERVICE_UNAVAILABLE, msg).into_response()
     } else if s.pods.any_healthy() {

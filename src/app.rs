@@ -206,12 +206,22 @@ pub async fn run(cfg: Config, tokenizers: TokenizerRegistry) -> anyhow::Result<(
         });
     }
 
-    // Shutdown: a signal flips `stopping`; readiness goes NOT_SERVING before the servers stop.
+    // Shutdown: a signal flips `stopping` (readiness NOT_SERVING, still serving); after the delay
+    // `closing` flips and the listeners close. Closing at once failed FULL_DUPLEX requests that
+    // Envoy sent before its health check saw NOT_SERVING (it cannot fail open there).
     let (stop_tx, stopping) = tokio::sync::watch::channel(false);
+    let (close_tx, closing) = tokio::sync::watch::channel(false);
+    let delay = Duration::from_millis(cfg.server.shutdown_delay_ms);
     tokio::spawn(async move {
         shutdown_signal().await;
-        info!("shutdown signal: readiness NOT_SERVING, draining");
+        info!(delay_ms = delay.as_millis() as u64, "shutdown signal: readiness NOT_SERVING, still serving until gateways stop choosing this replica");
         let _ = stop_tx.send(true);
+        tokio::select! {
+            () = tokio::time::sleep(delay) => {}
+            () = shutdown_signal() => info!("second shutdown signal: closing at once"),
+        }
+        info!("closing listeners, draining open streams");
+        let _ = close_tx.send(true);
     });
 
     // gRPC: ext_proc + Pick + health.
@@ -250,7 +260,7 @@ pub async fn run(cfg: Config, tokenizers: TokenizerRegistry) -> anyhow::Result<(
             PickerServer::new(PickService::new(decider.clone(), cfg.pick_api.clone()))
                 .max_decoding_message_size(limit),
         )
-        .serve_with_shutdown(grpc_addr, stopped(stopping.clone()));
+        .serve_with_shutdown(grpc_addr, stopped(closing.clone()));
 
     let admin_addr = cfg.admin_addr();
     let token = admin_token(&cfg)?;
@@ -266,6 +276,7 @@ pub async fn run(cfg: Config, tokenizers: TokenizerRegistry) -> anyhow::Result<(
         stale_after: Duration::from_millis(cfg.pods.stale_after_ms),
         mode,
         supervisor,
+        stopping: stopping.clone(),
         // An explain input wraps a body as a JSON string: escaping may double it.
         body_limit: cfg
             .body_limit_bytes
@@ -275,7 +286,7 @@ pub async fn run(cfg: Config, tokenizers: TokenizerRegistry) -> anyhow::Result<(
     let listener = tokio::net::TcpListener::bind(admin_addr)
         .await
         .with_context(|| format!("binding admin listener {admin_addr}"))?;
-    let admin = crate::admin_serve::serve(listener, admin_app, stopping.clone());
+    let admin = crate::admin_serve::serve(listener, admin_app, closing.clone());
     info!(grpc = %grpc_addr, admin = %admin_addr, "kv-router listening");
     let servers = async {
         let (g, ()) = tokio::join!(grpc, admin);
@@ -285,7 +296,7 @@ pub async fn run(cfg: Config, tokenizers: TokenizerRegistry) -> anyhow::Result<(
     // (dropping the servers) so the process exits inside Kubernetes' termination grace.
     let grace = Duration::from_millis(cfg.server.shutdown_grace_ms);
     let deadline = async {
-        stopped(stopping.clone()).await;
+        stopped(closing).await;
         tokio::time::sleep(grace).await;
     };
     tokio::select! {

@@ -78,7 +78,11 @@ async fn explain_accepts_bodies_up_to_the_configured_limit() {
 
 #[tokio::test]
 async fn sigterm_goes_not_serving_then_exits_0_despite_an_idle_stream() {
-    let (_pod, mut r) = router(|c| c.server.shutdown_grace_ms = 2_000).await;
+    let (_pod, mut r) = router(|c| {
+        c.server.shutdown_delay_ms = 1_000;
+        c.server.shutdown_grace_ms = 2_000;
+    })
+    .await;
     let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", r.grpc))
         .unwrap()
         .connect()
@@ -121,6 +125,23 @@ async fn sigterm_goes_not_serving_then_exits_0_despite_an_idle_stream() {
         next.status,
         ServingStatus::NotServing as i32,
         "NOT_SERVING first"
+    );
+    // Within the delay a new stream is still decided: a gateway's health check has not seen
+    // NOT_SERVING yet (closing at once failed FULL_DUPLEX requests, which cannot fail open).
+    let (tx2, rx2) = tokio::sync::mpsc::channel(4);
+    let no_body = request_headers(&[(":path", "/v1/completions"), (":method", "POST")], true);
+    tx2.send(no_body).await.unwrap();
+    let mut late = extproc
+        .process(tokio_stream::wrappers::ReceiverStream::new(rx2))
+        .await
+        .expect("a stream opened during the shutdown delay is accepted")
+        .into_inner();
+    let decided = tokio::time::timeout(Duration::from_secs(1), late.next())
+        .await
+        .expect("a reply within 1 s");
+    assert!(
+        matches!(decided, Some(Ok(ref m)) if m.response.is_some()),
+        "decided during the delay: {decided:?}"
     );
     let status = loop {
         if let Some(s) = r.process().exited() {

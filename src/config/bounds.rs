@@ -92,6 +92,9 @@ pub(super) fn upper_bounds(cfg: &Config, bad: &mut impl FnMut(&str, &str)) {
             "must be at least body_limit_bytes (one full body must fit)",
         );
     }
+    if cfg.server.shutdown_delay_ms > 60_000 {
+        bad("server.shutdown_delay_ms", "must be at most 60000 (1 min)");
+    }
     if cfg.server.shutdown_grace_ms > 300_000 {
         bad("server.shutdown_grace_ms", "must be at most 300000 (5 min)");
     }

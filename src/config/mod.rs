@@ -73,7 +73,10 @@ pub struct AdminConfig {
 pub struct ServerConfig {
     /// Most concurrent HTTP/2 streams per gRPC connection (Envoy opens more connections).
     pub max_concurrent_streams: u32,
-    /// After SIGTERM/SIGINT, in-flight streams get this long before they are closed.
+    /// After SIGTERM/SIGINT, readiness is NOT_SERVING but new streams are still served this long,
+    /// so gateways' health checks and endpoint updates stop choosing this replica first.
+    pub shutdown_delay_ms: u64,
+    /// Then the listeners close and in-flight streams get this long before they are closed.
     pub shutdown_grace_ms: u64,
     /// Request-body bytes buffered across all ext_proc streams; a chunk past it gets a 503.
     pub max_buffered_body_bytes: usize,
@@ -85,6 +88,7 @@ impl Default for ServerConfig {
     fn default() -> Self {
         Self {
             max_concurrent_streams: 4096,
+            shutdown_delay_ms: 5_000,
             shutdown_grace_ms: 20_000,
             max_buffered_body_bytes: 256 << 20,
             tls: GrpcTlsConfig::default(),
