@@ -5,6 +5,7 @@ pub mod charts;
 pub mod compare;
 pub mod deploy;
 pub mod hostile;
+pub mod idle;
 pub mod noop_extproc;
 pub mod oracle;
 pub mod overhead;

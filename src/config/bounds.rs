@@ -111,6 +111,12 @@ pub(super) fn upper_bounds(cfg: &Config, bad: &mut impl FnMut(&str, &str)) {
             "needs cert_file and key_file (mTLS is TLS first)",
         );
     }
+    if cfg.pods.idle_scrape_interval_ms >= cfg.pods.stale_after_ms {
+        bad(
+            "pods.idle_scrape_interval_ms",
+            "must be below pods.stale_after_ms (an idle pod's load would go stale between scrapes)",
+        );
+    }
     if cfg.kv_events.block_tokens > 1 << 16 {
         bad("kv_events.block_tokens", "must be at most 65536");
     }
@@ -118,6 +124,10 @@ pub(super) fn upper_bounds(cfg: &Config, bad: &mut impl FnMut(&str, &str)) {
         ("scorers.session.ttl_ms", cfg.scorers.session.ttl_ms),
         ("pods.health_interval_ms", cfg.pods.health_interval_ms),
         ("pods.scrape_interval_ms", cfg.pods.scrape_interval_ms),
+        (
+            "pods.idle_scrape_interval_ms",
+            cfg.pods.idle_scrape_interval_ms,
+        ),
         ("pods.stale_after_ms", cfg.pods.stale_after_ms),
         ("pods.probe_timeout_ms", cfg.pods.probe_timeout_ms),
         ("pods.models_refresh_ms", cfg.pods.models_refresh_ms),

@@ -458,8 +458,11 @@ pub struct PodsConfig {
     pub health_interval_ms: u64,
     /// Consecutive failed probes before a pod is unhealthy.
     pub unhealthy_after: u32,
-    /// Load scrape (`GET /metrics`) period.
+    /// Load scrape (`GET /metrics`) period of a busy pod.
     pub scrape_interval_ms: u64,
+    /// Scrape period of an idle pod (nothing in flight from this router, none running or waiting
+    /// at the last scrape): idle fleets cost this much less to watch.
+    pub idle_scrape_interval_ms: u64,
     /// Metrics older than this are stale.
     pub stale_after_ms: u64,
     /// Timeout of one probe or scrape.
@@ -480,6 +483,7 @@ impl Default for PodsConfig {
             health_interval_ms: 1_000,
             unhealthy_after: 2,
             scrape_interval_ms: 100,
+            idle_scrape_interval_ms: 1_000,
             stale_after_ms: 2_000,
             probe_timeout_ms: 1_000,
             models_refresh_ms: 30_000,
@@ -740,6 +744,10 @@ impl Config {
         for (key, v) in [
             ("pods.health_interval_ms", self.pods.health_interval_ms),
             ("pods.scrape_interval_ms", self.pods.scrape_interval_ms),
+            (
+                "pods.idle_scrape_interval_ms",
+                self.pods.idle_scrape_interval_ms,
+            ),
             ("pods.stale_after_ms", self.pods.stale_after_ms),
             ("pods.probe_timeout_ms", self.pods.probe_timeout_ms),
             ("pods.models_refresh_ms", self.pods.models_refresh_ms),

@@ -84,29 +84,39 @@ impl Prober {
     pub async fn run_health(self) {
         let mut tick = interval(Duration::from_millis(self.cfg.health_interval_ms));
         tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
-        self.each_pod_each_tick(tick, |p, pod| async move { p.health_once(pod).await })
-            .await
+        self.each_pod_each_tick(
+            tick,
+            |_, _| true,
+            |p, pod| async move { p.health_once(pod).await },
+        )
+        .await
     }
 
     /// Every tick, runs `probe` for every pod whose previous probe has finished, each in its own
     /// task: a pod that hangs until the probe timeout delays only its own rounds (one did delay
     /// every pod's), and a probe that panics costs that pod's round (counted as
     /// `kv_router_errors_total{kind="probe_panic"}`), never the others' or the loop.
-    async fn each_pod_each_tick<F, Fut>(&self, mut tick: Interval, probe: F)
-    where
+    /// `due(pod, last probe started)` says whether a pod's turn has come this tick.
+    async fn each_pod_each_tick<F, Fut>(
+        &self,
+        mut tick: Interval,
+        due: impl Fn(&Pod, Option<Instant>) -> bool,
+        probe: F,
+    ) where
         F: Fn(Prober, Arc<Pod>) -> Fut,
         Fut: std::future::Future<Output = ()> + Send + 'static,
     {
-        let mut busy: AHashMap<PodId, Arc<AtomicBool>> = AHashMap::new();
+        let mut busy: AHashMap<PodId, (Arc<AtomicBool>, Option<Instant>)> = AHashMap::new();
         loop {
             tick.tick().await;
             let set = self.registry.snapshot();
             busy.retain(|id, _| set.get(id).is_some());
             for pod in set.pods() {
-                let flag = busy.entry(pod.id().clone()).or_default();
-                if flag.swap(true, Ordering::AcqRel) {
+                let (flag, last) = busy.entry(pod.id().clone()).or_default();
+                if !due(pod, *last) || flag.swap(true, Ordering::AcqRel) {
                     continue;
                 }
+                *last = Some(Instant::now());
                 let done = Finished(flag.clone());
                 let (run, errors, id) = (
                     probe(self.clone(), pod.clone()),
@@ -165,8 +175,13 @@ impl Prober {
     pub async fn run_scrape(self) {
         let mut tick = interval(Duration::from_millis(self.cfg.scrape_interval_ms));
         tick.set_missed_tick_behavior(MissedTickBehavior::Skip);
-        self.each_pod_each_tick(tick, |p, pod| async move { p.scrape_once(pod).await })
-            .await
+        let idle_every = Duration::from_millis(self.cfg.idle_scrape_interval_ms);
+        self.each_pod_each_tick(
+            tick,
+            move |pod, last| last.is_none_or(|t| t.elapsed() >= idle_every) || is_busy(pod),
+            |p, pod| async move { p.scrape_once(pod).await },
+        )
+        .await
     }
 
     /// One scrape of one pod; a failure (an oversized body included) leaves the last sample to
@@ -192,6 +207,17 @@ impl Prober {
             Err(e) => debug!(pod = %pod.id(), error = %e, "scrape body failed"),
         }
     }
+}
+
+/// A pod whose load may be changing: this router has requests on it, or it was running or
+/// queueing some at its last scrape (other replicas' requests included).
+fn is_busy(pod: &Pod) -> bool {
+    let (requests, tokens) = pod.inflight_counts();
+    requests > 0
+        || tokens > 0
+        || pod
+            .last_sample()
+            .is_some_and(|(_, s)| s.running > 0.0 || s.waiting > 0.0)
 }
 
 /// Marks a pod's probe finished when dropped (panics included).
@@ -448,6 +474,55 @@ vllm:prefix_cache_hits_total{engine="0",model_name="m"} 100.0
         assert!(
             oldest < Duration::from_millis(400),
             "healthy pod's sample aged {oldest:?}"
+        );
+    }
+
+    /// Serves `/metrics` with `body`, counting the scrapes.
+    async fn counting_metrics_server(
+        body: &'static str,
+    ) -> (std::net::SocketAddr, Arc<std::sync::atomic::AtomicUsize>) {
+        let hits = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let h = hits.clone();
+        let app = axum::Router::new().route(
+            "/metrics",
+            axum::routing::get(move || {
+                h.fetch_add(1, Ordering::Relaxed);
+                async move { body }
+            }),
+        );
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        (addr, hits)
+    }
+
+    #[tokio::test]
+    async fn idle_pods_are_scraped_at_the_idle_interval_busy_ones_at_the_fast_one() {
+        let (idle, idle_hits) = counting_metrics_server("vllm:num_requests_running 0\n").await;
+        let (busy, busy_hits) = counting_metrics_server("vllm:num_requests_running 2\n").await;
+        let (mine, mine_hits) = counting_metrics_server("vllm:num_requests_running 0\n").await;
+        let registry = pods(&[idle, busy, mine]);
+        let own = registry.snapshot().get(&PodId::from(mine)).unwrap().clone();
+        // A request of this router's own on a pod that reported nothing running.
+        let _guard = own.begin_request(100, Instant::now(), 1e6);
+        let cfg = PodsConfig {
+            scrape_interval_ms: 20,
+            idle_scrape_interval_ms: 400,
+            ..PodsConfig::default()
+        };
+        let task = tokio::spawn(Prober::new(cfg, registry.clone(), Errors::default()).run_scrape());
+        tokio::time::sleep(Duration::from_millis(1_000)).await;
+        task.abort();
+        let (i, b, m) = (
+            idle_hits.load(Ordering::Relaxed),
+            busy_hits.load(Ordering::Relaxed),
+            mine_hits.load(Ordering::Relaxed),
+        );
+        assert!((2..=4).contains(&i), "idle pod scraped {i} times in 1 s");
+        assert!(b >= 20, "busy pod scraped {b} times in 1 s");
+        assert!(
+            m >= 20,
+            "pod with this router's request scraped {m} times in 1 s"
         );
     }
 

@@ -59,7 +59,7 @@ impl CpuSource {
     }
 }
 
-pub(super) fn clock_ticks_per_s() -> u64 {
+pub(crate) fn clock_ticks_per_s() -> u64 {
     // SAFETY: sysconf has no preconditions.
     let t = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
     if t > 0 {

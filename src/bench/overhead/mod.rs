@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result};
 use serde::Serialize;
 
-mod cpu;
+pub(crate) mod cpu;
 mod fleet;
 mod load;
 

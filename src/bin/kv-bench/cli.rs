@@ -49,6 +49,8 @@ pub(crate) enum Cmd {
     /// The router's memory under traffic built to grow it (ext_proc straight to kv-router):
     /// unique prompts, session ids, model names, cache_salts, then streams holding large bodies.
     Hostile(HostileArgs),
+    /// The router's CPU with no requests, per fleet size (probes and scrapes only).
+    Idle(IdleArgs),
     /// Minutes of mixed traffic through real Envoy with a pod frozen every minute; samples the
     /// router's RSS and in-flight gauges; exits 1 if anything but the bad requests failed,
     /// in-flight load stays, or RSS keeps growing.
@@ -75,6 +77,22 @@ pub(crate) struct SoakArgs {
     /// Write the samples and totals as JSON.
     #[arg(long)]
     pub(crate) json: Option<PathBuf>,
+}
+
+#[derive(Args)]
+pub(crate) struct IdleArgs {
+    /// Fleet sizes (comma-separated), one router run each.
+    #[arg(long, value_delimiter = ',', default_value = "2,16,64")]
+    pub(crate) pods: Vec<usize>,
+    /// Seconds measured per fleet.
+    #[arg(long, default_value_t = 10)]
+    pub(crate) seconds: u64,
+    /// The router's pods.idle_scrape_interval_ms (default: its default; 100 = every pod as busy).
+    #[arg(long)]
+    pub(crate) idle_scrape_interval_ms: Option<u64>,
+    /// Print a markdown table too.
+    #[arg(long)]
+    pub(crate) markdown: bool,
 }
 
 #[derive(Args)]

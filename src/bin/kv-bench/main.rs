@@ -166,6 +166,19 @@ async fn real_main(cli: Cli) -> Result<()> {
             }
             Ok(())
         }
+        Cmd::Idle(a) => {
+            let opts = bench::idle::IdleOptions {
+                pods: a.pods.clone(),
+                window: Duration::from_secs(a.seconds.max(1)),
+                idle_scrape_interval_ms: a.idle_scrape_interval_ms,
+            };
+            let results = bench::idle::run(&Binaries::beside_current_exe()?, &opts).await?;
+            println!("{}", bench::idle::table(&results, Style::Plain));
+            if a.markdown {
+                println!("{}", bench::idle::table(&results, Style::Markdown));
+            }
+            Ok(())
+        }
         // CPU-bound: off the async workers so the signal handlers stay responsive.
         Cmd::Simulate(a) => tokio::task::spawn_blocking(move || simulate(&a))
             .await
