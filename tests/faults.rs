@@ -1414,7 +1414,10 @@ async fn a_pod_whose_metrics_hang_does_not_slow_the_scrape_of_the_others() {
     let (front, _hidden) = HangingMetrics::start().await;
     let mut addrs: Vec<SocketAddr> = sims.iter().map(|s| s.addr).collect();
     addrs.push(front.addr);
-    let cfg = deploy::local_router_config(&addrs).unwrap();
+    let mut cfg = deploy::local_router_config(&addrs).unwrap();
+    // Idle pods are scraped every second by default, as long as the old stall: scrape every pod
+    // at the fast interval so a stall shows.
+    cfg.pods.idle_scrape_interval_ms = cfg.pods.scrape_interval_ms;
     let scrape = cfg.pods.scrape_interval_ms;
     let probe_timeout = Duration::from_millis(cfg.pods.probe_timeout_ms);
     let router = RouterProc::spawn(&b.kv_router, &cfg)
