@@ -135,7 +135,9 @@ impl ExternalProcessor for ExtProc {
         let (tx, rx) = mpsc::channel(16);
         let this = self.clone();
         tokio::spawn(async move { this.run(inbound, tx).await });
-        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+        Ok(Response::new(Box::pin(
+            ReceiverStream::new(rx).map(|reply| Ok(*reply)),
+        )))
     }
 }
 
@@ -179,7 +181,9 @@ struct StreamState {
     guard: Option<InflightGuard>,
 }
 
-type Tx = mpsc::Sender<Result<ProcessingResponse, Status>>;
+/// Replies go through the channel boxed: its queue allocates 32 slots at a time, and unboxed
+/// slots (a `ProcessingResponse` or a `Status`, hundreds of bytes each) cost every stream KiBs.
+type Tx = mpsc::Sender<Box<ProcessingResponse>>;
 
 /// How long a stream answered early (immediate reply) waits for the gateway to close its side.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
@@ -391,15 +395,14 @@ impl ExtProc {
     ) -> bool {
         st.decided = true;
         let has_body = body.is_some();
-        let result = self
-            .decider
-            .decide(DecideRequest {
-                path: &st.path,
-                headers: &st.headers,
-                body: body.as_deref(),
-                subset: st.subset.as_deref(),
-            })
-            .await;
+        // Boxed: the decision's state lives only while it runs, not in every open stream's task.
+        let result = Box::pin(self.decider.decide(DecideRequest {
+            path: &st.path,
+            headers: &st.headers,
+            body: body.as_deref(),
+            subset: st.subset.as_deref(),
+        }))
+        .await;
         let decision = match result {
             Ok(d) => d,
             Err(e) => {
@@ -445,7 +448,7 @@ impl ExtProc {
 }
 
 async fn send(tx: &Tx, msg: ProcessingResponse) -> bool {
-    tx.send(Ok(msg)).await.is_ok()
+    tx.send(Box::new(msg)).await.is_ok()
 }
 
 /// Header names lower-cased; values from `raw_value`, falling back to `value`.
