@@ -12,7 +12,7 @@ ENVOY_VERSION ?= 1.40.0
 ENVOY        := $(abspath $(VENV))/bin/envoy
 TEST_THREADS ?= 4
 
-.PHONY: help envoy build test demo bench bench-quick soak microbench fmt lint clean redis-server deploy-tools image
+.PHONY: help envoy build test demo bench bench-quick soak fuzz microbench fmt lint clean redis-server deploy-tools image
 
 help: ## list the targets
 	@echo "kv-router make targets:"
@@ -70,6 +70,15 @@ bench-quick: build redis-server $(VENV)/bin/envoy ## the same pipeline on tiny f
 
 soak: build $(VENV)/bin/envoy ## 10 minutes of mixed traffic with a pod frozen each minute; RSS curve into docs/images/soak-rss.svg
 	./target/release/kv-bench soak --minutes 10 --envoy $(ENVOY) --svg docs/images/soak-rss.svg
+
+FUZZ_SECONDS ?= 60
+
+fuzz: ## run every cargo-fuzz target for FUZZ_SECONDS s (nightly + cargo-fuzz; make test runs the same targets on stable: tests/fuzz_smoke.rs)
+	@command -v cargo-fuzz >/dev/null || { echo "error: needs cargo +nightly install cargo-fuzz" >&2; exit 1; }
+	cd fuzz && for t in $$($(CARGO) +nightly fuzz list); do \
+	  mkdir -p target/corpus/$$t; \
+	  $(CARGO) +nightly fuzz run $$t target/corpus/$$t corpus/$$t -- -max_total_time=$(FUZZ_SECONDS) || exit 1; \
+	done
 
 microbench: ## criterion benchmarks (index, tokenization); figures go to docs/microbench.md
 	$(CARGO) bench --bench index --bench tokenize

@@ -420,6 +420,27 @@ async fn a_rejected_stream_waiting_for_the_gateway_is_charged_to_the_budget() {
     assert!(r.is_err(), "buffered, not refused: {r:?}");
 }
 
+/// Found by fuzz/extproc: body bytes, then request headers with end_of_stream (out of order)
+/// decided without the body, yet the stream kept those bytes' share of the budget until it ended.
+#[tokio::test]
+async fn headers_ending_the_request_after_stray_body_bytes_release_their_budget() {
+    let mut h = harness_with_budget(1 << 20, 10_000).await;
+    let mut odd = Stream::open(&mut h).await;
+    odd.send(body(&vec![b'a'; 4_096], false), None).await;
+    odd.send(headers("/v1/completions", &[], true), None).await;
+    let decided = odd.next().await;
+    assert!(
+        !matches!(decided.response, Some(Out::ImmediateResponse(_))),
+        "decided: {decided:?}"
+    );
+    // `odd` is still open: a 6,000-byte body must fit the 10,000-byte budget.
+    let mut next = open_full_duplex(&mut h).await;
+    next.send(body(&vec![b'a'; 6_000], false), None).await;
+    let r = tokio::time::timeout(Duration::from_millis(300), next.next()).await;
+    assert!(r.is_err(), "buffered, not refused: {r:?}");
+    drop(odd);
+}
+
 #[tokio::test]
 async fn no_healthy_pod_gets_503_json() {
     let mut h = harness(1 << 20).await;

@@ -14,7 +14,7 @@ const MAX_DEPTH: usize = 16;
 
 /// Why a payload could not be decoded (a closed set: ingest counts each kind).
 #[derive(Debug, Error, PartialEq)]
-pub(crate) enum DecodeError {
+pub enum DecodeError {
     /// Over [`MAX_PAYLOAD_BYTES`].
     #[error("payload of {0} bytes exceeds the limit")]
     TooLarge(usize),
@@ -35,7 +35,7 @@ pub(crate) enum DecodeError {
 }
 
 /// Decodes one payload (the third ZMQ frame).
-pub(crate) fn decode_batch(payload: &[u8]) -> Result<KvEventBatch, DecodeError> {
+pub fn decode_batch(payload: &[u8]) -> Result<KvEventBatch, DecodeError> {
     if payload.len() > MAX_PAYLOAD_BYTES {
         return Err(DecodeError::TooLarge(payload.len()));
     }

@@ -10,7 +10,7 @@ mod types;
 #[cfg(test)]
 mod fixture_tests;
 
-pub(crate) use decode::{decode_batch, DecodeError};
+pub use decode::{decode_batch, DecodeError};
 pub use encode::encode_batch;
 pub(crate) use types::Medium;
 pub use types::{BlockHash, ExtraKey, KvEvent, KvEventBatch};

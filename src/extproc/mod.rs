@@ -310,6 +310,10 @@ impl ExtProc {
             .map(|(_, v)| v.clone())
             .unwrap_or_default();
         if eos {
+            // Body bytes sent before these headers (out of order) are not part of the decision:
+            // they must not hold the budget while the stream lives (found by fuzz/extproc).
+            st.body = Vec::new();
+            st.reserved.release();
             return self.decide_and_reply(st, None, tx).await;
         }
         match st.mode {

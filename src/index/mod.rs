@@ -32,7 +32,8 @@ pub use build::{build_index, index_capacity, BuiltIndex};
 pub use events::{EventIndex, EventIndexConfig};
 pub use memory::MemoryIndex;
 pub use redis::{
-    Local, Reason as RedisFallbackReason, RedisIndex, RedisMetrics, Source as RedisSource, Tuning,
+    member as redis_member, parse_member as parse_redis_member, Local,
+    Reason as RedisFallbackReason, RedisIndex, RedisMetrics, Source as RedisSource, Tuning,
 };
 
 use crate::events::KvEventBatch;

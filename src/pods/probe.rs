@@ -278,7 +278,8 @@ pub fn parse_vllm_metrics(text: &str) -> LoadSample {
             "vllm:cache_config_info" => {
                 if let Some(n) = label(labels, "num_gpu_blocks").and_then(|v| v.parse::<u64>().ok())
                 {
-                    s.num_gpu_blocks = Some(s.num_gpu_blocks.unwrap_or(0) + n);
+                    // Saturating: a pod's numbers must not wrap (fuzz/artifacts/prometheus).
+                    s.num_gpu_blocks = Some(s.num_gpu_blocks.unwrap_or(0).saturating_add(n));
                 }
                 if let Some(b) = label(labels, "block_size").and_then(|v| v.parse().ok()) {
                     s.block_size = Some(b);
@@ -359,6 +360,17 @@ vllm:prefix_cache_hits_total{engine="0",model_name="m"} 100.0
         assert_eq!(s.kv_usage, 0.375);
         assert_eq!(s.num_gpu_blocks, Some(2048));
         assert_eq!(s.block_size, Some(16));
+    }
+
+    #[test]
+    fn gpu_blocks_of_several_engines_saturate_instead_of_wrapping() {
+        // fuzz/artifacts/prometheus/minimized-from-95e2…, doubled by the target (two engines):
+        // the sum overflowed, a panic in debug builds and a wrapped, tiny capacity in release.
+        let line = "vllm:cache_config_info{num_gpu_blocks=\"16841123001817868970\"} 1\n";
+        assert_eq!(
+            parse_vllm_metrics(&line.repeat(2)).num_gpu_blocks,
+            Some(u64::MAX)
+        );
     }
 
     #[test]

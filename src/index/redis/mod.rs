@@ -34,6 +34,7 @@ use xxhash_rust::xxh3::Xxh3;
 
 use self::conn::{to_index_error, Conn};
 pub use self::metrics::{Reason, RedisMetrics, Source};
+pub use self::schema::{member, parse_member};
 use self::schema::{Schema, Scripts};
 use self::writer::WriteOp;
 use super::{ApplyStats, EventIndex, IndexError, IndexStats, KvIndex, MemoryIndex};

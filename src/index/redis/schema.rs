@@ -92,13 +92,15 @@ fn pod_tag(pod: &PodId) -> String {
 }
 
 /// A (root, key) member of a pod's sets: 32 hex digits.
-pub(super) fn member(root: u64, key: BlockKey) -> String {
+pub fn member(root: u64, key: BlockKey) -> String {
     format!("{root:016x}{:016x}", key.0)
 }
 
 /// The (root, key) a member names; `None` for anything this router did not write.
-pub(super) fn parse_member(m: &[u8]) -> Option<(u64, BlockKey)> {
-    if m.len() != 32 {
+pub fn parse_member(m: &[u8]) -> Option<(u64, BlockKey)> {
+    // Exactly what `member` writes: 32 lower-case hex digits. Anything else is foreign, and a
+    // multi-byte character across byte 16 once panicked the writer at the slice below.
+    if m.len() != 32 || !m.iter().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')) {
         return None;
     }
     let s = std::str::from_utf8(m).ok()?;
@@ -240,6 +242,23 @@ mod tests {
         );
         assert_eq!(parse_member(b"not-a-member"), None);
         assert_eq!(parse_member(&[0xff; 32]), None);
+    }
+
+    #[test]
+    fn only_members_this_router_writes_parse_and_none_panics() {
+        // fuzz/artifacts/redis_member/crash-ca72…: a two-byte character across byte 16.
+        assert_eq!(
+            parse_member("fffffffffffffffО000000000000000".as_bytes()),
+            None
+        );
+        // crash-52aa…: upper-case hex (and a sign) parsed, yet `member` never writes them.
+        assert_eq!(parse_member(b"0000000000000001012345678Aa8cdef"), None);
+        assert_eq!(parse_member(b"+000000000000001012345678aa8cdef"), None);
+        let m = member(1, BlockKey(0x0123_4567_8aa8_cdef));
+        assert_eq!(
+            parse_member(m.as_bytes()),
+            Some((1, BlockKey(0x0123_4567_8aa8_cdef)))
+        );
     }
 
     #[test]
