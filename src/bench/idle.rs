@@ -9,7 +9,7 @@ use anyhow::{Context, Result};
 use serde::Serialize;
 
 use super::deploy::{local_router_config, Binaries, RouterProc, SimPod};
-use super::overhead::cpu::{clock_ticks_per_s, parse_stat_ticks};
+use super::overhead::cpu::{clock_ticks_per_s, CpuSource};
 use super::table::{Style, Table};
 
 /// Fleets to measure and for how long.
@@ -34,12 +34,6 @@ pub struct IdleResult {
     pub per_pod_ms_per_s: f64,
 }
 
-fn cpu_ticks(pid: u32) -> Result<u64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))
-        .with_context(|| format!("reading /proc/{pid}/stat"))?;
-    Ok(parse_stat_ticks(&stat)?)
-}
-
 /// Measures each fleet size in turn (pods and router stopped between them).
 pub async fn run(bins: &Binaries, opts: &IdleOptions) -> Result<Vec<IdleResult>> {
     let sim_args: Vec<String> = ["--model", "m"].iter().map(|s| s.to_string()).collect();
@@ -60,11 +54,11 @@ pub async fn run(bins: &Binaries, opts: &IdleOptions) -> Result<Vec<IdleResult>>
             .wait_pods_ready(n, Duration::from_secs(30))
             .await
             .with_context(|| format!("{n} pods ready"))?;
-        let pid = router.process().pid().context("router exited")?;
+        let cpu = CpuSource::process(router.process().pid().context("router exited")?);
         tokio::time::sleep(Duration::from_secs(2)).await;
-        let before = cpu_ticks(pid)?;
+        let before = cpu.ticks()?;
         tokio::time::sleep(opts.window).await;
-        let used = cpu_ticks(pid)?.saturating_sub(before);
+        let used = cpu.ticks()?.saturating_sub(before);
         let ms = used as f64 * 1000.0 / clock_ticks_per_s() as f64;
         let cpu_ms_per_s = ms / opts.window.as_secs_f64();
         eprintln!("kv-bench idle: {n} pods: {cpu_ms_per_s:.2} ms CPU per s");

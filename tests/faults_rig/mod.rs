@@ -23,6 +23,15 @@ pub(crate) const POLL: Duration = Duration::from_secs(10);
 /// Every test must finish within this (issue 13: bounded in time).
 pub(crate) const TEST_BUDGET: Duration = Duration::from_secs(30);
 
+/// Fails a fault run that took longer than [`TEST_BUDGET`].
+pub(crate) fn assert_within_budget(started: Instant) {
+    assert!(
+        started.elapsed() < TEST_BUDGET,
+        "took {:?}",
+        started.elapsed()
+    );
+}
+
 // ---------------------------------------------------------------------------------------------
 // Polling.
 

@@ -39,10 +39,10 @@ pub fn parse_stat_ticks(stat: &str) -> Result<u64, CpuStatError> {
 
 /// A `/proc/…/stat` file whose CPU time is tracked.
 #[derive(Debug, Clone)]
-pub(super) struct CpuSource(PathBuf);
+pub(crate) struct CpuSource(PathBuf);
 
 impl CpuSource {
-    pub(super) fn process(pid: u32) -> Self {
+    pub(crate) fn process(pid: u32) -> Self {
         Self(PathBuf::from(format!("/proc/{pid}/stat")))
     }
 
@@ -50,7 +50,7 @@ impl CpuSource {
         Self(PathBuf::from(format!("/proc/self/task/{tid}/stat")))
     }
 
-    pub(super) fn ticks(&self) -> Result<u64, CpuStatError> {
+    pub(crate) fn ticks(&self) -> Result<u64, CpuStatError> {
         let text = std::fs::read_to_string(&self.0).map_err(|source| CpuStatError::Read {
             path: self.0.display().to_string(),
             source,
