@@ -31,7 +31,8 @@ use kv_router::extproc::{
     ExtProc, ExtProcMetrics, DESTINATION_HEADER, LB_NAMESPACE, SUBSET_KEY, SUBSET_NAMESPACE,
 };
 use kv_router::index::{
-    parse_redis_member, redis_member as member, EventIndex, EventIndexConfig, KvIndex, MemoryIndex,
+    decode_redis_lookup_reply, parse_redis_member, redis_member as member, EventIndex,
+    EventIndexConfig, KvIndex, MemoryIndex,
 };
 use kv_router::pods::{
     parse_vllm_metrics, LoadSample, PodId, PodRegistry, PodSource, StaticSource,
@@ -319,6 +320,24 @@ pub fn redis_member(data: &[u8]) {
         parse_redis_member(member(root, key).as_bytes()),
         Some((root, key))
     );
+}
+
+/// The Redis lookup script's reply: `data` split at NUL bytes into strings, the first byte picks
+/// the candidate count. Never panics; an accepted reply has one finite, non-negative count per
+/// candidate.
+pub fn redis_lookup_reply(data: &[u8]) {
+    let Some((&pods, rest)) = data.split_first() else {
+        return;
+    };
+    let pods = usize::from(pods % 70);
+    let out: Vec<String> = rest
+        .split(|&b| b == 0)
+        .map(|s| String::from_utf8_lossy(s).into_owned())
+        .collect();
+    if let Ok((matched, _)) = decode_redis_lookup_reply(&out, pods) {
+        assert_eq!(matched.len(), pods);
+        assert!(matched.iter().all(|m| m.is_finite() && *m >= 0.0));
+    }
 }
 
 // ---------------------------------------------------------------------------------------------

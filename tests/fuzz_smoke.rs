@@ -203,6 +203,15 @@ fn redis_member() {
 }
 
 #[test]
+fn redis_lookup_reply() {
+    smoke(
+        "redis_lookup_reply",
+        targets::redis_lookup_reply,
+        Duration::from_secs(1),
+    );
+}
+
+#[test]
 fn extproc() {
     smoke("extproc", targets::extproc, Duration::from_secs(7));
 }

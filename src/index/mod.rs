@@ -32,8 +32,9 @@ pub use build::{build_index, index_capacity, BuiltIndex};
 pub use events::{EventIndex, EventIndexConfig};
 pub use memory::MemoryIndex;
 pub use redis::{
-    member as redis_member, parse_member as parse_redis_member, Local,
-    Reason as RedisFallbackReason, RedisIndex, RedisMetrics, Source as RedisSource, Tuning,
+    decode_lookup_reply as decode_redis_lookup_reply, member as redis_member,
+    parse_member as parse_redis_member, Local, Reason as RedisFallbackReason, RedisIndex,
+    RedisMetrics, Source as RedisSource, Tuning,
 };
 
 use crate::events::KvEventBatch;
