@@ -288,7 +288,17 @@ pub async fn run(cfg: Config, tokenizers: TokenizerRegistry) -> anyhow::Result<(
         .with_context(|| format!("binding admin listener {admin_addr}"))?;
     let admin = crate::admin_serve::serve(listener, admin_app, closing.clone());
     info!(grpc = %grpc_addr, admin = %admin_addr, "kv-router listening");
+    // Serve once a pod is known healthy (or the first probes had their time): a router that has
+    // not probed yet answered 503 no_healthy_upstream where Envoy, finding the port closed, fails
+    // open (seen restarting a router under load behind the BUFFERED config).
+    let first_probes = Duration::from_millis(
+        cfg.pods
+            .health_interval_ms
+            .saturating_add(cfg.pods.probe_timeout_ms)
+            .min(10_000),
+    );
     let servers = async {
+        first_healthy_pod(&pods, first_probes).await;
         let (g, ()) = tokio::join!(grpc, admin);
         g.with_context(|| format!("gRPC server on {grpc_addr}"))
     };
@@ -342,6 +352,16 @@ fn admin_token(cfg: &Config) -> anyhow::Result<Option<Arc<str>>> {
 }
 
 /// Resolves once shutdown has begun.
+/// Resolves once a pod is healthy or `limit` has passed.
+async fn first_healthy_pod(pods: &PodRegistry, limit: Duration) {
+    let wait = async {
+        while !pods.any_healthy() {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    };
+    let _ = tokio::time::timeout(limit, wait).await;
+}
+
 async fn stopped(mut stopping: tokio::sync::watch::Receiver<bool>) {
     let _ = stopping.wait_for(|s| *s).await;
 }
