@@ -13,7 +13,7 @@ use std::time::Duration;
 use anyhow::{Context, Result};
 use serde::Serialize;
 
-use super::deploy::{self, Binaries, EnvoyOptions, EnvoyProc, RedisProc, RouterProc, SimPod};
+use super::deploy::{self, Binaries, EnvoyOptions, EnvoyProc, EventPod, RedisProc, RouterProc};
 use super::report::Summary;
 use super::runner::{self, RunOptions, RunResult};
 use super::strategy::Strategy;
@@ -66,14 +66,6 @@ impl CompareOptions {
     }
 }
 
-/// A pod with its KV-event ports.
-#[derive(Debug)]
-struct EventPod {
-    sim: SimPod,
-    events_port: u16,
-    replay_port: u16,
-}
-
 /// The fleet shared by every strategy: pods publishing KV events and a round-robin Envoy.
 #[derive(Debug)]
 pub struct CompareFleet {
@@ -115,10 +107,7 @@ impl CompareFleet {
     fn base_config(&self) -> Result<Config> {
         let mut cfg = deploy::local_router_config(&self.addrs())?;
         cfg.log.level = "warn".into();
-        for (sp, p) in cfg.pods.static_pods.iter_mut().zip(&self.pods) {
-            sp.kv_events_endpoint = Some(format!("tcp://127.0.0.1:{}", p.events_port));
-            sp.kv_events_replay_endpoint = Some(format!("tcp://127.0.0.1:{}", p.replay_port));
-        }
+        EventPod::set_endpoints(&mut cfg, &self.pods);
         Ok(cfg)
     }
 }
@@ -131,41 +120,16 @@ fn envoy_options() -> EnvoyOptions {
 }
 
 fn spawn_event_pod(bins: &Binaries, i: usize, opts: &CompareOptions) -> Result<EventPod> {
-    let mut last = None;
-    for _ in 0..4 {
-        let (ep, rp) = (deploy::free_port()?, deploy::free_port()?);
-        if ep == rp {
-            continue;
-        }
-        let mut args = vec![
-            "--pod-name".to_string(),
-            format!("pod-{i}"),
-            "--seed".to_string(),
-            i.to_string(),
-            "--num-gpu-blocks".to_string(),
-            opts.gpu_blocks.to_string(),
-            "--model".to_string(),
-            opts.model.clone(),
-            "--kv-events-endpoint".to_string(),
-            format!("tcp://*:{ep}"),
-            "--kv-events-replay-endpoint".to_string(),
-            format!("tcp://*:{rp}"),
-        ];
-        args.extend(opts.sim_args.iter().cloned());
-        match SimPod::spawn(&bins.vllm_sim, &args) {
-            Ok(sim) => {
-                return Ok(EventPod {
-                    sim,
-                    events_port: ep,
-                    replay_port: rp,
-                })
-            }
-            // An event port taken between probing and binding: try fresh ones.
-            Err(e) => last = Some(e),
-        }
-    }
-    Err(last.unwrap_or_else(|| anyhow::anyhow!("no free port pair")))
-        .with_context(|| format!("starting pod-{i}"))
+    let mut args = vec![
+        "--seed".to_string(),
+        i.to_string(),
+        "--num-gpu-blocks".to_string(),
+        opts.gpu_blocks.to_string(),
+        "--model".to_string(),
+        opts.model.clone(),
+    ];
+    args.extend(opts.sim_args.iter().cloned());
+    EventPod::spawn(&bins.vllm_sim, &format!("pod-{i}"), &args)
 }
 
 /// One strategy's outcome.

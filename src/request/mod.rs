@@ -176,8 +176,8 @@ pub fn parse(path: &str, body: &[u8]) -> Result<RoutingRequest, RequestError> {
         }
     };
     let (prompt, batch) = match api {
-        Api::Completions => prompt_field(&obj, "prompt")?,
-        Api::Embeddings => prompt_field(&obj, "input")?,
+        Api::Completions => prompt_field(&mut obj, "prompt")?,
+        Api::Embeddings => prompt_field(&mut obj, "input")?,
         Api::ChatCompletions => {
             let messages = obj
                 .get("messages")
@@ -250,9 +250,10 @@ fn opt_string(
     }
 }
 
-/// `prompt` / `input`: string, list of strings, token ids, or list of token-id lists.
+/// `prompt` / `input`: string, list of strings, token ids, or list of token-id lists. The field is
+/// moved out of `obj`, not copied: a prompt can be most of a large body.
 fn prompt_field(
-    obj: &Map<String, Value>,
+    obj: &mut Map<String, Value>,
     field: &'static str,
 ) -> Result<(Prompt, usize), RequestError> {
     let invalid = RequestError::InvalidField {
@@ -260,28 +261,25 @@ fn prompt_field(
         expected:
             "a string, an array of strings, an array of token ids or an array of token-id arrays",
     };
-    let value = obj.get(field).ok_or(RequestError::MissingField(field))?;
+    let value = obj.remove(field).ok_or(RequestError::MissingField(field))?;
     match value {
-        Value::String(s) => Ok((Prompt::Text(s.clone()), 1)),
+        Value::String(s) => Ok((Prompt::Text(s), 1)),
         Value::Array(items) if items.is_empty() => Err(invalid),
-        Value::Array(items) => match &items[0] {
+        Value::Array(mut items) => match &items[0] {
             Value::String(_) => {
-                let mut first = None;
-                for item in items {
-                    let Value::String(s) = item else {
-                        return Err(invalid);
-                    };
-                    first.get_or_insert(s);
+                if !items.iter().all(Value::is_string) {
+                    return Err(invalid);
                 }
-                Ok((
-                    Prompt::Text(first.cloned().unwrap_or_default()),
-                    items.len(),
-                ))
+                let batch = items.len();
+                let Value::String(first) = items.swap_remove(0) else {
+                    return Err(invalid);
+                };
+                Ok((Prompt::Text(first), batch))
             }
-            Value::Number(_) => Ok((Prompt::Tokens(token_ids(items).ok_or(invalid)?), 1)),
+            Value::Number(_) => Ok((Prompt::Tokens(token_ids(&items).ok_or(invalid)?), 1)),
             Value::Array(_) => {
                 let mut first = None;
-                for item in items {
+                for item in &items {
                     let Value::Array(ids) = item else {
                         return Err(invalid.clone());
                     };

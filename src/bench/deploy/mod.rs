@@ -27,7 +27,7 @@ pub use envoy::{EnvoyOptions, EnvoyProc};
 #[allow(unused_imports)]
 pub use redis::{command as redis_command, find_redis_server, RedisCluster, RedisProc};
 pub use router::{local_router_config, RouterProc};
-pub use sim_pod::{reset_caches, spawn_pods, SimPod};
+pub use sim_pod::{reset_caches, EventPod, SimPod};
 
 /// How long a process may take to become ready before start-up fails.
 pub const START_TIMEOUT: Duration = Duration::from_secs(20);

@@ -116,23 +116,58 @@ impl SimPod {
     }
 }
 
-/// Starts `n` pods with the same arguments plus `--pod-name <prefix><i>` and `--seed <i>` when
-/// `name_prefix` is given.
-pub fn spawn_pods(
-    bin: &Path,
-    n: usize,
-    name_prefix: Option<&str>,
-    args: &[String],
-) -> Result<Vec<SimPod>> {
-    (0..n)
-        .map(|i| {
-            let mut a = args.to_vec();
-            if let Some(p) = name_prefix {
-                a.extend(["--pod-name".to_string(), format!("{p}{i}")]);
+/// A pod that publishes KV events, with its event and replay ports.
+#[derive(Debug)]
+pub struct EventPod {
+    /// The pod.
+    pub sim: SimPod,
+    /// Its ZMQ PUB port.
+    pub events_port: u16,
+    /// Its replay (ROUTER) port.
+    pub replay_port: u16,
+}
+
+impl EventPod {
+    /// Starts `vllm-sim --pod-name <name> <args>` publishing KV events on two free ports.
+    pub fn spawn(bin: &Path, name: &str, args: &[String]) -> Result<Self> {
+        let mut last = None;
+        for _ in 0..4 {
+            let (ep, rp) = (super::free_port()?, super::free_port()?);
+            if ep == rp {
+                continue;
             }
-            SimPod::spawn(bin, &a)
-        })
-        .collect()
+            let mut a = vec![
+                "--pod-name".to_string(),
+                name.to_string(),
+                "--kv-events-endpoint".to_string(),
+                format!("tcp://*:{ep}"),
+                "--kv-events-replay-endpoint".to_string(),
+                format!("tcp://*:{rp}"),
+            ];
+            a.extend(args.iter().cloned());
+            match SimPod::spawn(bin, &a) {
+                Ok(sim) => {
+                    return Ok(Self {
+                        sim,
+                        events_port: ep,
+                        replay_port: rp,
+                    })
+                }
+                // An event port taken between probing and binding: try fresh ones.
+                Err(e) => last = Some(e),
+            }
+        }
+        Err(last.unwrap_or_else(|| anyhow::anyhow!("no free port pair")))
+            .with_context(|| format!("starting {name}"))
+    }
+
+    /// Points each of `cfg`'s static pods (in `pods`' order) at its pod's event endpoints.
+    pub fn set_endpoints(cfg: &mut kv_router::config::Config, pods: &[EventPod]) {
+        for (sp, p) in cfg.pods.static_pods.iter_mut().zip(pods) {
+            sp.kv_events_endpoint = Some(format!("tcp://127.0.0.1:{}", p.events_port));
+            sp.kv_events_replay_endpoint = Some(format!("tcp://127.0.0.1:{}", p.replay_port));
+        }
+    }
 }
 
 /// `POST /reset_prefix_cache` on every pod.

@@ -10,6 +10,9 @@ use bytes::Bytes;
 use super::super::prose::prose;
 use super::super::splitmix::SplitMix64;
 
+/// The model the bodies name (vllm-sim's default).
+pub(super) const MODEL: &str = "sim-model";
+
 /// Sixteen distinct `/v1/completions` bodies whose prompt is exactly `bytes` bytes of text.
 pub(super) fn bodies(bytes: usize) -> Vec<Bytes> {
     (0..16u64)
@@ -23,7 +26,7 @@ pub(super) fn bodies(bytes: usize) -> Vec<Bytes> {
             // prose writes ASCII, so any byte index is a char boundary.
             text.truncate(bytes);
             let v = serde_json::json!({
-                "model": "sim-model",
+                "model": MODEL,
                 "prompt": text,
                 "max_tokens": 1,
                 "stream": false,

@@ -35,16 +35,20 @@ pub enum PathKind {
     EnvoyRoundRobin,
     /// Envoy with `override-host-buffered.yaml` and the no-op processor: the ext_proc floor.
     EnvoyNoopExtProc,
-    /// Envoy with `override-host-buffered.yaml` and kv-router.
+    /// Envoy with `override-host-buffered.yaml` and kv-router (approximate, the default).
     EnvoyKvRouter,
+    /// Envoy with `override-host-buffered.yaml` and kv-router in precise mode (the pods' KV
+    /// events, vllm-sim's tokenizer).
+    EnvoyKvRouterPrecise,
 }
 
 /// Every path, in table order.
-pub const PATHS: [PathKind; 4] = [
+pub const PATHS: [PathKind; 5] = [
     PathKind::Direct,
     PathKind::EnvoyRoundRobin,
     PathKind::EnvoyNoopExtProc,
     PathKind::EnvoyKvRouter,
+    PathKind::EnvoyKvRouterPrecise,
 ];
 
 impl PathKind {
@@ -55,7 +59,13 @@ impl PathKind {
             Self::EnvoyRoundRobin => "envoy-round-robin",
             Self::EnvoyNoopExtProc => "envoy-noop-ext-proc",
             Self::EnvoyKvRouter => "envoy-kv-router",
+            Self::EnvoyKvRouterPrecise => "envoy-kv-router-precise",
         }
+    }
+
+    /// Whether this path goes through one of the kv-router processes.
+    pub fn is_router(self) -> bool {
+        matches!(self, Self::EnvoyKvRouter | Self::EnvoyKvRouterPrecise)
     }
 }
 
@@ -138,7 +148,7 @@ pub struct Cell {
     pub added_p99_ms: Option<f64>,
     /// Requests per second of measured wall time.
     pub throughput_rps: f64,
-    /// kv-router CPU (user + system) per request, ms (envoy-kv-router only).
+    /// That path's kv-router CPU (user + system) per request, ms (kv-router paths only).
     pub router_cpu_ms_per_request: Option<f64>,
     /// The same minus kv-router's idle background over the cell's wall time, ms (at least 0).
     pub router_cpu_net_ms_per_request: Option<f64>,
@@ -171,8 +181,10 @@ pub struct OverheadReport {
     pub rounds: usize,
     /// `sysconf(_SC_CLK_TCK)`: CPU figures are multiples of 1000 / this ms, divided by requests.
     pub clock_ticks_per_s: u64,
-    /// kv-router CPU while it got no traffic (health probes, scrapes), ms per second.
+    /// Approximate kv-router's CPU while it got no traffic (health probes, scrapes), ms per second.
     pub router_idle_cpu_ms_per_s: f64,
+    /// The same for the precise kv-router (which also reads the pods' KV events).
+    pub precise_idle_cpu_ms_per_s: f64,
     /// Wall time of the whole run, seconds.
     pub duration_s: f64,
     /// Every cell.
@@ -192,6 +204,14 @@ struct Acc {
     envoy_ticks: u64,
 }
 
+/// Every router's CPU ticks now.
+fn ticks_of(sources: &BTreeMap<PathKind, CpuSource>) -> Result<BTreeMap<PathKind, u64>> {
+    sources
+        .iter()
+        .map(|(p, src)| Ok((*p, src.ticks()?)))
+        .collect()
+}
+
 /// Measured requests of round `round` out of `rounds` (the remainder goes to the first rounds).
 fn round_share(total: usize, rounds: usize, round: usize) -> usize {
     let rounds = rounds.max(1);
@@ -209,12 +229,25 @@ pub async fn run(
     let mut fleet = Fleet::start(bins, &envoy, opts.pods).await?;
     let client = super::runner::client();
     let pid = |p: &mut super::deploy::ChildProc| p.pid().context("process is not running");
-    let router_cpu = CpuSource::process(pid(fleet.router.process())?);
+    let router_cpu: BTreeMap<PathKind, CpuSource> = [
+        (PathKind::EnvoyKvRouter, pid(fleet.router.process())?),
+        (
+            PathKind::EnvoyKvRouterPrecise,
+            pid(fleet.precise.process())?,
+        ),
+    ]
+    .into_iter()
+    .map(|(p, id)| (p, CpuSource::process(id)))
+    .collect();
     let noop_cpu = CpuSource::own_thread(fleet.noop.tid);
     let envoy_cpu: BTreeMap<PathKind, CpuSource> = [
         (PathKind::EnvoyRoundRobin, pid(fleet.rr_envoy.process())?),
         (PathKind::EnvoyNoopExtProc, pid(fleet.noop_envoy.process())?),
         (PathKind::EnvoyKvRouter, pid(fleet.kv_envoy.process())?),
+        (
+            PathKind::EnvoyKvRouterPrecise,
+            pid(fleet.precise_envoy.process())?,
+        ),
     ]
     .into_iter()
     .map(|(p, id)| (p, CpuSource::process(id)))
@@ -222,7 +255,8 @@ pub async fn run(
     let fleet = fleet;
     let hz = clock_ticks_per_s();
     let mut accs: BTreeMap<(usize, usize, PathKind), Acc> = BTreeMap::new();
-    let (mut idle_ticks, mut idle_wall) = (0u64, Duration::ZERO);
+    // Per router: CPU ticks and wall time while the other paths ran.
+    let mut idle: BTreeMap<PathKind, (u64, Duration)> = BTreeMap::new();
     let mut cell_no = 0usize;
     for &size in &opts.sizes {
         let bodies = Arc::new(bodies(size));
@@ -247,11 +281,11 @@ pub async fn run(
                         Some(e) if path != PathKind::EnvoyRoundRobin => Some(e.stats().await?),
                         _ => None,
                     };
-                    let r0 = router_cpu.ticks()?;
+                    let r0 = ticks_of(&router_cpu)?;
                     let n0 = noop_cpu.ticks()?;
                     let e0 = envoy_cpu.get(&path).map(CpuSource::ticks).transpose()?;
                     let batch = drive(&client, &urls, &bodies, n, conc).await;
-                    let dr = router_cpu.ticks()? - r0;
+                    let r1 = ticks_of(&router_cpu)?;
                     let dn = noop_cpu.ticks()? - n0;
                     let de = match (envoy_cpu.get(&path), e0) {
                         (Some(src), Some(e0)) => src.ticks()? - e0,
@@ -265,9 +299,16 @@ pub async fn run(
                         }
                         _ => 0,
                     };
-                    if path != PathKind::EnvoyKvRouter {
-                        idle_ticks += dr;
-                        idle_wall += batch.wall;
+                    let mut dr = 0;
+                    for (router, t1) in &r1 {
+                        let d = t1 - r0[router];
+                        if *router == path {
+                            dr = d;
+                        } else {
+                            let e = idle.entry(*router).or_default();
+                            e.0 += d;
+                            e.1 += batch.wall;
+                        }
                     }
                     let acc = accs.entry((size, conc, path)).or_default();
                     acc.latencies.extend(batch.latencies);
@@ -287,7 +328,10 @@ pub async fn run(
         }
     }
     let tick_ms = 1000.0 / hz as f64;
-    let idle_ms_per_s = idle_ticks as f64 * tick_ms / idle_wall.as_secs_f64().max(1e-9);
+    let idle_ms_per_s = |router: PathKind| {
+        let (ticks, wall) = idle.get(&router).copied().unwrap_or_default();
+        ticks as f64 * tick_ms / wall.as_secs_f64().max(1e-9)
+    };
     let mut cells: Vec<Cell> = accs
         .into_iter()
         .map(|((size, conc, path), mut a)| {
@@ -311,11 +355,10 @@ pub async fn run(
                 added_p50_ms: None,
                 added_p99_ms: None,
                 throughput_rps: requests as f64 / a.wall.as_secs_f64().max(1e-9),
-                router_cpu_ms_per_request: (path == PathKind::EnvoyKvRouter)
-                    .then(|| per_req(a.router_ticks)),
-                router_cpu_net_ms_per_request: (path == PathKind::EnvoyKvRouter).then(|| {
+                router_cpu_ms_per_request: path.is_router().then(|| per_req(a.router_ticks)),
+                router_cpu_net_ms_per_request: path.is_router().then(|| {
                     (per_req(a.router_ticks)
-                        - idle_ms_per_s * a.wall.as_secs_f64() / requests.max(1) as f64)
+                        - idle_ms_per_s(path) * a.wall.as_secs_f64() / requests.max(1) as f64)
                         .max(0.0)
                 }),
                 noop_cpu_ms_per_request: (path == PathKind::EnvoyNoopExtProc)
@@ -337,7 +380,8 @@ pub async fn run(
         warmup_per_round: opts.warmup,
         rounds: opts.rounds.max(1),
         clock_ticks_per_s: hz,
-        router_idle_cpu_ms_per_s: idle_ms_per_s,
+        router_idle_cpu_ms_per_s: idle_ms_per_s(PathKind::EnvoyKvRouter),
+        precise_idle_cpu_ms_per_s: idle_ms_per_s(PathKind::EnvoyKvRouterPrecise),
         duration_s: started.elapsed().as_secs_f64(),
         cells,
     })
@@ -426,16 +470,18 @@ impl OverheadReport {
              requests per round, at least the concurrency); {} instant simulated pods; \
              non-streamed /v1/completions, max_tokens 1. Latency is client-side, request sent to \
              body read. Errors include ext_proc fail-open events. ext_proc CPU is kv-router's \
-             process (envoy-kv-router) or the no-op processor's thread (envoy-noop-ext-proc), \
-             user + system from /proc in {:.0} ms ticks; kv-router's figure excludes its idle \
-             background (health probes, metric scrapes: {:.3} ms/s, measured while other paths \
-             ran; the JSON has the raw figure too). Envoy: {}, 2 worker threads each. Machine: {}. Took {:.0} s.\n",
+             process (envoy-kv-router, envoy-kv-router-precise: two processes) or the no-op \
+             processor's thread (envoy-noop-ext-proc), user + system from /proc in {:.0} ms \
+             ticks; each kv-router's figure excludes its idle background (health probes, metric \
+             scrapes, KV events: {:.3} ms/s approximate, {:.3} ms/s precise, measured while \
+             other paths ran; the JSON has the raw figures too). Envoy: {}, 2 worker threads each. Machine: {}. Took {:.0} s.\n",
             self.requests_per_cell,
             self.rounds,
             self.warmup_per_round,
             self.pods,
             1000.0 / self.clock_ticks_per_s as f64,
             self.router_idle_cpu_ms_per_s,
+            self.precise_idle_cpu_ms_per_s,
             self.envoy_version,
             self.machine,
             self.duration_s,
@@ -489,6 +535,7 @@ mod tests {
             rounds: 1,
             clock_ticks_per_s: 100,
             router_idle_cpu_ms_per_s: 0.5,
+            precise_idle_cpu_ms_per_s: 0.75,
             duration_s: 3.0,
             cells,
         }
