@@ -93,6 +93,14 @@ fn quick_overhead_report_is_well_formed() {
             }
         }
     }
+    // The goals: both routers against the no-op at every (size, concurrency), each with a floor.
+    let goals = r["goals"].as_array().expect("goals");
+    let want = sizes.len() * 2 * (concs.len() + concs.iter().filter(|&&c| c > 1).count())
+        + 2 * sizes.iter().filter(|&&s| s >= 256 * 1024).count() * concs.len();
+    assert_eq!(goals.len(), want, "{goals:?}");
+    for g in goals {
+        assert!(g["met"].is_boolean() && g["floor"].is_number(), "{g}");
+    }
     let rows = md.lines().filter(|l| l.starts_with('|')).count();
-    assert_eq!(rows, cells.len() + 2, "{md}");
+    assert_eq!(rows, cells.len() + 2 + goals.len() + 2, "{md}");
 }

@@ -16,6 +16,7 @@ use serde::Serialize;
 
 pub(crate) mod cpu;
 mod fleet;
+mod goals;
 mod load;
 
 use super::deploy::{self, Binaries};
@@ -23,6 +24,7 @@ use super::report::percentile;
 use super::table::{Style, Table};
 use cpu::{clock_ticks_per_s, envoy_version, CpuSource};
 use fleet::Fleet;
+pub use goals::Goal;
 use load::{bodies, drive, envoy_counter, FAILED_OPEN_STAT};
 
 /// A way to reach the pods.
@@ -189,6 +191,8 @@ pub struct OverheadReport {
     pub duration_s: f64,
     /// Every cell.
     pub cells: Vec<Cell>,
+    /// The goals checked on these cells (kv-router against the no-op floor).
+    pub goals: Vec<Goal>,
 }
 
 /// What a cell accumulates over its rounds.
@@ -370,6 +374,7 @@ pub async fn run(
         })
         .collect();
     fill_added(&mut cells);
+    let goals = goals::check(&cells);
     Ok(OverheadReport {
         quick: opts.quick,
         envoy_version: envoy_version(&envoy),
@@ -384,6 +389,7 @@ pub async fn run(
         precise_idle_cpu_ms_per_s: idle_ms_per_s(PathKind::EnvoyKvRouterPrecise),
         duration_s: started.elapsed().as_secs_f64(),
         cells,
+        goals,
     })
 }
 
@@ -486,6 +492,13 @@ impl OverheadReport {
             self.machine,
             self.duration_s,
         ));
+        if !self.goals.is_empty() {
+            s.push_str(
+                "\nGoals (docs/microbench.md): kv-router against the no-op ext_proc at the same \
+                 size and concurrency; the floor is the no-op's own value.\n\n",
+            );
+            s.push_str(&goals::markdown(&self.goals));
+        }
         s
     }
 }
@@ -525,6 +538,7 @@ mod tests {
 
     fn report(cells: Vec<Cell>) -> OverheadReport {
         OverheadReport {
+            goals: goals::check(&cells),
             quick: true,
             envoy: "/x/envoy".into(),
             envoy_version: "1.40.0".into(),
