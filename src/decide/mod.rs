@@ -343,6 +343,19 @@ impl Decider {
         let Ok(permit) = self.heavy.clone().acquire_owned().await else {
             return work(&self.keyer, req.path, body);
         };
+        let flavor = tokio::runtime::Handle::current().runtime_flavor();
+        if flavor == tokio::runtime::RuntimeFlavor::MultiThread {
+            // The worker hands its other tasks to a new one and parses the borrowed body in
+            // place: no copy of a body that can be most of `max_body_bytes`.
+            let run = std::panic::AssertUnwindSafe(|| work(&self.keyer, req.path, body));
+            let out = tokio::task::block_in_place(|| std::panic::catch_unwind(run));
+            drop(permit);
+            return out.unwrap_or_else(|_| {
+                // A panic while parsing hostile input: treat the body as unparsable.
+                tracing::error!("request parsing panicked");
+                (None, None)
+            });
+        }
         let (keyer, path, body) = (self.keyer.clone(), req.path.to_string(), body.to_vec());
         tokio::task::spawn_blocking(move || {
             let _permit = permit;
@@ -350,7 +363,6 @@ impl Decider {
         })
         .await
         .unwrap_or_else(|e| {
-            // A panic while parsing hostile input: treat the body as unparsable.
             tracing::error!(error = %e, "request parsing panicked");
             (None, None)
         })
