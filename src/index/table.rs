@@ -247,6 +247,11 @@ impl<H: Holder> Holders<H> {
         self.map.get(key).map_or(&[], |h| h.list.as_slice())
     }
 
+    /// Makes room for `additional` more keys without growing the map on the way.
+    pub(crate) fn reserve(&mut self, additional: usize) {
+        self.map.reserve(additional);
+    }
+
     /// Applies `update` to `slot`'s entry for `key`; false when it has none.
     pub(crate) fn update(
         &mut self,
