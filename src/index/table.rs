@@ -346,31 +346,39 @@ impl<H: Holder> Holders<H> {
         }
         let mut cur: SmallVec<[u64; 4]> = smallvec![0; words];
         let mut lesser: SmallVec<[u64; 4]> = smallvec![0; words];
-        for (i, key) in keys.iter().enumerate() {
-            if alive.iter().all(|&w| w == 0) {
-                break;
-            }
-            cur.fill(0);
-            lesser.fill(0);
-            if let Some(held) = self.map.get(key) {
-                held.intersect(&alive, now_ms, &mut cur, &mut lesser);
-            }
-            for w in 0..words {
-                for s in ones(alive[w] & !cur[w], w) {
-                    let t = &mut tally[s as usize];
-                    match fallback(s, key) {
-                        Some(x) => {
-                            cur[w] |= 1 << (s % 64);
-                            t.vouched += 1;
-                            t.vouched_weight += x;
+        // Keys are looked up a few at a time, so that their probes overlap instead of each
+        // waiting for the one before.
+        const AHEAD: usize = 8;
+        'walk: for (c, chunk) in keys.chunks(AHEAD).enumerate() {
+            let found: [Option<&Held<H>>; AHEAD] =
+                std::array::from_fn(|j| chunk.get(j).and_then(|k| self.map.get(k)));
+            for (j, key) in chunk.iter().enumerate() {
+                let i = c * AHEAD + j;
+                if alive.iter().all(|&w| w == 0) {
+                    break 'walk;
+                }
+                cur.fill(0);
+                lesser.fill(0);
+                if let Some(held) = found[j] {
+                    held.intersect(&alive, now_ms, &mut cur, &mut lesser);
+                }
+                for w in 0..words {
+                    for s in ones(alive[w] & !cur[w], w) {
+                        let t = &mut tally[s as usize];
+                        match fallback(s, key) {
+                            Some(x) => {
+                                cur[w] |= 1 << (s % 64);
+                                t.vouched += 1;
+                                t.vouched_weight += x;
+                            }
+                            None => t.len = i,
                         }
-                        None => t.len = i,
                     }
+                    for s in ones(lesser[w], w) {
+                        tally[s as usize].lesser += 1;
+                    }
+                    alive[w] = cur[w];
                 }
-                for s in ones(lesser[w], w) {
-                    tally[s as usize].lesser += 1;
-                }
-                alive[w] = cur[w];
             }
         }
         for (w, &a) in alive.iter().enumerate() {
