@@ -177,9 +177,11 @@ fn percentiles() {
     let rt = rt();
     let mut rng = StdRng::seed_from_u64(42);
     let mut samples = Vec::with_capacity(20_000);
+    let (mut hot, mut cold) = (Vec::with_capacity(10_000), Vec::with_capacity(10_000));
     for _ in 0..20_000 {
         // Half the requests share the system prompt and one pod's document; half are cold.
-        let keys = if rng.random_bool(0.5) {
+        let is_hot = rng.random_bool(0.5);
+        let keys = if is_hot {
             let mut k = doc_keys(0, 128);
             k.extend(doc_keys(1000 + rng.random_range(0..64u64) * 100, 128));
             k
@@ -188,15 +190,26 @@ fn percentiles() {
         };
         let t = Instant::now();
         std::hint::black_box(rt.block_on(idx.lookup(&keys, &ids, 0)).unwrap());
-        samples.push(t.elapsed());
+        let spent = t.elapsed();
+        samples.push(spent);
+        if is_hot { &mut hot } else { &mut cold }.push(spent);
     }
-    samples.sort();
-    let p = |q: f64| samples[((samples.len() as f64 * q) as usize).min(samples.len() - 1)];
+    let p = |samples: &mut Vec<Duration>, q: f64| {
+        samples.sort();
+        samples[((samples.len() as f64 * q) as usize).min(samples.len() - 1)]
+    };
     println!(
         "lookup 256 blocks x 64 pods (event index, 20k mixed requests): p50 {:?}  p99 {:?}  max {:?}",
-        p(0.5),
-        p(0.99),
+        p(&mut samples, 0.5),
+        p(&mut samples, 0.99),
         samples.last().copied().unwrap_or(Duration::ZERO)
+    );
+    println!(
+        "  of them shared-prefix requests: p50 {:?}  p99 {:?}; cold requests: p50 {:?}  p99 {:?}",
+        p(&mut hot, 0.5),
+        p(&mut hot, 0.99),
+        p(&mut cold, 0.5),
+        p(&mut cold, 0.99)
     );
 }
 
