@@ -5,7 +5,7 @@ use async_trait::async_trait;
 use lru::LruCache;
 use parking_lot::RwLock;
 
-use super::table::{Holder, Slot, Table};
+use super::table::{Holder, Slot, Table, Weights};
 use super::{IndexError, IndexStats, KvIndex};
 use crate::blocks::BlockKey;
 use crate::pods::PodId;
@@ -24,6 +24,9 @@ struct Entry {
 impl Holder for Entry {
     fn slot(&self) -> Slot {
         self.slot
+    }
+    fn expiry(&self) -> u64 {
+        self.expiry
     }
 }
 
@@ -44,8 +47,12 @@ impl MemoryIndex {
         }
     }
 
+    /// A pod's LRU: bounded by the default capacity, grown as entries come (not allocated for the
+    /// whole capacity up front).
     fn new_pod(&self) -> PodEntries {
-        LruCache::new(cap(self.default_capacity))
+        let mut lru = LruCache::unbounded();
+        lru.resize(cap(self.default_capacity));
+        lru
     }
 }
 
@@ -62,12 +69,11 @@ impl KvIndex for MemoryIndex {
         now_ms: u64,
     ) -> Result<Vec<f64>, IndexError> {
         let inner = self.inner.read();
-        Ok(inner.lookup(
-            keys,
-            pods,
-            |e| (e.expiry > now_ms).then_some(1.0),
-            |_, _| None,
-        ))
+        let weights = Weights {
+            full: 1.0,
+            lesser: 1.0,
+        };
+        Ok(inner.lookup(keys, pods, now_ms, weights, |_, _| None))
     }
 
     async fn record(&self, pod: &PodId, keys: &[BlockKey], now_ms: u64) -> Result<(), IndexError> {
@@ -81,9 +87,7 @@ impl KvIndex for MemoryIndex {
         for &key in keys.iter().rev() {
             if let Some(e) = lru.get_mut(&key) {
                 *e = expiry;
-                if let Some(h) = holders.get_mut(&key, slot) {
-                    h.expiry = expiry;
-                }
+                holders.update(&key, slot, |h| h.expiry = expiry);
                 continue;
             }
             if let Some((old, _)) = lru.push(key, expiry) {

@@ -1,9 +1,10 @@
 //! The bookkeeping both in-process backends share: a dense slot per pod (holder lists store a
 //! 4-byte slot, not the pod's name), a free list so a departed pod's slot is reused, the reverse
-//! map block key → holders with its entry count, and the consecutive-prefix walk over them.
+//! map block key → holders with its entry count, and the consecutive-prefix walk over them (a
+//! bitset of the candidates still matching, intersected key by key with the holders' bits).
 
 use ahash::AHashMap;
-use smallvec::SmallVec;
+use smallvec::{smallvec, SmallVec};
 
 use super::IndexStats;
 use crate::blocks::BlockKey;
@@ -92,11 +93,142 @@ impl<T> PodSlots<T> {
 pub(crate) trait Holder: Copy {
     /// The pod's slot.
     fn slot(&self) -> Slot;
+    /// The entry counts for lookups at `now_ms` below this (by default, forever).
+    fn expiry(&self) -> u64 {
+        u64::MAX
+    }
+    /// The entry counts at the lesser weight (e.g. an offloaded copy).
+    fn lesser(&self) -> bool {
+        false
+    }
+}
+
+/// Holder lists up to this long stay inline; longer ones also keep a [`SlotBits`].
+const INLINE: usize = 4;
+
+/// A long holder list as bits over slots, so a lookup intersects it with its candidates a word
+/// (64 pods) at a time instead of visiting every holder.
+#[derive(Debug, Default)]
+struct SlotBits {
+    /// Slots holding the key.
+    held: SmallVec<[u64; 1]>,
+    /// Slots whose entry is [`Holder::lesser`].
+    lesser: SmallVec<[u64; 1]>,
+    /// The least [`Holder::expiry`] of the list: below it every entry counts.
+    min_expiry: u64,
+}
+
+fn set_bit(words: &mut SmallVec<[u64; 1]>, slot: Slot, on: bool) {
+    let (w, b) = (slot as usize / 64, slot % 64);
+    if w >= words.len() {
+        if !on {
+            return;
+        }
+        words.resize(w + 1, 0);
+    }
+    if on {
+        words[w] |= 1 << b;
+    } else {
+        words[w] &= !(1 << b);
+    }
+}
+
+/// A key's holders: the list, plus its bits once the list outgrows [`INLINE`].
+struct Held<H> {
+    list: SmallVec<[H; INLINE]>,
+    bits: Option<Box<SlotBits>>,
+}
+
+impl<H> Default for Held<H> {
+    fn default() -> Self {
+        Self {
+            list: SmallVec::new(),
+            bits: None,
+        }
+    }
+}
+
+impl<H: Holder> Held<H> {
+    fn position(&self, slot: Slot) -> Option<usize> {
+        self.list.iter().position(|h| h.slot() == slot)
+    }
+
+    fn push(&mut self, h: H) {
+        self.list.push(h);
+        match &mut self.bits {
+            Some(b) => {
+                set_bit(&mut b.held, h.slot(), true);
+                set_bit(&mut b.lesser, h.slot(), h.lesser());
+                b.min_expiry = b.min_expiry.min(h.expiry());
+            }
+            None if self.list.len() > INLINE => {
+                let mut b = SlotBits {
+                    min_expiry: u64::MAX,
+                    ..SlotBits::default()
+                };
+                for h in &self.list {
+                    set_bit(&mut b.held, h.slot(), true);
+                    set_bit(&mut b.lesser, h.slot(), h.lesser());
+                    b.min_expiry = b.min_expiry.min(h.expiry());
+                }
+                self.bits = Some(Box::new(b));
+            }
+            None => {}
+        }
+    }
+
+    /// Applies `update` to entry `i`; drops it when `update` returns false.
+    fn update(&mut self, i: usize, update: impl FnOnce(&mut H) -> bool) {
+        let old = self.list[i];
+        let keep = update(&mut self.list[i]);
+        let new = self.list[i];
+        if !keep {
+            self.list.swap_remove(i);
+        }
+        let Some(b) = &mut self.bits else {
+            return;
+        };
+        if keep {
+            set_bit(&mut b.lesser, new.slot(), new.lesser());
+        } else {
+            set_bit(&mut b.held, old.slot(), false);
+            set_bit(&mut b.lesser, old.slot(), false);
+        }
+        if old.expiry() == b.min_expiry || (keep && new.expiry() < b.min_expiry) {
+            b.min_expiry = self.list.iter().map(H::expiry).min().unwrap_or(u64::MAX);
+        }
+    }
+
+    /// Into `cur`, the `alive` slots whose entry counts at `now_ms`; into `lesser`, those of
+    /// them counting at the lesser weight. Both come in zeroed, as long as `alive`.
+    fn intersect(&self, alive: &[u64], now_ms: u64, cur: &mut [u64], lesser: &mut [u64]) {
+        match &self.bits {
+            Some(b) if b.min_expiry > now_ms => {
+                for (w, (&a, &h)) in alive.iter().zip(&b.held).enumerate() {
+                    cur[w] = a & h;
+                }
+                for (w, (&a, &l)) in alive.iter().zip(&b.lesser).enumerate() {
+                    lesser[w] = a & l;
+                }
+            }
+            _ => {
+                for h in &self.list {
+                    let (w, bit) = (h.slot() as usize / 64, 1u64 << (h.slot() % 64));
+                    if alive.get(w).is_some_and(|&a| a & bit != 0) && h.expiry() > now_ms {
+                        cur[w] |= bit;
+                        if h.lesser() {
+                            lesser[w] |= bit;
+                        }
+                    }
+                }
+            }
+        }
+    }
 }
 
 /// Block key → the pods holding it (usually a handful, kept inline), and the entry count.
 pub(crate) struct Holders<H> {
-    map: AHashMap<BlockKey, SmallVec<[H; 4]>>,
+    map: AHashMap<BlockKey, Held<H>>,
     entries: usize,
 }
 
@@ -112,12 +244,32 @@ impl<H> Default for Holders<H> {
 impl<H: Holder> Holders<H> {
     /// Every holder of `key`.
     pub(crate) fn of(&self, key: &BlockKey) -> &[H] {
-        self.map.get(key).map_or(&[], |h| h.as_slice())
+        self.map.get(key).map_or(&[], |h| h.list.as_slice())
     }
 
-    /// `slot`'s entry for `key`.
-    pub(crate) fn get_mut(&mut self, key: &BlockKey, slot: Slot) -> Option<&mut H> {
-        self.map.get_mut(key)?.iter_mut().find(|h| h.slot() == slot)
+    /// Makes room for `additional` more keys without growing the map on the way.
+    pub(crate) fn reserve(&mut self, additional: usize) {
+        self.map.reserve(additional);
+    }
+
+    /// Applies `update` to `slot`'s entry for `key`; false when it has none.
+    pub(crate) fn update(
+        &mut self,
+        key: &BlockKey,
+        slot: Slot,
+        update: impl FnOnce(&mut H),
+    ) -> bool {
+        let Some(held) = self.map.get_mut(key) else {
+            return false;
+        };
+        let Some(i) = held.position(slot) else {
+            return false;
+        };
+        held.update(i, |h| {
+            update(h);
+            true
+        });
+        true
     }
 
     /// Adds `holder` to `key`; the caller knows its slot does not hold `key` yet.
@@ -134,11 +286,14 @@ impl<H: Holder> Holders<H> {
         update: impl FnOnce(&mut H),
         make: impl FnOnce() -> H,
     ) {
-        let holders = self.map.entry(key).or_default();
-        match holders.iter_mut().find(|h| h.slot() == slot) {
-            Some(h) => update(h),
+        let held = self.map.entry(key).or_default();
+        match held.position(slot) {
+            Some(i) => held.update(i, |h| {
+                update(h);
+                true
+            }),
             None => {
-                holders.push(make());
+                held.push(make());
                 self.entries += 1;
             }
         }
@@ -151,16 +306,15 @@ impl<H: Holder> Holders<H> {
         slot: Slot,
         update: impl FnOnce(&mut H) -> bool,
     ) {
-        let Some(holders) = self.map.get_mut(key) else {
+        let Some(held) = self.map.get_mut(key) else {
             return;
         };
-        if let Some(i) = holders.iter().position(|h| h.slot() == slot) {
-            if !update(&mut holders[i]) {
-                holders.swap_remove(i);
-                self.entries -= 1;
-            }
+        if let Some(i) = held.position(slot) {
+            let before = held.list.len();
+            held.update(i, update);
+            self.entries -= before - held.list.len();
         }
-        if holders.is_empty() {
+        if held.list.is_empty() {
             self.map.remove(key);
         }
     }
@@ -169,6 +323,111 @@ impl<H: Holder> Holders<H> {
     pub(crate) fn remove(&mut self, key: &BlockKey, slot: Slot) {
         self.update_or_remove(key, slot, |_| false);
     }
+
+    /// The consecutive-prefix walk over `keys` for the candidate slots `cands`, with a bitset
+    /// of the candidates still matching: each key's holders are intersected with it (a word per
+    /// 64 slots when the key keeps [`SlotBits`]), the walk stops when no candidate is left, and
+    /// a candidate's tally is closed when it drops out. An entry counts while `now_ms` is below
+    /// its expiry; `fallback(slot, key)` may still vouch (with a weight) for a candidate no
+    /// counting entry names. Returns the tallies by slot.
+    fn walk(
+        &self,
+        keys: &[BlockKey],
+        cands: &[Slot],
+        now_ms: u64,
+        mut fallback: impl FnMut(Slot, &BlockKey) -> Option<f64>,
+    ) -> Vec<Tally> {
+        let n = cands.iter().max().map_or(0, |&m| m as usize + 1);
+        let mut tally = vec![Tally::default(); n];
+        let words = n.div_ceil(64);
+        let mut alive: SmallVec<[u64; 4]> = smallvec![0; words];
+        for &s in cands {
+            alive[s as usize / 64] |= 1 << (s % 64);
+        }
+        let mut cur: SmallVec<[u64; 4]> = smallvec![0; words];
+        let mut lesser: SmallVec<[u64; 4]> = smallvec![0; words];
+        // Keys are looked up a few at a time, so that their probes overlap instead of each
+        // waiting for the one before.
+        const AHEAD: usize = 8;
+        'walk: for (c, chunk) in keys.chunks(AHEAD).enumerate() {
+            let found: [Option<&Held<H>>; AHEAD] =
+                std::array::from_fn(|j| chunk.get(j).and_then(|k| self.map.get(k)));
+            for (j, key) in chunk.iter().enumerate() {
+                let i = c * AHEAD + j;
+                if alive.iter().all(|&w| w == 0) {
+                    break 'walk;
+                }
+                cur.fill(0);
+                lesser.fill(0);
+                if let Some(held) = found[j] {
+                    held.intersect(&alive, now_ms, &mut cur, &mut lesser);
+                }
+                for w in 0..words {
+                    for s in ones(alive[w] & !cur[w], w) {
+                        let t = &mut tally[s as usize];
+                        match fallback(s, key) {
+                            Some(x) => {
+                                cur[w] |= 1 << (s % 64);
+                                t.vouched += 1;
+                                t.vouched_weight += x;
+                            }
+                            None => t.len = i,
+                        }
+                    }
+                    for s in ones(lesser[w], w) {
+                        tally[s as usize].lesser += 1;
+                    }
+                    alive[w] = cur[w];
+                }
+            }
+        }
+        for (w, &a) in alive.iter().enumerate() {
+            for s in ones(a, w) {
+                tally[s as usize].len = keys.len();
+            }
+        }
+        tally
+    }
+}
+
+/// The slots of the set bits of word `w`.
+fn ones(mut bits: u64, w: usize) -> impl Iterator<Item = Slot> {
+    std::iter::from_fn(move || {
+        (bits != 0).then(|| {
+            let b = bits.trailing_zeros();
+            bits &= bits - 1;
+            (w * 64) as Slot + b
+        })
+    })
+}
+
+/// One candidate's walk: how many leading keys it matched, and how those counted.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+struct Tally {
+    /// Leading keys matched.
+    len: usize,
+    /// Of them, entries at the lesser weight.
+    lesser: usize,
+    /// Of them, keys only the fallback vouched for, and what it said they weigh.
+    vouched: usize,
+    vouched_weight: f64,
+}
+
+impl Tally {
+    fn score(&self, w: Weights) -> f64 {
+        (self.len - self.lesser - self.vouched) as f64 * w.full
+            + self.lesser as f64 * w.lesser
+            + self.vouched_weight
+    }
+}
+
+/// What a counting holder entry weighs in a lookup.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Weights {
+    /// A full entry (e.g. a GPU-resident block).
+    pub(crate) full: f64,
+    /// A [`Holder::lesser`] one (e.g. offloaded).
+    pub(crate) lesser: f64,
 }
 
 /// The state of an in-process backend: pods with per-pod state `T`, keys with holders `H`.
@@ -199,104 +458,67 @@ impl<T, H: Holder> Table<T, H> {
         }
     }
 
-    /// For each of `pods`, the weight of the leading `keys` it holds. `weight` says what a
-    /// holder entry is worth (`None`: it does not count, e.g. expired); `fallback(pod state, key)`
-    /// may still vouch for a candidate no entry named (speculative entries).
+    /// For each of `pods`, the weight of the leading `keys` it holds at `now_ms`: each counting
+    /// entry weighs `weights.full` or `weights.lesser` ([`Holder::lesser`]), an expired one does
+    /// not count; `fallback(pod state, key)` may still vouch for a candidate no counting entry
+    /// names (speculative entries). A pod listed twice gets its score twice.
     pub(crate) fn lookup(
         &self,
         keys: &[BlockKey],
         pods: &[PodId],
-        weight: impl Fn(&H) -> Option<f64>,
+        now_ms: u64,
+        weights: Weights,
         fallback: impl Fn(&T, &BlockKey) -> Option<f64>,
     ) -> Vec<f64> {
-        let slots: Vec<Option<Slot>> = pods.iter().map(|p| self.pods.get(p)).collect();
-        prefix_walk(
-            keys,
-            &slots,
-            |key| {
-                self.holders
-                    .of(key)
-                    .iter()
-                    .filter_map(|h| Some((h.slot(), weight(h)?)))
-            },
-            |c, key| fallback(self.pods.state(slots[c]?)?, key),
-        )
-    }
-}
-
-/// The consecutive-prefix walk. For each key in order, `holders` yields `(slot, weight)` of every
-/// pod slot holding it; `fallback(candidate, key)` may still vouch for an alive candidate that no
-/// holder named. A candidate drops out at its first missing key. Costs O(holders + alive
-/// candidates) per key, not O(holders × candidates).
-fn prefix_walk<I>(
-    keys: &[BlockKey],
-    cand_slots: &[Option<Slot>],
-    mut holders: impl FnMut(&BlockKey) -> I,
-    mut fallback: impl FnMut(usize, &BlockKey) -> Option<f64>,
-) -> Vec<f64>
-where
-    I: IntoIterator<Item = (Slot, f64)>,
-{
-    const NONE: usize = usize::MAX;
-    let n = cand_slots.len();
-    let mut matched = vec![0.0; n];
-    let max_slot = cand_slots
-        .iter()
-        .flatten()
-        .copied()
-        .max()
-        .map_or(0, |m| m as usize + 1);
-    let mut cand_of = vec![NONE; max_slot];
-    for (c, s) in cand_slots.iter().enumerate() {
-        if let Some(s) = s {
-            cand_of[*s as usize] = c;
-        }
-    }
-    let mut alive: Vec<usize> = (0..n).filter(|&c| cand_slots[c].is_some()).collect();
-    let mut stamp = vec![usize::MAX; n];
-    let mut weight = vec![0.0; n];
-    for (ki, key) in keys.iter().enumerate() {
-        if alive.is_empty() {
-            break;
-        }
-        for (slot, w) in holders(key) {
-            if let Some(&c) = cand_of.get(slot as usize) {
-                if c != NONE {
-                    stamp[c] = ki;
-                    weight[c] = w;
-                }
-            }
-        }
-        alive.retain(|&c| {
-            let w = if stamp[c] == ki {
-                Some(weight[c])
-            } else {
-                fallback(c, key)
-            };
-            match w {
-                Some(w) => {
-                    matched[c] += w;
-                    true
-                }
-                None => false,
-            }
+        let slots: SmallVec<[Option<Slot>; 64]> = pods.iter().map(|p| self.pods.get(p)).collect();
+        let cands: SmallVec<[Slot; 64]> = slots.iter().flatten().copied().collect();
+        let tally = self.holders.walk(keys, &cands, now_ms, |s, key| {
+            fallback(self.pods.state(s)?, key)
         });
+        slots
+            .iter()
+            .map(|s| s.map_or(0.0, |s| tally[s as usize].score(weights)))
+            .collect()
     }
-    matched
 }
 
 #[cfg(test)]
 mod tests {
+    use proptest::prelude::*;
+
     use super::*;
 
     #[derive(Clone, Copy, Debug, PartialEq)]
-    struct H(Slot, u32);
+    struct H {
+        slot: Slot,
+        expiry: u64,
+        lesser: bool,
+    }
 
     impl Holder for H {
         fn slot(&self) -> Slot {
-            self.0
+            self.slot
+        }
+        fn expiry(&self) -> u64 {
+            self.expiry
+        }
+        fn lesser(&self) -> bool {
+            self.lesser
         }
     }
+
+    fn h(slot: Slot) -> H {
+        H {
+            slot,
+            expiry: u64::MAX,
+            lesser: false,
+        }
+    }
+
+    const W: Weights = Weights {
+        full: 1.0,
+        lesser: 0.5,
+    };
 
     #[test]
     fn freed_slots_are_reused_and_carry_no_state() {
@@ -319,36 +541,153 @@ mod tests {
 
     #[test]
     fn holder_entries_are_counted_once_per_key_and_slot() {
-        let mut h = Holders::<H>::default();
+        let mut hs = Holders::<H>::default();
         let k = BlockKey(7);
-        h.upsert(k, 0, |e| e.1 += 1, || H(0, 1));
-        h.upsert(k, 0, |e| e.1 += 1, || H(0, 1));
-        h.insert(k, H(1, 1));
-        assert_eq!(h.of(&k), &[H(0, 2), H(1, 1)]);
-        assert_eq!(h.entries, 2);
-        h.update_or_remove(&k, 0, |e| {
-            e.1 -= 1;
-            e.1 > 0
+        let bump = |e: &mut H| e.expiry -= 1;
+        hs.upsert(k, 0, bump, || h(0));
+        hs.upsert(k, 0, bump, || h(0));
+        hs.insert(k, h(1));
+        assert_eq!(
+            hs.of(&k),
+            &[
+                H {
+                    expiry: u64::MAX - 1,
+                    ..h(0)
+                },
+                h(1)
+            ]
+        );
+        assert_eq!(hs.entries, 2);
+        assert!(hs.update(&k, 1, |e| e.expiry = 5));
+        assert!(!hs.update(&k, 2, |e| e.expiry = 5), "slot 2 holds nothing");
+        hs.update_or_remove(&k, 0, |e| {
+            e.expiry -= 1;
+            e.expiry > 0
         });
-        assert_eq!(h.entries, 2);
-        h.remove(&k, 0);
-        h.remove(&k, 0);
-        h.remove(&k, 1);
-        assert_eq!(h.entries, 0);
-        assert!(h.map.is_empty(), "keys without holders are dropped");
+        assert_eq!(hs.entries, 2);
+        hs.remove(&k, 0);
+        hs.remove(&k, 0);
+        hs.remove(&k, 1);
+        assert_eq!(hs.entries, 0);
+        assert!(hs.map.is_empty(), "keys without holders are dropped");
+    }
+
+    /// A table whose pods `p0..` hold `held[k]` (slots) of key `k`.
+    fn table(pods: usize, held: &[&[Slot]]) -> (Table<(), H>, Vec<PodId>) {
+        let mut t = Table::<(), H>::default();
+        let ids: Vec<PodId> = (0..pods).map(|i| PodId::new(format!("p{i}:1"))).collect();
+        for id in &ids {
+            t.pods.get_or_insert_with(id, || ());
+        }
+        for (k, slots) in held.iter().enumerate() {
+            for &s in *slots {
+                t.holders.insert(BlockKey(k as u64), h(s));
+            }
+        }
+        (t, ids)
+    }
+
+    fn keys(n: u64) -> Vec<BlockKey> {
+        (0..n).map(BlockKey).collect()
     }
 
     #[test]
-    fn walk_stops_each_candidate_at_its_first_missing_key() {
-        let keys = [BlockKey(1), BlockKey(2), BlockKey(3)];
-        let held = |k: &BlockKey| match k.0 {
-            1 => vec![(0, 1.0), (1, 1.0)],
-            2 => vec![(0, 0.5)],
-            _ => vec![(0, 1.0), (1, 1.0)],
-        };
-        let got = prefix_walk(&keys, &[Some(0), Some(1), None], held, |_, _| None);
+    fn each_candidate_stops_at_its_first_missing_key() {
+        let (mut t, ids) = table(3, &[&[0, 1], &[0], &[0, 1]]);
+        t.holders.update(&BlockKey(1), 0, |e| e.lesser = true);
+        let got = t.lookup(&keys(3), &ids, 0, W, |_, _| None);
         assert_eq!(got, vec![2.5, 1.0, 0.0]);
-        let vouched = prefix_walk(&keys, &[Some(1)], held, |_, k| (k.0 == 2).then_some(1.0));
-        assert_eq!(vouched, vec![3.0]);
+        let vouched = t.lookup(&keys(3), &ids[1..2], 0, W, |_, k| {
+            (k.0 == 1).then_some(0.25)
+        });
+        assert_eq!(vouched, vec![2.25], "the fallback fills a gap");
+        let unknown = PodId::new("gone:1");
+        assert_eq!(
+            t.lookup(&keys(3), &[unknown, ids[0].clone()], 0, W, |_, _| Some(1.0)),
+            vec![0.0, 2.5],
+            "a pod without a slot matches nothing"
+        );
+        assert_eq!(t.lookup(&[], &ids, 0, W, |_, _| None), vec![0.0; 3]);
+    }
+
+    #[test]
+    fn a_pod_listed_twice_gets_its_score_at_both_places() {
+        // The walk before the candidate bitset kept one candidate per slot: a pod listed twice
+        // matched nothing at its first place.
+        let (t, ids) = table(2, &[&[0, 1], &[0]]);
+        let pods = [ids[0].clone(), ids[1].clone(), ids[0].clone()];
+        assert_eq!(
+            t.lookup(&keys(2), &pods, 0, W, |_, _| None),
+            vec![2.0, 1.0, 2.0]
+        );
+    }
+
+    #[test]
+    fn expired_entries_do_not_count_in_long_lists_either() {
+        let all: Vec<Slot> = (0..70).collect();
+        let (mut t, ids) = table(70, &[&all, &all]);
+        assert!(
+            t.holders.map[&BlockKey(0)].bits.is_some(),
+            "long lists keep bits"
+        );
+        t.holders.update(&BlockKey(1), 65, |e| e.expiry = 10);
+        t.holders.update(&BlockKey(1), 3, |e| e.lesser = true);
+        let got = t.lookup(&keys(2), &ids, 10, W, |_, _| None);
+        assert_eq!((got[65], got[3], got[0]), (1.0, 1.5, 2.0));
+        let before = t.lookup(&keys(2), &ids, 9, W, |_, _| None);
+        assert_eq!((before[65], before[3], before[0]), (2.0, 1.5, 2.0));
+    }
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        Upsert(u64, Slot, u64, bool),
+        Remove(u64, Slot),
+        Lookup(Vec<Slot>, u64, Vec<Slot>),
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        // Slots past 64 and keys with more than INLINE holders, so bits are used and span words.
+        let slot = prop_oneof![0..8 as Slot, 60..72 as Slot, 120..130 as Slot];
+        prop_oneof![
+            6 => (0u64..4, slot.clone(), 1u64..20, any::<bool>())
+                .prop_map(|(k, s, e, l)| Op::Upsert(k, s, e, l)),
+            2 => (0u64..4, slot.clone()).prop_map(|(k, s)| Op::Remove(k, s)),
+            1 => (prop::collection::vec(slot.clone(), 0..12), 0u64..20, prop::collection::vec(slot, 0..4))
+                .prop_map(|(c, now, v)| Op::Lookup(c, now, v)),
+        ]
+    }
+
+    proptest! {
+        /// The bitset walk against the plain definition, read off the holder lists.
+        #[test]
+        fn walk_matches_the_holder_lists(ops in prop::collection::vec(op(), 1..120)) {
+            let mut hs = Holders::<H>::default();
+            for op in ops {
+                match op {
+                    Op::Upsert(k, slot, expiry, lesser) => {
+                        let e = H { slot, expiry, lesser };
+                        hs.upsert(BlockKey(k), slot, |h| *h = e, || e);
+                    }
+                    Op::Remove(k, slot) => hs.remove(&BlockKey(k), slot),
+                    Op::Lookup(cands, now, vouch) => {
+                        let ks = keys(4);
+                        let fb = |s: Slot, _: &BlockKey| vouch.contains(&s).then_some(0.25);
+                        let tally = hs.walk(&ks, &cands, now, fb);
+                        for &c in &cands {
+                            let mut want = 0.0;
+                            for k in &ks {
+                                let e = hs.of(k).iter().find(|h| h.slot == c && h.expiry > now);
+                                match (e, fb(c, k)) {
+                                    (Some(e), _) => want += if e.lesser { W.lesser } else { W.full },
+                                    (None, Some(x)) => want += x,
+                                    (None, None) => break,
+                                }
+                            }
+                            prop_assert_eq!(tally[c as usize].score(W), want, "slot {}", c);
+                        }
+                    }
+                }
+            }
+        }
     }
 }

@@ -173,6 +173,11 @@ impl<'a> Apply<'a> {
         gpu: bool,
     ) {
         let r = self.cfg.block_tokens.max(1);
+        // Room for the whole batch up front: one growth of each map, not one per doubling.
+        let blocks = hashes.len().min(tokens.len() / engine_tokens.max(1));
+        self.state.blocks.reserve(blocks);
+        self.holders
+            .reserve((chain.pending.len() + blocks * engine_tokens) / r);
         for (i, h) in hashes.iter().enumerate() {
             let Some(block_tokens) = tokens.get(i * engine_tokens..(i + 1) * engine_tokens) else {
                 // Fewer tokens than blocks × block size: the rest cannot be keyed.

@@ -14,7 +14,7 @@ use lru::LruCache;
 use parking_lot::RwLock;
 use smallvec::SmallVec;
 
-use super::table::{Holder, Holders, Slot, Table};
+use super::table::{Holder, Holders, Slot, Table, Weights};
 use super::{ApplyStats, IndexError, IndexStats, KvIndex};
 use crate::blocks::BlockKey;
 use crate::events::KvEventBatch;
@@ -31,6 +31,10 @@ struct KeyHolder {
 impl Holder for KeyHolder {
     fn slot(&self) -> Slot {
         self.slot
+    }
+    /// Offloaded only: weighs `cpu_weight`.
+    fn lesser(&self) -> bool {
+        self.gpu == 0
     }
 }
 
@@ -70,9 +74,17 @@ impl PodState {
         Self {
             id: id.clone(),
             blocks: AHashMap::new(),
-            speculative: LruCache::new(nz(speculative_capacity)),
+            speculative: speculative_lru(speculative_capacity),
         }
     }
+}
+
+/// At most `capacity` speculative entries, allocated as they come: most pods never get near the
+/// bound, and a new pod's first batch should not pay for it.
+fn speculative_lru(capacity: usize) -> LruCache<BlockKey, u64> {
+    let mut lru = LruCache::unbounded();
+    lru.resize(nz(capacity));
+    lru
 }
 
 /// Tunables of the precise index.
@@ -293,19 +305,20 @@ impl KvIndex for EventIndex {
         now_ms: u64,
     ) -> Result<Vec<f64>, IndexError> {
         let inner = self.inner.read();
-        let (gpu_w, cpu_w) = (self.cfg.gpu_weight, self.cfg.cpu_weight);
-        Ok(inner.lookup(
-            keys,
-            pods,
-            |h| Some(if h.gpu > 0 { gpu_w } else { cpu_w }),
-            |state, key| {
-                state
-                    .speculative
-                    .peek(key)
-                    .filter(|&&exp| exp > now_ms)
-                    .map(|_| gpu_w)
-            },
-        ))
+        let weights = Weights {
+            full: self.cfg.gpu_weight,
+            lesser: self.cfg.cpu_weight,
+        };
+        Ok(inner.lookup(keys, pods, now_ms, weights, |state, key| {
+            if state.speculative.is_empty() {
+                return None;
+            }
+            state
+                .speculative
+                .peek(key)
+                .filter(|&&exp| exp > now_ms)
+                .map(|_| weights.full)
+        }))
     }
 
     async fn record(&self, pod: &PodId, keys: &[BlockKey], now_ms: u64) -> Result<(), IndexError> {
