@@ -8,11 +8,13 @@ use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
 mod bounds;
+mod engine;
 mod kubernetes;
 mod load;
 mod pods;
 mod redis;
 pub use bounds::{check_yaml_shape, MAX_YAML_BYTES};
+pub use engine::{CustomEngine, EngineSetting, Preset, MAX_METRIC_NAME_BYTES};
 pub use kubernetes::{KubernetesConfig, KubernetesOverrides, PoolRef, PortRef};
 pub use pods::{DnsSource, PodsConfig, StaticPod};
 pub use redis::{redact_url, RedisConfig, RedisMode};
@@ -644,6 +646,9 @@ impl Config {
             for (key, reason) in kubernetes::problems(k) {
                 bad(&key, &reason);
             }
+        }
+        for (key, reason) in self.pods.engine_problems() {
+            bad(&key, &reason);
         }
         if self.pods.static_pods.is_empty()
             && self.pods.dns.is_empty()

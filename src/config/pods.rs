@@ -4,7 +4,7 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
-use super::KubernetesConfig;
+use super::{engine, EngineSetting, KubernetesConfig};
 
 /// Pod sources and probes.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -17,6 +17,8 @@ pub struct PodsConfig {
     pub dns: Vec<DnsSource>,
     /// Pods watched through the Kubernetes API (label selector or InferencePool).
     pub kubernetes: Option<KubernetesConfig>,
+    /// Whose `/metrics` names carry the load of pods whose source sets no engine.
+    pub engine: EngineSetting,
     /// Models served by DNS/Kubernetes-discovered pods; empty = learn from each pod's `/v1/models`.
     pub models: Vec<String>,
     /// Health probe (`GET /health`) period.
@@ -44,6 +46,7 @@ impl Default for PodsConfig {
             static_pods: Vec::new(),
             dns: Vec::new(),
             kubernetes: None,
+            engine: EngineSetting::Auto,
             models: Vec::new(),
             health_interval_ms: 1_000,
             unhealthy_after: 2,
@@ -88,8 +91,27 @@ pub struct DnsSource {
     /// Re-resolve period.
     #[serde(default = "default_dns_refresh_ms")]
     pub refresh_ms: u64,
+    /// Engine of this name's pods; `None`: `pods.engine`.
+    #[serde(default)]
+    pub engine: Option<EngineSetting>,
 }
 
 fn default_dns_refresh_ms() -> u64 {
     5_000
+}
+
+impl PodsConfig {
+    /// Problems of every engine setting (`pods.engine`, per DNS name, Kubernetes).
+    pub(super) fn engine_problems(&self) -> Vec<(String, String)> {
+        let mut p = engine::problems("pods.engine", &self.engine);
+        for (i, d) in self.dns.iter().enumerate() {
+            if let Some(e) = &d.engine {
+                p.extend(engine::problems(&format!("pods.dns[{i}].engine"), e));
+            }
+        }
+        if let Some(e) = self.kubernetes.as_ref().and_then(|k| k.engine.as_ref()) {
+            p.extend(engine::problems("pods.kubernetes.engine", e));
+        }
+        p
+    }
 }
