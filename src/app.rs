@@ -20,7 +20,9 @@ use crate::index::{build_index, index_capacity, RedisMetrics};
 use crate::ingest::{self, IngestMetrics};
 use crate::pick_api::proto::picker_server::PickerServer;
 use crate::pick_api::PickService;
-use crate::pods::{DnsSource, PodId, PodMetrics, PodRegistry, PodSource, Prober, StaticSource};
+use crate::pods::{
+    DnsSource, EngineResolver, PodId, PodMetrics, PodRegistry, PodSource, Prober, StaticSource,
+};
 use crate::scoring::SessionStore;
 use crate::supervise::Supervisor;
 use crate::telemetry::{ErrorKind, Errors};
@@ -86,7 +88,7 @@ pub async fn run(cfg: Config, tokenizers: TokenizerRegistry) -> anyhow::Result<(
     let redis_metrics =
         (cfg.index.backend == IndexBackend::Redis).then(|| RedisMetrics::register(registry));
     let registry = Arc::new(root);
-    let pods = Arc::new(PodRegistry::default());
+    let pods = Arc::new(PodRegistry::with_engines(EngineResolver::new(&cfg.pods)));
     let built = build_index(&cfg, redis_metrics)?;
     let index = built.index;
     let mode = mode(&cfg);

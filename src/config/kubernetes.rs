@@ -6,7 +6,7 @@ use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
-use super::Config;
+use super::{Config, EngineSetting};
 
 /// Kubernetes pod discovery: a watch of pods by label selector, or of an InferencePool.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -29,6 +29,9 @@ pub struct KubernetesConfig {
     pub kubeconfig: Option<PathBuf>,
     /// How often the router takes the watched set (the watch itself is pushed by the API server).
     pub refresh_ms: u64,
+    /// Engine of the watched pods (`None`: `pods.engine`); a pod's `kv-router.io/engine`
+    /// annotation or label overrides it.
+    pub engine: Option<EngineSetting>,
 }
 
 impl Default for KubernetesConfig {
@@ -42,6 +45,7 @@ impl Default for KubernetesConfig {
             models_label: String::new(),
             kubeconfig: None,
             refresh_ms: 250,
+            engine: None,
         }
     }
 }

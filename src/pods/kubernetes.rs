@@ -24,7 +24,7 @@ use parking_lot::Mutex;
 use tokio::task::JoinHandle;
 use tracing::{debug, info, warn};
 
-use super::{PodId, PodSource, PodSourceError, PodSpec};
+use super::{PodId, PodSource, PodSourceError, PodSpec, ENGINE_LABEL};
 use crate::config::{KubernetesConfig, PortRef};
 use crate::telemetry::{ErrorKind, Errors};
 
@@ -86,6 +86,8 @@ struct Member {
     ip: IpAddr,
     ports: Vec<u16>,
     models: Vec<String>,
+    /// The pod's `kv-router.io/engine` annotation, else label.
+    engine: Option<String>,
 }
 
 #[derive(Debug, Default)]
@@ -203,6 +205,9 @@ impl PodSource for KubernetesSource {
                 labels.insert("source".to_string(), "kubernetes".to_string());
                 labels.insert("namespace".to_string(), self.namespace.clone());
                 labels.insert("pod".to_string(), pod.clone());
+                if let Some(engine) = &m.engine {
+                    labels.insert(ENGINE_LABEL.to_string(), engine.clone());
+                }
                 out.push(PodSpec {
                     id: PodId::from(addr),
                     addr,
@@ -406,7 +411,18 @@ fn member(
         ip,
         ports,
         models: pod_models(pod, cfg).unwrap_or_else(|| models.to_vec()),
+        engine: pod_engine(pod),
     })
+}
+
+/// The `kv-router.io/engine` annotation, else label (a value past 64 bytes is no engine name).
+fn pod_engine(pod: &KubePod) -> Option<String> {
+    let m = &pod.metadata;
+    [&m.annotations, &m.labels]
+        .into_iter()
+        .find_map(|map| map.as_ref()?.get(ENGINE_LABEL))
+        .filter(|v| v.len() <= 64)
+        .cloned()
 }
 
 /// Model names from the configured annotation (comma-separated), else the configured label.
@@ -544,6 +560,27 @@ mod tests {
         assert_eq!(
             member(&p, &t, &cfg, &["cfg".into()]).unwrap().models,
             vec!["cfg"]
+        );
+    }
+
+    #[test]
+    fn engine_from_annotation_then_label() {
+        let t = target(Ports::Numbers(vec![8000]));
+        let cfg = KubernetesConfig::default();
+        let mut p = ready_pod("10.0.0.5");
+        assert_eq!(member(&pod(p.clone()), &t, &cfg, &[]).unwrap().engine, None);
+        p["metadata"]["labels"][ENGINE_LABEL] = json!("sglang");
+        assert_eq!(
+            member(&pod(p.clone()), &t, &cfg, &[])
+                .unwrap()
+                .engine
+                .as_deref(),
+            Some("sglang")
+        );
+        p["metadata"]["annotations"][ENGINE_LABEL] = json!("tgi");
+        assert_eq!(
+            member(&pod(p), &t, &cfg, &[]).unwrap().engine.as_deref(),
+            Some("tgi")
         );
     }
 

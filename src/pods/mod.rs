@@ -1,6 +1,8 @@
 //! Pods: identities, the current set (an immutable snapshot swapped atomically), per-pod live
-//! state (health, scraped load, router in-flight accounting) and the sources that list pods.
+//! state (health, scraped load, router in-flight accounting, engine) and the sources that list
+//! pods.
 
+mod engine;
 mod inflight;
 #[cfg(feature = "kubernetes")]
 pub mod kubernetes;
@@ -20,11 +22,14 @@ use parking_lot::{Mutex, RwLock};
 use serde::Serialize;
 use tokio::time::Instant;
 
+pub use engine::{
+    detect, parse_vllm_metrics, read, EngineChoice, EngineResolver, MetricMap, PodEngine, Reading,
+    ENGINE_LABEL, MAX_GROUPS,
+};
 pub use inflight::{prefill_time, InflightGuard, Settling, Timestamp};
 #[cfg(feature = "kubernetes")]
 pub use kubernetes::KubernetesSource;
 pub use metrics::PodMetrics;
-pub use probe::parse_vllm_metrics;
 pub(crate) use probe::Prober;
 pub use source::{DnsSource, PodSource, PodSourceError, StaticSource};
 
@@ -73,14 +78,14 @@ pub struct PodSpec {
     pub kv_events_replay_endpoint: Option<String>,
 }
 
-/// One sample of a pod's `/metrics`.
+/// One sample of a pod's `/metrics`, read through its engine's names ([`MetricMap`]).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
 pub struct LoadSample {
-    /// `vllm:num_requests_waiting`.
+    /// Requests queued at the engine (`vllm:num_requests_waiting`, `sglang:num_queue_reqs`...).
     pub waiting: f64,
-    /// `vllm:num_requests_running`.
+    /// Requests being processed (`vllm:num_requests_running`...).
     pub running: f64,
-    /// `vllm:kv_cache_usage_perc` (0..1).
+    /// KV-cache usage 0..1 (`vllm:kv_cache_usage_perc`...; 0 for engines without one).
     pub kv_usage: f64,
     /// `num_gpu_blocks` label of `vllm:cache_config_info`, when present.
     pub num_gpu_blocks: Option<u64>,
@@ -139,11 +144,17 @@ pub struct Pod {
     sample: Mutex<Option<(Instant, LoadSample)>>,
     learned_models: RwLock<Option<(Instant, Vec<String>)>>,
     pub(crate) inflight: inflight::Inflight,
+    engine: PodEngine,
 }
 
 impl Pod {
-    /// A new pod, unhealthy until its first successful probe.
+    /// A new pod, unhealthy until its first successful probe; its engine is detected (`auto`).
     pub fn new(spec: PodSpec) -> Self {
+        Self::with_engine(spec, PodEngine::default())
+    }
+
+    /// A new pod whose load is read as `engine` says.
+    pub fn with_engine(spec: PodSpec, engine: PodEngine) -> Self {
         Self {
             spec,
             healthy: AtomicBool::new(false),
@@ -151,7 +162,13 @@ impl Pod {
             sample: Mutex::new(None),
             learned_models: RwLock::new(None),
             inflight: inflight::Inflight::default(),
+            engine,
         }
+    }
+
+    /// Whose metric names carry this pod's load, and what was detected.
+    pub fn engine(&self) -> &PodEngine {
+        &self.engine
     }
 
     /// Identity.
@@ -280,9 +297,18 @@ impl PodSet {
 #[derive(Debug, Default)]
 pub struct PodRegistry {
     set: ArcSwap<PodSet>,
+    engines: EngineResolver,
 }
 
 impl PodRegistry {
+    /// An empty registry whose pods get their engine from `engines` (default: all `auto`).
+    pub fn with_engines(engines: EngineResolver) -> Self {
+        Self {
+            set: ArcSwap::default(),
+            engines,
+        }
+    }
+
     /// Current snapshot.
     pub fn snapshot(&self) -> Arc<PodSet> {
         self.set.load_full()
@@ -296,7 +322,10 @@ impl PodRegistry {
         for spec in specs {
             match old.get(&spec.id) {
                 Some(existing) if existing.spec == spec => pods.push(existing.clone()),
-                _ => pods.push(Arc::new(Pod::new(spec))),
+                _ => {
+                    let engine = self.engines.resolve(&spec);
+                    pods.push(Arc::new(Pod::with_engine(spec, engine)))
+                }
             }
         }
         let new = PodSet::new(pods);

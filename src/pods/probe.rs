@@ -11,7 +11,7 @@ use futures::FutureExt;
 use tokio::time::{interval, Instant, Interval, MissedTickBehavior};
 use tracing::{debug, info, warn};
 
-use super::{LoadSample, Pod, PodId, PodRegistry, PodSource, PodSpec};
+use super::{Pod, PodId, PodRegistry, PodSource, PodSpec};
 use crate::config::PodsConfig;
 use crate::telemetry::{ErrorKind, Errors};
 
@@ -202,7 +202,8 @@ impl Prober {
         };
         match body {
             Ok(body) => {
-                pod.record_sample(started, parse_vllm_metrics(&String::from_utf8_lossy(&body)))
+                let text = String::from_utf8_lossy(&body);
+                pod.record_sample(started, pod.engine().read(pod.id(), &text))
             }
             Err(e) => debug!(pod = %pod.id(), error = %e, "scrape body failed"),
         }
@@ -255,90 +256,10 @@ async fn read_capped(mut resp: reqwest::Response, cap: usize) -> Result<Vec<u8>,
     Ok(body)
 }
 
-/// Extracts the load signals from vLLM's Prometheus text. Several engines (DP ranks) add up;
-/// KV usage is their mean. (prometheus-parse rejects the `vllm:` names, hence this parser.)
-pub fn parse_vllm_metrics(text: &str) -> LoadSample {
-    let mut s = LoadSample::default();
-    let (mut kv_sum, mut kv_n) = (0.0, 0u32);
-    for line in text.lines() {
-        let line = line.trim();
-        if line.is_empty() || line.starts_with('#') {
-            continue;
-        }
-        let Some((name, labels, value)) = split_sample(line) else {
-            continue;
-        };
-        match name {
-            "vllm:num_requests_waiting" => s.waiting += value,
-            "vllm:num_requests_running" => s.running += value,
-            "vllm:kv_cache_usage_perc" | "vllm:gpu_cache_usage_perc" => {
-                kv_sum += value;
-                kv_n += 1;
-            }
-            "vllm:cache_config_info" => {
-                if let Some(n) = label(labels, "num_gpu_blocks").and_then(|v| v.parse::<u64>().ok())
-                {
-                    // Saturating: a pod's numbers must not wrap (fuzz/artifacts/prometheus).
-                    s.num_gpu_blocks = Some(s.num_gpu_blocks.unwrap_or(0).saturating_add(n));
-                }
-                if let Some(b) = label(labels, "block_size").and_then(|v| v.parse().ok()) {
-                    s.block_size = Some(b);
-                }
-            }
-            _ => {}
-        }
-    }
-    if kv_n > 0 {
-        s.kv_usage = (kv_sum / f64::from(kv_n)).clamp(0.0, 1.0);
-    }
-    s
-}
-
-fn split_sample(line: &str) -> Option<(&str, &str, f64)> {
-    let (name, labels, rest) = match line.find('{') {
-        Some(open) if line[..open].find(' ').is_none() => {
-            // The closing brace must follow the opening one (`x}{ 1` once panicked here).
-            let close = open + line[open..].rfind('}')?;
-            (&line[..open], &line[open + 1..close], &line[close + 1..])
-        }
-        _ => {
-            let sp = line.find(char::is_whitespace)?;
-            (&line[..sp], "", &line[sp..])
-        }
-    };
-    let value = rest.split_whitespace().next()?.parse::<f64>().ok()?;
-    value.is_finite().then_some((name, labels, value))
-}
-
-fn label<'a>(labels: &'a str, key: &str) -> Option<&'a str> {
-    let mut rest = labels;
-    while !rest.is_empty() {
-        let eq = rest.find('=')?;
-        let k = rest[..eq].trim().trim_start_matches(',').trim();
-        let after = rest[eq + 1..].strip_prefix('"')?;
-        let mut end = None;
-        let mut escaped = false;
-        for (i, c) in after.char_indices() {
-            match c {
-                '\\' if !escaped => escaped = true,
-                '"' if !escaped => {
-                    end = Some(i);
-                    break;
-                }
-                _ => escaped = false,
-            }
-        }
-        let end = end?;
-        if k == key {
-            return Some(&after[..end]);
-        }
-        rest = after[end + 1..].trim_start_matches(',');
-    }
-    None
-}
-
 #[cfg(test)]
 mod tests {
+    use super::super::engine::label;
+    use super::super::{parse_vllm_metrics, LoadSample};
     use super::*;
 
     const SAMPLE: &str = r#"# HELP vllm:num_requests_waiting Number of requests waiting.

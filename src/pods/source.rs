@@ -126,6 +126,7 @@ mod tests {
                 name: "localhost".into(),
                 port: 8000,
                 refresh_ms: 1000,
+                engine: None,
             },
             vec!["m".into()],
         );
@@ -143,6 +144,7 @@ mod tests {
                 name: "no-such-host.invalid".into(),
                 port: 1,
                 refresh_ms: 1000,
+                engine: None,
             },
             vec![],
         );
