@@ -104,9 +104,12 @@ pub fn token_keys(seed: u64, ids: &[u32], size: usize, max_blocks: usize) -> Vec
 /// One step of the token chain: the key of `block` after the key (or seed) `prev`.
 /// `buf` is scratch space reused across calls.
 pub fn chain_token_block(prev: u64, block: &[u32], buf: &mut Vec<u8>) -> BlockKey {
+    // Sized once and filled in fixed 4-byte chunks: on little-endian targets this compiles to a
+    // copy, where pushing four bytes at a time checked capacity per id.
     buf.clear();
-    for id in block {
-        buf.extend_from_slice(&id.to_le_bytes());
+    buf.resize(block.len() * 4, 0);
+    for (dst, id) in buf.chunks_exact_mut(4).zip(block) {
+        dst.copy_from_slice(&id.to_le_bytes());
     }
     BlockKey(xxh3_64_with_seed(buf, prev))
 }
@@ -189,6 +192,17 @@ mod tests {
         let k = s.prompt_keys(7, &Prompt::Tokens(vec![1, 2, 3, 4, 5]));
         assert_eq!(k.len(), 2);
         assert_eq!(k, token_keys(7, &[1, 2, 3, 4], 2, 10));
+    }
+
+    #[test]
+    fn token_blocks_hash_their_ids_as_little_endian_bytes() {
+        let ids = [1u32, 0x0102_0304, u32::MAX];
+        let bytes = [1, 0, 0, 0, 4, 3, 2, 1, 255, 255, 255, 255];
+        let mut buf = vec![9; 40]; // stale scratch contents must not leak into the key
+        assert_eq!(
+            chain_token_block(42, &ids, &mut buf),
+            BlockKey(xxh3_64_with_seed(&bytes, 42))
+        );
     }
 
     #[test]
