@@ -16,6 +16,7 @@ pub mod report;
 pub mod results;
 pub mod runner;
 pub mod simulate;
+pub mod small_fleet;
 pub mod soak;
 pub mod splitmix;
 pub mod strategy;

@@ -428,6 +428,10 @@ pub struct GateConfig {
     pub hot_abs: f64,
     /// ...and are more than this many times the least loaded candidate's.
     pub hot_rel: f64,
+    /// A new conversation whose matched prefix other conversations share (a system prompt)
+    /// goes to the least busy holder of that prefix, warming a second pod when one holds it,
+    /// instead of to the prefix's first holder (whose later turns would all pile up there).
+    pub spread_new_conversations: bool,
 }
 
 impl Default for GateConfig {
@@ -440,6 +444,7 @@ impl Default for GateConfig {
             stale_is_saturated: true,
             hot_abs: 4.0,
             hot_rel: 1.5,
+            spread_new_conversations: true,
         }
     }
 }

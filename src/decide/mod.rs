@@ -9,6 +9,7 @@
 //!
 //! [`Decider`] is the live front: parse → pods → keys → index lookup → [`plan`] → [`commit`].
 
+mod conversation;
 mod metrics;
 mod plan;
 
@@ -31,8 +32,9 @@ use crate::telemetry::ErrorKind;
 use crate::tokenize::TokenizerRegistry;
 use metrics::DecisionLabels;
 
+pub use conversation::{is_new_conversation, PromptEnds, SessionSeen};
 pub use metrics::DecisionMetrics;
-pub use plan::{commit, plan, Body, Committed, Plan, PlanInput, ScoredPod, Stages};
+pub use plan::{commit, plan, Body, Committed, Plan, PlanInput, ScoredPod, Stages, Stores};
 
 /// A request as every front end hands it in.
 #[derive(Debug, Clone, Copy)]
@@ -112,6 +114,7 @@ pub struct Decider {
     registry: Arc<PodRegistry>,
     index: Arc<dyn KvIndex>,
     sessions: Arc<SessionStore>,
+    ends: PromptEnds,
     stages: Stages,
     metrics: DecisionMetrics,
     epoch: Instant,
@@ -158,6 +161,7 @@ impl Decider {
             registry,
             index,
             sessions,
+            ends: PromptEnds::default(),
             stages: Stages::new(cfg),
             metrics,
             epoch: Instant::now(),
@@ -223,13 +227,14 @@ impl Decider {
         let rate = self.stages.prefill_tokens_per_sec();
         let pods = &p.pods;
         let now = p.now;
-        let c = commit(
-            &p.plan,
-            Some(self.index.as_ref()),
-            Some(&self.sessions),
-            p.now_ms,
-            |i, tokens| pods[i].begin_request(tokens, now, rate),
-        )
+        let stores = Stores {
+            index: Some(self.index.as_ref()),
+            sessions: Some(&self.sessions),
+            ends: Some(&self.ends),
+        };
+        let c = commit(&p.plan, stores, p.now_ms, |i, tokens| {
+            pods[i].begin_request(tokens, now, rate)
+        })
         .await;
         if let Some(e) = c.index_error {
             debug!(error = %e, "index record failed");
@@ -286,6 +291,12 @@ impl Decider {
             None => None,
         };
         let now = Instant::now();
+        let seen = match (&session, &session_pod) {
+            (None, _) => SessionSeen::None,
+            (Some(_), Some(pod)) if pods.iter().any(|p| p.id() == pod) => SessionSeen::Pinned,
+            (Some(_), _) => SessionSeen::Unpinned,
+        };
+        let new_conversation = is_new_conversation(&self.ends, &keys.keys, &matched, seen);
         let candidates = pods
             .iter()
             .zip(matched)
@@ -307,6 +318,7 @@ impl Decider {
             candidates,
             session,
             turn: self.turns.fetch_add(1, Ordering::Relaxed),
+            new_conversation,
         };
         let plan = plan(&self.stages, input, &mut rand::rng());
         for e in &plan.scorer_errors {

@@ -4,6 +4,9 @@
 use rand::Rng;
 use serde::Serialize;
 
+#[cfg(doc)]
+use super::conversation::is_new_conversation;
+use super::conversation::PromptEnds;
 use crate::config::{Config, Policy};
 use crate::index::{IndexError, KvIndex};
 use crate::keys::Keys;
@@ -78,6 +81,8 @@ pub struct PlanInput {
     pub session: Option<SessionKey>,
     /// Round-robin position (the caller counts decisions).
     pub turn: u64,
+    /// The request starts a new conversation on a shared prefix ([`is_new_conversation`]).
+    pub new_conversation: bool,
 }
 
 /// One candidate with everything that went into its rank.
@@ -141,10 +146,12 @@ pub fn plan(stages: &Stages, input: PlanInput, rng: &mut impl Rng) -> Plan {
         candidates,
         session,
         turn,
+        new_conversation,
     } = input;
     let input = ScoreInput {
         total_blocks: keys.keys.len(),
         candidates,
+        new_conversation,
     };
     let busy: Vec<f64> = input
         .candidates
@@ -226,18 +233,35 @@ pub struct Committed<G> {
     pub index_error: Option<IndexError>,
 }
 
-/// Records a plan at `now_ms` (the index's time base): `charge(primary, uncached_tokens)`
-/// charges the primary's load, the index learns that the primary now holds the prompt's keys,
-/// and the request's session is pinned to it. `None` for the index or the session store: there
-/// is none to teach (`kv-bench simulate` runs policies that ignore the index without one).
+/// Where a plan is recorded; `None`: there is nothing to teach (`kv-bench simulate` runs
+/// policies that ignore the index without one).
+#[derive(Clone, Copy, Default)]
+pub struct Stores<'a> {
+    /// The KV index: the primary now holds the prompt's keys.
+    pub index: Option<&'a dyn KvIndex>,
+    /// Sessions: the request's session is pinned to the primary.
+    pub sessions: Option<&'a SessionStore>,
+    /// Prompt ends: the prompt's last block ends a conversation turn.
+    pub ends: Option<&'a PromptEnds>,
+}
+
+/// Records a plan at `now_ms` (the index's time base) in `stores`, and
+/// `charge(primary, uncached_tokens)` charges the primary's load.
 pub async fn commit<G>(
     plan: &Plan,
-    index: Option<&dyn KvIndex>,
-    sessions: Option<&SessionStore>,
+    stores: Stores<'_>,
     now_ms: u64,
     charge: impl FnOnce(usize, u64) -> G,
 ) -> Committed<G> {
+    let Stores {
+        index,
+        sessions,
+        ends,
+    } = stores;
     let guard = charge(plan.primary, plan.uncached_tokens);
+    if let Some(ends) = ends {
+        ends.record(&plan.keys.keys);
+    }
     let primary = &plan.ranked[0].pod;
     let index_error = match index {
         Some(index) if !plan.keys.keys.is_empty() => {
@@ -282,6 +306,7 @@ mod tests {
                 .collect(),
             session: None,
             turn: 0,
+            new_conversation: false,
         };
         let a = plan(&stages, input(), &mut StdRng::seed_from_u64(3));
         let b = plan(&stages, input(), &mut StdRng::seed_from_u64(3));

@@ -25,16 +25,20 @@ pub enum Reason {
     NoBody,
     /// Body not understood: least-loaded (the pod answers).
     Unparsable,
+    /// A new conversation on a shared prefix: the least-loaded holder of the prefix (or a
+    /// second pod, which then warms it), not the prefix's first holder.
+    Spread,
 }
 
 impl Reason {
     /// Every reason (to drop a departed pod's series).
-    pub const ALL: [Reason; 5] = [
+    pub const ALL: [Reason; 6] = [
         Reason::Scored,
         Reason::AllSaturated,
         Reason::Policy,
         Reason::NoBody,
         Reason::Unparsable,
+        Reason::Spread,
     ];
 
     /// The label value and wire name (the one place each is spelled).
@@ -45,6 +49,7 @@ impl Reason {
             Reason::Policy => "policy",
             Reason::NoBody => "no-body",
             Reason::Unparsable => "unparsable",
+            Reason::Spread => "spread",
         }
     }
 }
@@ -157,11 +162,27 @@ impl Picker {
                     .collect();
                 let all_saturated = n > 0 && saturated.iter().all(|s| *s);
                 let gate = |i: usize| saturated[i] && !all_saturated;
-                order.sort_by(|&a, &b| gate(a).cmp(&gate(b)).then(totals[b].total_cmp(&totals[a])));
-                let reason = if all_saturated {
-                    Reason::AllSaturated
+                let spread = self.gate.enabled
+                    && self.gate.spread_new_conversations
+                    && input.new_conversation
+                    && !all_saturated;
+                if spread {
+                    let commitments = commitments(input);
+                    order.sort_by(|&a, &b| {
+                        gate(a)
+                            .cmp(&gate(b))
+                            .then(commitments[a].total_cmp(&commitments[b]))
+                            .then(totals[b].total_cmp(&totals[a]))
+                    });
                 } else {
-                    Reason::Scored
+                    order.sort_by(|&a, &b| {
+                        gate(a).cmp(&gate(b)).then(totals[b].total_cmp(&totals[a]))
+                    });
+                }
+                let reason = match (all_saturated, spread) {
+                    (true, _) => Reason::AllSaturated,
+                    (false, true) => Reason::Spread,
+                    (false, false) => Reason::Scored,
                 };
                 (totals, reason)
             }
@@ -189,6 +210,41 @@ impl Picker {
     }
 }
 
+/// What placing a new conversation on each candidate commits it to: the requests the pod
+/// already carries (the larger of what it reports and what this router sent it, which are
+/// often the same requests), plus one for a pod that would first have to prefill the shared
+/// prefix once two pods already hold it. So the second conversation on a shared system prompt
+/// warms a second pod, and further ones go to the least busy holder until every holder carries
+/// a request more than a pod that does not hold it.
+fn commitments(input: &ScoreInput) -> Vec<f64> {
+    let best = input
+        .candidates
+        .iter()
+        .map(|c| c.matched_blocks)
+        .fold(0.0, f64::max);
+    // A holder has at least half the best match: most of the shared prefix is warm there.
+    let holds = |m: f64| best > 0.0 && m >= best / 2.0;
+    let holders = input
+        .candidates
+        .iter()
+        .filter(|c| holds(c.matched_blocks))
+        .count();
+    input
+        .candidates
+        .iter()
+        .map(|c| {
+            let l = &c.load;
+            let requests = (l.waiting + l.running).max(l.inflight_requests);
+            let warm_up = if holders >= 2 && !holds(c.matched_blocks) {
+                1.0
+            } else {
+                0.0
+            };
+            requests + warm_up
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use rand::rngs::StdRng;
@@ -201,6 +257,7 @@ mod tests {
         ScoreInput {
             total_blocks: 4,
             candidates: (0..n).map(|i| candidate(&format!("p:{i}"))).collect(),
+            new_conversation: false,
         }
     }
 
@@ -288,6 +345,60 @@ mod tests {
             &mut StdRng::seed_from_u64(1),
         );
         assert_eq!(r.order[0], 0);
+    }
+
+    /// Places `conversations` new conversations on a shared prefix, one at a time, each still
+    /// running when the next arrives; returns how many each pod got.
+    fn place_new_conversations(pods: usize, conversations: usize, gate: GateConfig) -> Vec<usize> {
+        let p = Picker::new(Policy::Weighted, vec![3.0, 2.0], gate);
+        let mut inp = input(pods);
+        let mut rng = StdRng::seed_from_u64(5);
+        let mut per_pod = vec![0; pods];
+        for k in 0..conversations {
+            // The first conversation matches nothing; later ones match the shared prefix
+            // wherever an earlier one ran.
+            inp.new_conversation = k > 0;
+            let prefix: Vec<f64> = inp
+                .candidates
+                .iter()
+                .map(|c| c.matched_blocks / 4.0)
+                .collect();
+            let load: Vec<f64> = inp
+                .candidates
+                .iter()
+                .map(|c| 1.0 - c.load.inflight_requests / 32.0)
+                .collect();
+            let r = p.rank(&inp, &[prefix, load], &[0.0; 8][..pods], k as u64, &mut rng);
+            let c = &mut inp.candidates[r.order[0]];
+            c.matched_blocks = 3.0;
+            c.load.inflight_requests += 1.0;
+            per_pod[r.order[0]] += 1;
+            assert_eq!(r.reason == Reason::Spread, k > 0 && gate_on(&p));
+        }
+        per_pod.sort_unstable();
+        per_pod
+    }
+
+    fn gate_on(p: &Picker) -> bool {
+        p.gate.enabled && p.gate.spread_new_conversations
+    }
+
+    #[test]
+    fn new_conversations_on_a_shared_prefix_spread_over_two_pods_then_by_load() {
+        let gate = GateConfig::default;
+        assert_eq!(place_new_conversations(2, 2, gate()), vec![1, 1]);
+        assert_eq!(place_new_conversations(2, 3, gate()), vec![1, 2]);
+        // Four conversations on four pods: two pods warm the prefix, not four.
+        assert_eq!(place_new_conversations(4, 4, gate()), vec![0, 0, 2, 2]);
+        assert_eq!(place_new_conversations(4, 2, gate()), vec![0, 0, 1, 1]);
+        // Sixteen: every pod ends up with four.
+        assert_eq!(place_new_conversations(4, 16, gate()), vec![4, 4, 4, 4]);
+        // Off (or the gate off): the first holder keeps every conversation, as before.
+        let off = GateConfig {
+            spread_new_conversations: false,
+            ..gate()
+        };
+        assert_eq!(place_new_conversations(2, 3, off), vec![0, 3]);
     }
 
     #[test]

@@ -62,6 +62,7 @@ mod tests {
         let input = ScoreInput {
             total_blocks: 1,
             candidates: vec![idle, busy, drowned],
+            new_conversation: false,
         };
         let s = run_scorer(&scorer, &input).unwrap();
         assert_eq!(s[0], 1.0);

@@ -34,6 +34,8 @@ pub(crate) struct ScoreInput {
     pub total_blocks: usize,
     /// Candidates, in a fixed order shared with the output slices.
     pub candidates: Vec<Candidate>,
+    /// The request starts a new conversation on a prefix others share (the picker spreads it).
+    pub new_conversation: bool,
 }
 
 /// A scorer produced an unusable value.
@@ -108,11 +110,13 @@ mod tests {
         let one = ScoreInput {
             total_blocks: 1,
             candidates: vec![candidate("a:1")],
+            new_conversation: false,
         };
         assert_eq!(run_scorer(&Broken, &one).unwrap(), vec![1.0]);
         let two = ScoreInput {
             total_blocks: 1,
             candidates: vec![candidate("a:1"), candidate("b:1")],
+            new_conversation: false,
         };
         assert!(matches!(
             run_scorer(&Broken, &two),

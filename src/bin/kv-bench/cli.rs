@@ -51,6 +51,10 @@ pub(crate) enum Cmd {
     Hostile(HostileArgs),
     /// The router's CPU with no requests, per fleet size (probes and scrapes only).
     Idle(IdleArgs),
+    /// A few chat sessions sharing a long system prompt on two and four slow pods: every
+    /// strategy against round robin, held to the small-fleet goals (hit ≥ 0.95 × infinite
+    /// oracle, TTFT p50 ≤ 0.4 × and p99 ≤ round robin's, no pod above 2/3 of the requests).
+    SmallFleet(SmallFleetArgs),
     /// Minutes of mixed traffic through real Envoy with a pod frozen every minute; samples the
     /// router's RSS and in-flight gauges; exits 1 if anything but the bad requests failed,
     /// in-flight load stays, or RSS keeps growing.
@@ -198,6 +202,87 @@ pub(crate) struct CompareArgs {
     pub(crate) trace: TraceArgs,
     #[command(flatten)]
     pub(crate) arrivals: ArrivalArgs,
+}
+
+#[derive(Args)]
+pub(crate) struct SmallFleetArgs {
+    /// Envoy binary (default: $KV_ROUTER_ENVOY, .venv/bin/envoy, PATH).
+    #[arg(long)]
+    pub(crate) envoy: Option<PathBuf>,
+    /// Cells as PODSxSESSIONS, comma-separated [default: 2x2,2x4,4x2,4x4; --quick: 2x2].
+    #[arg(long, value_delimiter = ',', value_parser = parse_cell)]
+    pub(crate) cells: Vec<(usize, usize)>,
+    /// Strategies after round robin (always first: the goals are relative to it)
+    /// [default: least-loaded,prefix-only,weighted,precise,redis; --quick: weighted,precise].
+    #[arg(long, value_enum, value_delimiter = ',')]
+    pub(crate) strategies: Vec<Strategy>,
+    /// Turns per session [default: 8; --quick: 4].
+    #[arg(long)]
+    pub(crate) turns: Option<usize>,
+    /// Shared system prompt size in bytes [default: 16384].
+    #[arg(long)]
+    pub(crate) system_bytes: Option<usize>,
+    /// Extra vllm-sim argument (repeatable) [default: --prefill-us-per-token=400].
+    #[arg(long = "sim-arg", allow_hyphen_values = true)]
+    pub(crate) sim_args: Vec<String>,
+    /// Seed of the texts and session arrival times.
+    #[arg(long, default_value_t = 1)]
+    pub(crate) seed: u64,
+    /// CI size: one 2-pod cell of 2 sessions x 4 turns, weighted and precise.
+    #[arg(long)]
+    pub(crate) quick: bool,
+    /// Write the report as JSON here.
+    #[arg(long)]
+    pub(crate) json: Option<PathBuf>,
+    /// Print the table as markdown with a heading (the command).
+    #[arg(long)]
+    pub(crate) markdown: bool,
+}
+
+impl SmallFleetArgs {
+    /// The run's options: the defaults, then `--quick`, then explicit flags.
+    pub(crate) fn options(&self) -> crate::bench::small_fleet::SmallFleetOptions {
+        let mut o = crate::bench::small_fleet::SmallFleetOptions {
+            envoy: self.envoy.clone(),
+            seed: self.seed,
+            ..Default::default()
+        };
+        if self.quick {
+            o.cells = vec![(2, 2)];
+            o.turns = 4;
+            o.strategies = vec![Strategy::Weighted, Strategy::Precise];
+        }
+        if !self.cells.is_empty() {
+            o.cells = self.cells.clone();
+        }
+        if !self.strategies.is_empty() {
+            o.strategies = self.strategies.clone();
+        }
+        if let Some(t) = self.turns {
+            o.turns = t.max(1);
+        }
+        if let Some(b) = self.system_bytes {
+            o.system_bytes = b;
+        }
+        if !self.sim_args.is_empty() {
+            o.sim_args = self.sim_args.clone();
+        }
+        o
+    }
+}
+
+fn parse_cell(s: &str) -> Result<(usize, usize), String> {
+    let (p, n) = s
+        .split_once('x')
+        .ok_or_else(|| format!("`{s}`: expected PODSxSESSIONS, e.g. 2x4"))?;
+    let num = |v: &str| {
+        v.trim()
+            .parse::<usize>()
+            .ok()
+            .filter(|n| *n > 0)
+            .ok_or_else(|| format!("`{s}`: `{v}` is not a positive number"))
+    };
+    Ok((num(p)?, num(n)?))
 }
 
 #[derive(Args)]

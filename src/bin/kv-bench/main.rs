@@ -123,6 +123,24 @@ async fn real_main(cli: Cli) -> Result<()> {
             Ok(())
         }
         Cmd::RedisIndex(a) => redis_index(&a).await,
+        Cmd::SmallFleet(a) => {
+            let opts = a.options();
+            let r = bench::small_fleet::run(&Binaries::beside_current_exe()?, &opts).await?;
+            if a.markdown {
+                let cmd: Vec<String> = std::env::args().skip(1).collect();
+                println!("### `kv-bench {}`\n\n{}\n", cmd.join(" "), r.workload);
+                println!("{}", r.table(Style::Markdown));
+            } else {
+                println!("workload: {}\n{}", r.workload, r.table(Style::Plain));
+            }
+            for miss in r.misses() {
+                println!("goal missed: {miss}");
+            }
+            if let Some(path) = &a.json {
+                write_json(path, &r)?;
+            }
+            Ok(())
+        }
         Cmd::Soak(a) => {
             let opts = bench::soak::SoakOptions {
                 duration: Duration::from_secs_f64(a.minutes.max(0.1) * 60.0),
