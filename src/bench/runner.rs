@@ -367,12 +367,16 @@ pub async fn run(workload: Workload, opts: &RunOptions) -> Result<RunResult> {
                     headers,
                     turn,
                     not_before,
+                    think,
                 }) = session.next_request(prev)
                 else {
                     break;
                 };
                 if let Some(at) = not_before {
                     tokio::time::sleep_until((start + at).into()).await;
+                }
+                if let Some(pause) = think {
+                    tokio::time::sleep(pause).await;
                 }
                 let url = format!("{base}{}", api.path());
                 let sent = start.elapsed().as_secs_f64() * 1e3;

@@ -34,6 +34,8 @@ pub struct SmallFleetOptions {
     pub max_tokens: u32,
     /// Sessions start at Poisson times of this rate (per second), as users arrive.
     pub session_rate: f64,
+    /// A user's pause between a response and the next turn, ms (uniform).
+    pub think_ms: (u64, u64),
     /// vllm-sim arguments (the pods' speed).
     pub sim_args: Vec<String>,
     /// Seed of the texts and arrival times.
@@ -57,6 +59,7 @@ impl Default for SmallFleetOptions {
             question_bytes: (300, 600),
             max_tokens: 48,
             session_rate: 4.0,
+            think_ms: (100, 1500),
             // Slow enough that a pod's prefill lane queues: 0.4 ms per uncached token.
             sim_args: vec!["--prefill-us-per-token=400".into()],
             seed: 1,
@@ -74,6 +77,7 @@ impl SmallFleetOptions {
             question_bytes: self.question_bytes,
             max_tokens: self.max_tokens,
             seed: self.seed,
+            think_ms: self.think_ms,
             ..MultiturnSpec::default()
         }
     }
@@ -82,13 +86,16 @@ impl SmallFleetOptions {
     pub fn describe(&self) -> String {
         format!(
             "{} turns per session, system prompt {} B, questions {}-{} B, max_tokens {}, \
-             sessions arriving at {}/s (Poisson), vllm-sim {}",
+             sessions arriving at {}/s (Poisson), {}-{} ms between a response and the next turn, \
+             vllm-sim {}",
             self.turns,
             self.system_bytes,
             self.question_bytes.0,
             self.question_bytes.1,
             self.max_tokens,
             self.session_rate,
+            self.think_ms.0,
+            self.think_ms.1,
             self.sim_args.join(" ")
         )
     }

@@ -46,6 +46,8 @@ pub struct PlannedRequest {
     pub turn: usize,
     /// Open loop: do not send before this offset from the start of the run.
     pub not_before: Option<Duration>,
+    /// Wait this long after the previous response before sending (a user reading and typing).
+    pub think: Option<Duration>,
 }
 
 /// What a session learns about its previous request.
@@ -117,6 +119,10 @@ pub struct MultiturnSpec {
     pub model: String,
     /// Seed for every generated text.
     pub seed: u64,
+    /// Pause between a response and the next turn, uniform in this range of milliseconds
+    /// ((0, 0): none). Pauses keep a few sessions from falling into lockstep, where round robin
+    /// would send each session's every turn to the same pod by accident.
+    pub think_ms: (u64, u64),
 }
 
 impl Default for MultiturnSpec {
@@ -129,6 +135,7 @@ impl Default for MultiturnSpec {
             max_tokens: 32,
             model: "sim-model".into(),
             seed: 1,
+            think_ms: (0, 0),
         }
     }
 }
@@ -153,6 +160,7 @@ impl MultiturnSpec {
                     index: i,
                     spec: self.clone(),
                     rng: SplitMix64::derive(self.seed, "session", i as u64),
+                    think_rng: SplitMix64::derive(self.seed, "think", i as u64),
                     messages: vec![json!({"role": "system", "content": system})],
                     turn: 0,
                 }) as Box<dyn Session>
@@ -161,14 +169,18 @@ impl MultiturnSpec {
         Workload {
             name: "multiturn".into(),
             description: format!(
-                "{} sessions x {} turns, system {} B, questions {}-{} B, max_tokens {}, seed {}",
+                "{} sessions x {} turns, system {} B, questions {}-{} B, max_tokens {}, seed {}{}",
                 self.sessions,
                 self.turns,
                 self.system_bytes,
                 self.question_bytes.0,
                 self.question_bytes.1,
                 self.max_tokens,
-                self.seed
+                self.seed,
+                match self.think_ms {
+                    (_, 0) => String::new(),
+                    (lo, hi) => format!(", think {lo}-{hi} ms"),
+                }
             ),
             sessions,
             requests: self.sessions * self.turns,
@@ -181,6 +193,7 @@ struct MultiturnSession {
     index: usize,
     spec: MultiturnSpec,
     rng: SplitMix64,
+    think_rng: SplitMix64,
     messages: Vec<Value>,
     turn: usize,
 }
@@ -218,6 +231,17 @@ impl Session for MultiturnSession {
             headers: vec![("x-session-id".into(), self.id.clone())],
             turn: self.turn,
             not_before: None,
+            think: None,
+        };
+        let (lo, hi) = self.spec.think_ms;
+        let req = if self.turn > 0 && hi > 0 {
+            let ms = self.think_rng.range(lo.min(hi) as usize, hi as usize) as u64;
+            PlannedRequest {
+                think: Some(Duration::from_millis(ms)),
+                ..req
+            }
+        } else {
+            req
         };
         self.turn += 1;
         Some(req)
@@ -417,6 +441,7 @@ impl SharedPrefixSpec {
                         headers: Vec::new(),
                         turn: 0,
                         not_before: None,
+                        think: None,
                     }),
                 }) as Box<dyn Session>
             })
@@ -481,6 +506,7 @@ impl TraceSpec {
                         turn: 0,
                         not_before: speedup
                             .map(|s| Duration::from_secs_f64(r.timestamp as f64 / 1e3 / s)),
+                        think: None,
                     }),
                 }) as Box<dyn Session>
             })
@@ -561,6 +587,31 @@ mod tests {
             ..spec.clone()
         };
         assert_ne!(other.system_prompt(), sys);
+    }
+
+    #[test]
+    fn think_pauses_come_between_turns_in_their_range() {
+        let plain = drive(&mut MultiturnSpec::default().build());
+        assert!(plain.iter().flatten().all(|r| r.think.is_none()));
+        let spec = MultiturnSpec {
+            think_ms: (100, 1500),
+            ..MultiturnSpec::default()
+        };
+        let sessions = drive(&mut spec.build());
+        for s in &sessions {
+            assert!(s[0].think.is_none(), "the first turn starts at once");
+            for r in &s[1..] {
+                let ms = r.think.expect("a pause").as_millis();
+                assert!((100..=1500).contains(&ms), "{ms}");
+            }
+        }
+        let again = drive(&mut spec.build());
+        let pauses = |v: &Vec<Vec<PlannedRequest>>| -> Vec<_> {
+            v.iter().flatten().map(|r| r.think).collect()
+        };
+        assert_eq!(pauses(&sessions), pauses(&again), "seeded");
+        // Pauses draw from their own stream: the texts are those of the default spec.
+        assert_eq!(sessions[0][1].body, plain[0][1].body);
     }
 
     #[test]

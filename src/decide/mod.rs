@@ -297,14 +297,21 @@ impl Decider {
             (Some(_), _) => SessionSeen::Unpinned,
         };
         let new_conversation = is_new_conversation(&self.ends, &keys.keys, &matched, seen);
+        let conversations = if new_conversation {
+            self.sessions.conversations(&ids, now_ms)
+        } else {
+            vec![0.0; ids.len()]
+        };
         let candidates = pods
             .iter()
             .zip(matched)
-            .map(|(p, matched_blocks)| Candidate {
+            .zip(conversations)
+            .map(|((p, matched_blocks), conversations)| Candidate {
                 pod: p.id().clone(),
                 matched_blocks,
                 load: p.load(now, self.stale_after),
                 session_pod: session_pod.as_ref() == Some(p.id()),
+                conversations,
             })
             .collect();
         let body = match (&parsed, req.body) {
@@ -539,6 +546,46 @@ pub(crate) mod tests {
                 .decisions(Reason::Scored, &first.plan.endpoints[0]),
             4
         );
+    }
+
+    #[tokio::test]
+    async fn new_sessions_on_a_shared_prefix_spread_and_next_turns_stay() {
+        let (d, _) = decider(2, |_| {}).await;
+        let h = |s: &str| vec![("x-session-id".to_string(), s.to_string())];
+        let sys = "shared system prompt ";
+        // Each session's own text spans several blocks past the shared prefix.
+        let own = |s: &str| format!("{s} own words ").repeat(20);
+        let s1 = d
+            .decide(req(&prompt(sys, &own("s1")), &h("s1")))
+            .await
+            .unwrap();
+        let s2 = d
+            .decide(req(&prompt(sys, &own("s2")), &h("s2")))
+            .await
+            .unwrap();
+        assert_ne!(
+            s2.plan.endpoints[0], s1.plan.endpoints[0],
+            "a second pod warms"
+        );
+        assert_eq!(s2.plan.reason, Reason::Spread);
+        // s1's next turn extends its first prompt: it stays, scored as before.
+        let turn2 = prompt(sys, &format!("{}answer, then the next question", own("s1")));
+        let s1b = d.decide(req(&turn2, &h("s1"))).await.unwrap();
+        assert_eq!(s1b.plan.endpoints[0], s1.plan.endpoints[0]);
+        assert_eq!(s1b.plan.reason, Reason::Scored);
+        // A third session: both pods hold the prefix; the one with fewer requests in flight.
+        let s3 = d
+            .decide(req(&prompt(sys, &own("s3")), &h("s3")))
+            .await
+            .unwrap();
+        assert_eq!(s3.plan.endpoints[0], s2.plan.endpoints[0]);
+        assert_eq!(s3.plan.reason, Reason::Spread);
+        // Without a session id the same request follows the prefix (never called new).
+        let anon = d
+            .decide(req(&prompt(sys, &own("anon")), &[]))
+            .await
+            .unwrap();
+        assert_eq!(anon.plan.reason, Reason::Scored);
     }
 
     #[tokio::test]

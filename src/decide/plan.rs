@@ -302,6 +302,7 @@ mod tests {
                         ..Default::default()
                     },
                     session_pod: false,
+                    conversations: 0.0,
                 })
                 .collect(),
             session: None,

@@ -210,12 +210,14 @@ impl Picker {
     }
 }
 
-/// What placing a new conversation on each candidate commits it to: the requests the pod
-/// already carries (the larger of what it reports and what this router sent it, which are
-/// often the same requests), plus one for a pod that would first have to prefill the shared
-/// prefix once two pods already hold it. So the second conversation on a shared system prompt
-/// warms a second pod, and further ones go to the least busy holder until every holder carries
-/// a request more than a pod that does not hold it.
+/// What placing a new conversation on each candidate commits it to: the larger of the requests
+/// the pod carries (its own count or this router's in-flight one, often the same requests) and
+/// the live conversations pinned to it; at least one on the sole holder of the shared prefix
+/// (the conversation that warmed it lives there, even between its turns or when another replica
+/// routed it); plus one for a pod that would first have to prefill the shared prefix once two
+/// pods already hold it. So the second conversation on a shared system prompt warms a second
+/// pod, and further ones go to the least committed holder until every holder carries one more
+/// than a pod that does not hold it.
 fn commitments(input: &ScoreInput) -> Vec<f64> {
     let best = input
         .candidates
@@ -234,13 +236,16 @@ fn commitments(input: &ScoreInput) -> Vec<f64> {
         .iter()
         .map(|c| {
             let l = &c.load;
-            let requests = (l.waiting + l.running).max(l.inflight_requests);
-            let warm_up = if holders >= 2 && !holds(c.matched_blocks) {
-                1.0
-            } else {
-                0.0
-            };
-            requests + warm_up
+            let mut committed = (l.waiting + l.running)
+                .max(l.inflight_requests)
+                .max(c.conversations);
+            if holders == 1 && holds(c.matched_blocks) {
+                committed = committed.max(1.0);
+            }
+            if holders >= 2 && !holds(c.matched_blocks) {
+                committed += 1.0;
+            }
+            committed
         })
         .collect()
 }
@@ -381,6 +386,32 @@ mod tests {
 
     fn gate_on(p: &Picker) -> bool {
         p.gate.enabled && p.gate.spread_new_conversations
+    }
+
+    #[test]
+    fn conversations_between_turns_still_count() {
+        // Two pods hold the prefix, nothing is in flight: the one with fewer conversations.
+        let p = Picker::new(Policy::Weighted, vec![3.0], GateConfig::default());
+        let mut inp = input(3);
+        inp.new_conversation = true;
+        for (c, (m, conv)) in inp
+            .candidates
+            .iter_mut()
+            .zip([(3.0, 2.0), (3.0, 1.0), (0.0, 0.0)])
+        {
+            c.matched_blocks = m;
+            c.conversations = conv;
+        }
+        let prefix = vec![vec![0.75, 0.75, 0.0]];
+        let mut rng = StdRng::seed_from_u64(1);
+        let r = p.rank(&inp, &prefix, &[0.0; 3], 0, &mut rng);
+        assert_eq!((r.order[0], r.reason), (1, Reason::Spread));
+        // One holder with nothing in flight and no conversation this replica knows of (another
+        // replica routed it): the conversation that warmed it still counts, a second pod warms.
+        inp.candidates[0].conversations = 0.0;
+        inp.candidates[1].matched_blocks = 0.0;
+        let r = p.rank(&inp, &[vec![0.75, 0.0, 0.0]], &[0.0; 3], 0, &mut rng);
+        assert_ne!(r.order[0], 0);
     }
 
     #[test]

@@ -25,6 +25,8 @@ pub struct Candidate {
     pub load: PodLoad,
     /// This pod served the request's session last.
     pub session_pod: bool,
+    /// Live conversations (sessions) this router pinned to the pod.
+    pub conversations: f64,
 }
 
 /// Everything scorers read for one request.
@@ -85,6 +87,7 @@ pub(crate) fn candidate(pod: &str) -> Candidate {
             ..PodLoad::default()
         },
         session_pod: false,
+        conversations: 0.0,
     }
 }
 

@@ -57,21 +57,61 @@ pub trait SharedSessions: Send + Sync + 'static {
 
 /// Session → last pod, bounded by capacity (LRU) and idle TTL; optionally shared.
 pub struct SessionStore {
-    map: Mutex<LruCache<SessionKey, (PodId, u64)>>,
+    inner: Mutex<Inner>,
     ttl_ms: u64,
     shared: Option<(Arc<dyn SharedSessions>, Duration)>,
+}
+
+/// The map and, per pod, how many of its sessions are pinned there (kept in step with it).
+struct Inner {
+    map: LruCache<SessionKey, (PodId, u64)>,
+    per_pod: ahash::AHashMap<PodId, usize>,
+}
+
+impl Inner {
+    fn unpin(&mut self, pod: &PodId) {
+        if let Some(n) = self.per_pod.get_mut(pod) {
+            *n -= 1;
+            if *n == 0 {
+                self.per_pod.remove(pod);
+            }
+        }
+    }
+
+    /// Drops sessions idle for `ttl_ms` (the map's least recent entries are the oldest set).
+    fn expire(&mut self, now_ms: u64, ttl_ms: u64) {
+        while let Some((_, (_, seen))) = self.map.peek_lru() {
+            if now_ms.saturating_sub(*seen) < ttl_ms {
+                break;
+            }
+            if let Some((_, (pod, _))) = self.map.pop_lru() {
+                self.unpin(&pod);
+            }
+        }
+    }
 }
 
 impl SessionStore {
     /// An empty store.
     pub fn new(capacity: usize, ttl_ms: u64) -> Self {
         Self {
-            map: Mutex::new(LruCache::new(
-                std::num::NonZeroUsize::new(capacity.max(1)).expect("max(1)"),
-            )),
+            inner: Mutex::new(Inner {
+                map: LruCache::new(std::num::NonZeroUsize::new(capacity.max(1)).expect("max(1)")),
+                per_pod: ahash::AHashMap::new(),
+            }),
             ttl_ms,
             shared: None,
         }
+    }
+
+    /// How many live sessions this replica pinned to each of `pods` (idle ones expire first):
+    /// the conversations whose later turns each pod is committed to.
+    pub fn conversations(&self, pods: &[PodId], now_ms: u64) -> Vec<f64> {
+        let mut inner = self.inner.lock();
+        inner.expire(now_ms, self.ttl_ms);
+        pods.iter()
+            .map(|p| inner.per_pod.get(p).copied().unwrap_or(0) as f64)
+            .collect()
     }
 
     /// Shares sessions through `shared`, asked for at most `budget` per lookup.
@@ -93,11 +133,13 @@ impl SessionStore {
 
     /// The session's pod in this replica's own map, unless idle for longer than the TTL.
     pub fn get(&self, key: SessionKey, now_ms: u64) -> Option<PodId> {
-        let mut map = self.map.lock();
-        match map.peek(&key) {
+        let mut inner = self.inner.lock();
+        match inner.map.peek(&key) {
             Some((pod, seen)) if now_ms.saturating_sub(*seen) < self.ttl_ms => Some(pod.clone()),
             Some(_) => {
-                map.pop(&key);
+                if let Some((pod, _)) = inner.map.pop(&key) {
+                    inner.unpin(&pod);
+                }
                 None
             }
             None => None,
@@ -109,25 +151,32 @@ impl SessionStore {
         if let Some((shared, _)) = &self.shared {
             shared.set(key, &pod, self.ttl_ms);
         }
-        self.map.lock().put(key, (pod, now_ms));
+        let mut inner = self.inner.lock();
+        *inner.per_pod.entry(pod.clone()).or_default() += 1;
+        // The key's previous pin, or the least recent session evicted to make room.
+        if let Some((_, (old, _))) = inner.map.push(key, (pod, now_ms)) {
+            inner.unpin(&old);
+        }
     }
 
     /// Forgets sessions pinned to a pod that left.
     pub fn forget_pod(&self, pod: &PodId) {
-        let mut map = self.map.lock();
-        let stale: Vec<SessionKey> = map
+        let mut inner = self.inner.lock();
+        let stale: Vec<SessionKey> = inner
+            .map
             .iter()
             .filter(|(_, (p, _))| p == pod)
             .map(|(k, _)| *k)
             .collect();
         for k in stale {
-            map.pop(&k);
+            inner.map.pop(&k);
         }
+        inner.per_pod.remove(pod);
     }
 
     /// Sessions remembered.
     pub fn len(&self) -> usize {
-        self.map.lock().len()
+        self.inner.lock().map.len()
     }
 
     /// No sessions remembered.
@@ -187,5 +236,35 @@ mod tests {
         assert_eq!(store.len(), 2);
         store.forget_pod(&PodId::new("p:2"));
         assert!(store.is_empty());
+    }
+
+    #[test]
+    fn conversations_per_pod_follow_pins_moves_evictions_and_expiry() {
+        let store = SessionStore::new(3, 100);
+        let (p1, p2) = (PodId::new("p:1"), PodId::new("p:2"));
+        let count = |now| store.conversations(&[p1.clone(), p2.clone()], now);
+        let k = |s: &str| SessionKey::of(s);
+        store.set(k("a"), p1.clone(), 0);
+        store.set(k("b"), p1.clone(), 10);
+        store.set(k("a"), p1.clone(), 20);
+        assert_eq!(
+            count(20),
+            vec![2.0, 0.0],
+            "a re-pin is not a new conversation"
+        );
+        store.set(k("b"), p2.clone(), 30);
+        assert_eq!(count(30), vec![1.0, 1.0], "a move");
+        store.set(k("c"), p2.clone(), 40);
+        store.set(k("d"), p2.clone(), 50);
+        assert_eq!(
+            count(50),
+            vec![0.0, 3.0],
+            "capacity 3: a (least recent) evicted"
+        );
+        assert_eq!(count(135), vec![0.0, 2.0], "b idle 105 ms: expired");
+        assert_eq!(store.get(k("c"), 140), None);
+        assert_eq!(count(140), vec![0.0, 1.0]);
+        store.forget_pod(&p2);
+        assert_eq!(count(140), vec![0.0, 0.0]);
     }
 }

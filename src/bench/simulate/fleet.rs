@@ -263,6 +263,7 @@ pub(super) fn simulate(
                 matched_blocks: matched[p],
                 load: views[p].load(SimTime(t), stale_after),
                 session_pod: false,
+                conversations: 0.0,
             })
             .collect();
         let input = PlanInput {
