@@ -7,9 +7,7 @@ use std::time::Duration;
 
 use futures::FutureExt;
 use kv_router::config::Config;
-use kv_router::decide::{
-    commit, is_new_conversation, plan, Body, PlanInput, PromptEnds, SessionSeen, Stages, Stores,
-};
+use kv_router::decide::{commit, plan, Body, PlanInput, Stages, Stores};
 use kv_router::events::KvEventBatch;
 use kv_router::index::{build_index, index_capacity, ApplyStats};
 use kv_router::keys::Keys;
@@ -142,7 +140,6 @@ pub(super) fn simulate(
 ) -> Result<RunOutcome, SimulateError> {
     let cfg = strategy.router_config(&Config::default(), MODEL);
     let stages = Stages::new(&cfg);
-    let ends = PromptEnds::default();
     let index = uses_index(strategy).then(|| {
         build_index(&cfg, None)
             .expect("simulated fleets use in-process indexes")
@@ -255,8 +252,6 @@ pub(super) fn simulate(
             }
             _ => vec![0.0; pods],
         };
-        // Traces name no sessions: no request is a new conversation (see `decide::conversation`).
-        let new_conversation = is_new_conversation(&ends, &keys.keys, &matched, SessionSeen::None);
         let candidates = (0..pods)
             .map(|p| Candidate {
                 pod: ids[p].clone(),
@@ -272,7 +267,9 @@ pub(super) fn simulate(
             candidates,
             session: None,
             turn: i as u64,
-            new_conversation,
+            // Traces name no sessions, so no request is a new conversation
+            // (`decide::is_new_conversation`) and prompt ends need not be recorded.
+            new_conversation: false,
         };
         let plan = plan(&stages, input, &mut rng);
         if plan.reason == Reason::AllSaturated {
@@ -283,7 +280,7 @@ pub(super) fn simulate(
         let stores = Stores {
             index: index.as_deref(),
             sessions: None,
-            ends: Some(&ends),
+            ends: None,
         };
         ready(commit(&plan, stores, now_ms, |p, tokens| {
             views[p].routed(SimTime(t), tokens, prefill_tps)
