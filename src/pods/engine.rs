@@ -15,7 +15,7 @@ use ahash::AHashMap;
 use parking_lot::Mutex;
 use tracing::{debug, info, warn};
 
-use super::{LoadSample, PodId, PodSpec};
+use super::{EngineTiming, LoadSample, PodId, PodSpec};
 use crate::config::{CustomEngine, EngineSetting, PodsConfig, Preset};
 
 /// Pod label (or, on Kubernetes, annotation) naming a pod's engine; overrides the config.
@@ -41,7 +41,27 @@ pub struct MetricMap {
     group_by: Option<Cow<'static, str>>,
     /// vLLM's `cache_config_info` (`num_gpu_blocks`, `block_size` labels).
     cache_info: Option<&'static str>,
+    /// Names of the cumulative prefill counters ([`EngineTiming`]), vLLM only.
+    timing: Option<&'static [(&'static str, Field)]>,
 }
+
+/// vLLM's prefill counters: `vllm/v1/metrics/loggers.py` (`PrometheusStatLogger`). The
+/// `gpu_` spelling is the older name of the prefix-cache counter (read only without the new one).
+/// SGLang would need `sglang:prompt_tokens_total`, `sglang:cached_tokens_total` and a
+/// scheduled-to-first-token histogram; llama.cpp has `llamacpp:prompt_tokens_total` and
+/// `llamacpp:prompt_seconds_total` but no request count: both read `None`.
+const VLLM_TIMING: [(&str, Field); 7] = [
+    ("vllm:prompt_tokens_total", Field::PromptTokens),
+    ("vllm:prefix_cache_hits_total", Field::Hits),
+    ("vllm:gpu_prefix_cache_hits_total", Field::HitsOld),
+    ("vllm:request_prefill_time_seconds_sum", Field::PrefillSum),
+    (
+        "vllm:request_prefill_time_seconds_count",
+        Field::PrefillCount,
+    ),
+    ("vllm:request_queue_time_seconds_sum", Field::QueueSum),
+    ("vllm:request_queue_time_seconds_count", Field::QueueCount),
+];
 
 fn names(n: &[&'static str]) -> Vec<Cow<'static, str>> {
     n.iter().map(|s| Cow::Borrowed(*s)).collect()
@@ -58,6 +78,7 @@ static PRESETS: LazyLock<[MetricMap; 4]> = LazyLock::new(|| {
         kv_total: None,
         group_by: None,
         cache_info: None,
+        timing: None,
     };
     [
         MetricMap {
@@ -66,6 +87,7 @@ static PRESETS: LazyLock<[MetricMap; 4]> = LazyLock::new(|| {
             // `gpu_cache_usage_perc` is the pre-V1 name; some versions report both, equal.
             kv_usage: names(&["vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"]),
             cache_info: Some("vllm:cache_config_info"),
+            timing: Some(&VLLM_TIMING),
             ..base.clone()
         },
         MetricMap {
@@ -118,6 +140,7 @@ impl MetricMap {
             kv_total: own(&c.kv_total),
             group_by: own(&c.group_by),
             cache_info: None,
+            timing: None,
         }
     }
 
@@ -134,23 +157,53 @@ impl MetricMap {
         } else if self.kv_total.as_deref() == Some(name) {
             Some(Field::Total)
         } else {
-            None
+            let timing = self.timing?;
+            timing.iter().find(|(n, _)| *n == name).map(|(_, f)| *f)
         }
     }
 }
 
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Field {
     Waiting,
     Running,
     Kv,
     Used,
     Total,
+    // Cumulative prefill counters (from here on: see `is_timing`).
+    PromptTokens,
+    Hits,
+    HitsOld,
+    PrefillSum,
+    PrefillCount,
+    QueueSum,
+    QueueCount,
+}
+
+const FIELDS: [Field; 12] = [
+    Field::Waiting,
+    Field::Running,
+    Field::Kv,
+    Field::Used,
+    Field::Total,
+    Field::PromptTokens,
+    Field::Hits,
+    Field::HitsOld,
+    Field::PrefillSum,
+    Field::PrefillCount,
+    Field::QueueSum,
+    Field::QueueCount,
+];
+
+impl Field {
+    fn is_timing(self) -> bool {
+        self as usize >= Field::PromptTokens as usize
+    }
 }
 
 /// One rank group's values (the maximum of its samples per field).
 #[derive(Debug, Default, Clone, Copy)]
-struct Vals([Option<f64>; 5]);
+struct Vals([Option<f64>; FIELDS.len()]);
 
 impl Vals {
     fn max(&mut self, f: Field, v: f64) {
@@ -159,7 +212,8 @@ impl Vals {
     }
 }
 
-/// Running totals over samples (or groups): waiting and running add up, KV usage is a mean.
+/// Running totals over samples (or groups): waiting and running add up, KV usage is a mean,
+/// the prefill counters add up (`None` until a sample of theirs is seen).
 #[derive(Debug, Default)]
 struct Totals {
     waiting: f64,
@@ -168,6 +222,7 @@ struct Totals {
     kv_n: u32,
     used: f64,
     total: f64,
+    timing: [Option<f64>; FIELDS.len() - Field::PromptTokens as usize],
 }
 
 impl Totals {
@@ -181,7 +236,32 @@ impl Totals {
             }
             Field::Used => self.used += v,
             Field::Total => self.total += v,
+            f => {
+                let slot = &mut self.timing[f as usize - Field::PromptTokens as usize];
+                *slot = Some(slot.unwrap_or(0.0) + v);
+            }
         }
+    }
+
+    fn get(&self, f: Field) -> Option<f64> {
+        self.timing[f as usize - Field::PromptTokens as usize]
+    }
+
+    /// The prefill counters, when the prompt-token counter and the prefill-time histogram's
+    /// `_sum` and `_count` were all seen and every one is finite.
+    fn engine_timing(&self) -> Option<EngineTiming> {
+        // Sums of huge values may overflow to ∞.
+        if self.timing.iter().flatten().any(|v| !v.is_finite()) {
+            return None;
+        }
+        let hits = self.get(Field::Hits).or(self.get(Field::HitsOld));
+        Some(EngineTiming {
+            prefill_tokens: (self.get(Field::PromptTokens)? - hits.unwrap_or(0.0)).max(0.0),
+            prefills: self.get(Field::PrefillCount)?,
+            prefill_seconds: self.get(Field::PrefillSum)?,
+            queued: self.get(Field::QueueCount).unwrap_or(0.0),
+            queue_seconds: self.get(Field::QueueSum).unwrap_or(0.0),
+        })
     }
 }
 
@@ -196,12 +276,15 @@ pub struct Reading {
 
 /// Reads the load signals of a Prometheus text through `map`. Samples of a name add up
 /// (data-parallel engines); KV usage is their mean, scaled and clamped to 0..1. With
-/// `group_by`, samples sharing that label's value count once (their maximum).
+/// `group_by`, samples sharing that label's value count once (their maximum). The prefill
+/// counters (vLLM) read as `None` when absent or when any of their samples is negative or not
+/// finite: a pod's nonsense must not reach the TTFT model.
 pub fn read(text: &str, map: &MetricMap) -> Reading {
     let mut s = LoadSample::default();
     let mut t = Totals::default();
     let mut groups: Vec<(&str, Vals)> = Vec::new();
     let mut matched = false;
+    let mut bad_timing = false;
     for line in text.lines() {
         let line = line.trim();
         if line.is_empty() || line.starts_with('#') {
@@ -210,6 +293,15 @@ pub fn read(text: &str, map: &MetricMap) -> Reading {
         let Some((name, labels, value)) = split_sample(line) else {
             continue;
         };
+        if !value.is_finite() || value < 0.0 {
+            if map.field(name).is_some_and(Field::is_timing) {
+                bad_timing = true;
+                continue;
+            }
+            if !value.is_finite() {
+                continue;
+            }
+        }
         if map.cache_info == Some(name) {
             matched = true;
             if let Some(n) = label(labels, "num_gpu_blocks").and_then(|v| v.parse::<u64>().ok()) {
@@ -239,21 +331,13 @@ pub fn read(text: &str, map: &MetricMap) -> Reading {
         }
     }
     for (_, vals) in &groups {
-        for (f, v) in [
-            Field::Waiting,
-            Field::Running,
-            Field::Kv,
-            Field::Used,
-            Field::Total,
-        ]
-        .into_iter()
-        .zip(vals.0)
-        {
+        for (f, v) in FIELDS.into_iter().zip(vals.0) {
             if let Some(v) = v {
                 t.add(f, v);
             }
         }
     }
+    s.timing = t.engine_timing().filter(|_| !bad_timing);
     s.waiting = t.waiting;
     s.running = t.running;
     let kv = if t.kv_n > 0 {
@@ -465,7 +549,8 @@ pub fn parse_vllm_metrics(text: &str) -> LoadSample {
     read(text, MetricMap::preset(Preset::Vllm)).sample
 }
 
-/// `name{labels} value [timestamp]` → its parts; `None` for anything else or a non-finite value.
+/// `name{labels} value [timestamp]` → its parts (the value may be `NaN` or infinite); `None` for
+/// anything else.
 fn split_sample(line: &str) -> Option<(&str, &str, f64)> {
     let (name, labels, rest) = match line.find('{') {
         Some(open) if line[..open].find(' ').is_none() => {
@@ -479,7 +564,7 @@ fn split_sample(line: &str) -> Option<(&str, &str, f64)> {
         }
     };
     let value = rest.split_whitespace().next()?.parse::<f64>().ok()?;
-    value.is_finite().then_some((name, labels, value))
+    Some((name, labels, value))
 }
 
 /// The value of `key` in a label set (`a="1",b="x\"y"`), escapes left as sent.

@@ -240,3 +240,120 @@ fn the_vllm_parser_is_the_vllm_preset() {
         preset(Preset::Vllm, &text).sample
     );
 }
+
+#[test]
+fn vllm_timing_sums_both_engines() {
+    let s = preset(Preset::Vllm, &fixture("vllm.txt")).sample;
+    assert_eq!(
+        s.timing,
+        Some(EngineTiming {
+            // (184,320 − 96,256) + (150,016 − 70,144)
+            prefill_tokens: 167_936.0,
+            prefills: 571.0,
+            prefill_seconds: 22.75,
+            queued: 571.0,
+            queue_seconds: 9.25,
+        })
+    );
+    // The rest of the sample is what it was before vLLM's timing was read.
+    assert_eq!(
+        LoadSample { timing: None, ..s },
+        LoadSample {
+            waiting: 4.0,
+            running: 14.0,
+            kv_usage: s.kv_usage,
+            num_gpu_blocks: Some(55_680),
+            block_size: Some(16),
+            timing: None,
+        }
+    );
+    // No other preset, and no custom mapping, reads timing.
+    for p in [Preset::Sglang, Preset::Llamacpp, Preset::Tgi] {
+        assert_eq!(preset(p, &fixture("vllm.txt")).sample.timing, None, "{p}");
+    }
+    let names = custom("{ waiting: vllm:num_requests_waiting }");
+    assert_eq!(read(&fixture("vllm.txt"), &names).sample.timing, None);
+}
+
+/// The vLLM fixture's lines without those of the named families.
+fn vllm_without(families: &[&str]) -> String {
+    fixture("vllm.txt")
+        .lines()
+        .filter(|l| !families.iter().any(|f| l.contains(f)))
+        .map(|l| format!("{l}\n"))
+        .collect()
+}
+
+#[test]
+fn vllm_timing_needs_the_prefill_histogram() {
+    let text = vllm_without(&["vllm:request_prefill_time_seconds"]);
+    let r = preset(Preset::Vllm, &text);
+    assert_eq!(r.sample.timing, None);
+    assert_eq!(load(&r.sample), (4.0, 14.0, 0.6), "load unchanged");
+    // Its _sum alone is not enough either, nor is the prompt-token counter optional.
+    let text = vllm_without(&["vllm:request_prefill_time_seconds_count"]);
+    assert_eq!(preset(Preset::Vllm, &text).sample.timing, None);
+    let text = vllm_without(&["vllm:prompt_tokens_total"]);
+    assert_eq!(preset(Preset::Vllm, &text).sample.timing, None);
+    // Without the queue histogram and the prefix cache counter: zeros.
+    let text = vllm_without(&[
+        "vllm:request_queue_time_seconds",
+        "vllm:prefix_cache_hits_total",
+    ]);
+    let t = preset(Preset::Vllm, &text).sample.timing.unwrap();
+    assert_eq!(
+        (t.prefill_tokens, t.prefills, t.queued, t.queue_seconds),
+        (334_336.0, 571.0, 0.0, 0.0)
+    );
+    // The older name of the prefix cache counter stands in for the newer one.
+    let old = fixture("vllm.txt").replace(
+        "vllm:prefix_cache_hits_total",
+        "vllm:gpu_prefix_cache_hits_total",
+    );
+    let t = preset(Preset::Vllm, &old).sample.timing.unwrap();
+    assert_eq!(t.prefill_tokens, 167_936.0);
+    let m = "{engine=\"0\"}";
+    let both = format!(
+        "vllm:prompt_tokens_total{m} 100\nvllm:prefix_cache_hits_total{m} 30\n\
+         vllm:gpu_prefix_cache_hits_total{m} 30\nvllm:request_prefill_time_seconds_sum{m} 1\n\
+         vllm:request_prefill_time_seconds_count{m} 2\n"
+    );
+    let t = preset(Preset::Vllm, &both).sample.timing.unwrap();
+    assert_eq!(t.prefill_tokens, 70.0, "both names: counted once");
+    let more_hits = both.replace("} 30\n", "} 130\n");
+    let t = preset(Preset::Vllm, &more_hits).sample.timing.unwrap();
+    assert_eq!(t.prefill_tokens, 0.0, "clamped");
+    assert_eq!(preset(Preset::Vllm, "").sample, LoadSample::default());
+}
+
+#[test]
+fn hostile_timing_values_read_as_absent() {
+    let fixture = fixture("vllm.txt");
+    let sum =
+        "vllm:request_prefill_time_seconds_sum{engine=\"1\",model_name=\"Qwen/Qwen3-8B\"} 10.25";
+    let hits = "vllm:prefix_cache_hits_total{engine=\"1\",model_name=\"Qwen/Qwen3-8B\"} 70144.0";
+    let queue =
+        "vllm:request_queue_time_seconds_count{engine=\"0\",model_name=\"Qwen/Qwen3-8B\"} 320.0";
+    for (line, bad) in [
+        (sum, "NaN"),
+        (sum, "-10.25"),
+        (sum, "+Inf"),
+        (hits, "-1"),
+        (queue, "-Inf"),
+        (sum, "1e308"),
+    ] {
+        assert!(fixture.contains(line));
+        let (name, _) = line.rsplit_once(' ').unwrap();
+        let mut text = fixture.replace(line, &format!("{name} {bad}"));
+        if bad == "1e308" {
+            // Two finite values whose sum is not.
+            text = text.replace(
+                "vllm:request_prefill_time_seconds_sum{engine=\"0\",model_name=\"Qwen/Qwen3-8B\"} 12.5",
+                "vllm:request_prefill_time_seconds_sum{engine=\"0\",model_name=\"Qwen/Qwen3-8B\"} 1e308",
+            );
+        }
+        let r = preset(Preset::Vllm, &text);
+        assert_eq!(r.sample.timing, None, "{bad} in {name}");
+        assert_eq!(load(&r.sample), (4.0, 14.0, 0.6), "{bad}: load unchanged");
+    }
+}

@@ -9,6 +9,7 @@ pub mod kubernetes;
 mod metrics;
 mod probe;
 mod source;
+mod ttft;
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -32,6 +33,7 @@ pub use kubernetes::KubernetesSource;
 pub use metrics::PodMetrics;
 pub(crate) use probe::Prober;
 pub use source::{DnsSource, PodSource, PodSourceError, StaticSource};
+pub use ttft::{TtftLearner, TtftModel, TtftPrior};
 
 /// A pod's identity: the `ip:port` Envoy knows it by.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
@@ -91,6 +93,23 @@ pub struct LoadSample {
     pub num_gpu_blocks: Option<u64>,
     /// `block_size` label of `vllm:cache_config_info`, when present.
     pub block_size: Option<u64>,
+    /// Cumulative prefill timing, for engines that report it (the TTFT model learns from it).
+    pub timing: Option<EngineTiming>,
+}
+
+/// Cumulative prefill counters a pod's engine reports since it started, summed over its ranks.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct EngineTiming {
+    /// Prompt tokens the engine computed: prompt tokens minus prefix-cache hits.
+    pub prefill_tokens: f64,
+    /// Requests whose prefill finished (`vllm:request_prefill_time_seconds_count`).
+    pub prefills: f64,
+    /// Seconds from scheduling to first token, summed (`vllm:request_prefill_time_seconds_sum`).
+    pub prefill_seconds: f64,
+    /// Requests that left the waiting queue (`vllm:request_queue_time_seconds_count`).
+    pub queued: f64,
+    /// Seconds spent waiting to be scheduled, summed (`vllm:request_queue_time_seconds_sum`).
+    pub queue_seconds: f64,
 }
 
 /// A pod's load as the scorers see it (plain values, no clock).
@@ -145,6 +164,7 @@ pub struct Pod {
     learned_models: RwLock<Option<(Instant, Vec<String>)>>,
     pub(crate) inflight: inflight::Inflight,
     engine: PodEngine,
+    ttft: Mutex<TtftLearner>,
 }
 
 impl Pod {
@@ -163,6 +183,7 @@ impl Pod {
             learned_models: RwLock::new(None),
             inflight: inflight::Inflight::default(),
             engine,
+            ttft: Mutex::new(TtftLearner::default()),
         }
     }
 
@@ -198,6 +219,14 @@ impl Pod {
     pub fn record_sample(&self, started: Instant, sample: LoadSample) {
         *self.sample.lock() = Some((started, sample));
         self.inflight.observed_scrape(started);
+        if let Some(timing) = sample.timing {
+            self.ttft.lock().observe(timing);
+        }
+    }
+
+    /// The pod's prefill model as learned so far, pulled toward `prior`.
+    pub fn ttft_model(&self, prior: &TtftPrior) -> TtftModel {
+        self.ttft.lock().model(prior)
     }
 
     /// Last scrape and its time.

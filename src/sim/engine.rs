@@ -16,7 +16,12 @@
 //! * after its prefill, a request's full prompt blocks are stored in (or touched in) the cache
 //!   and pinned until it finishes;
 //! * each decoding request emits a token every
-//!   `decode_us_per_token × (1 + decode_batch_slowdown × running)`.
+//!   `decode_us_per_token × (1 + decode_batch_slowdown × running)`;
+//! * vLLM's request timing histograms: a request is "scheduled" when the prefill lane picks it
+//!   up, so queue time = submit → lane start, prefill time = lane start → first token (lane busy
+//!   time + `ttft_base_us`), TTFT = submit → first token; all three (and the uncached prompt
+//!   tokens) are recorded when the first token is emitted, so a request cancelled before it
+//!   records nothing.
 
 use std::collections::{BTreeSet, HashMap, VecDeque};
 
@@ -150,6 +155,91 @@ pub enum Output {
     },
 }
 
+/// vLLM V1's `request_latency_buckets` (`vllm/v1/metrics/loggers.py`), the bounds of
+/// `vllm:request_queue_time_seconds` and `vllm:request_prefill_time_seconds`, in microseconds.
+pub const REQUEST_LATENCY_BUCKETS_US: [u64; 21] = [
+    300_000,
+    500_000,
+    800_000,
+    1_000_000,
+    1_500_000,
+    2_000_000,
+    2_500_000,
+    5_000_000,
+    10_000_000,
+    15_000_000,
+    20_000_000,
+    30_000_000,
+    40_000_000,
+    50_000_000,
+    60_000_000,
+    120_000_000,
+    240_000_000,
+    480_000_000,
+    960_000_000,
+    1_920_000_000,
+    7_680_000_000,
+];
+
+/// The bounds of vLLM V1's `vllm:time_to_first_token_seconds` (same file), in microseconds.
+pub const TTFT_BUCKETS_US: [u64; 22] = [
+    1_000,
+    5_000,
+    10_000,
+    20_000,
+    40_000,
+    60_000,
+    80_000,
+    100_000,
+    250_000,
+    500_000,
+    750_000,
+    1_000_000,
+    2_500_000,
+    5_000_000,
+    7_500_000,
+    10_000_000,
+    20_000_000,
+    40_000_000,
+    80_000_000,
+    160_000_000,
+    640_000_000,
+    2_560_000_000,
+];
+
+/// A cumulative latency histogram over fixed bounds (`le`, inclusive, as prometheus_client).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Histogram<const N: usize> {
+    /// Observations, microseconds, summed.
+    pub sum_us: u64,
+    /// Observations.
+    pub count: u64,
+    /// Observations per bucket (not cumulative): `buckets[i]` counts those in
+    /// `(bounds[i - 1], bounds[i]]`; those above the last bound are only in `count`.
+    pub buckets: [u64; N],
+}
+
+impl<const N: usize> Default for Histogram<N> {
+    fn default() -> Self {
+        Self {
+            sum_us: 0,
+            count: 0,
+            buckets: [0; N],
+        }
+    }
+}
+
+impl<const N: usize> Histogram<N> {
+    /// Records one observation of `us` microseconds against `bounds`.
+    pub fn observe(&mut self, us: u64, bounds: &[u64; N]) {
+        self.sum_us = self.sum_us.saturating_add(us);
+        self.count += 1;
+        if let Some(i) = bounds.iter().position(|&b| us <= b) {
+            self.buckets[i] += 1;
+        }
+    }
+}
+
 /// Point-in-time numbers for `/metrics`.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub struct Stats {
@@ -173,6 +263,31 @@ pub struct Stats {
     pub aborted: u64,
     /// Blocks in the prefix cache.
     pub cached_blocks: usize,
+    /// Prompt tokens not served from the prefix cache, of the requests counted in
+    /// `prefill_time` (their first token was emitted).
+    pub prefill_uncached_tokens: u64,
+    /// `vllm:time_to_first_token_seconds`: submit → first token.
+    pub ttft: Histogram<22>,
+    /// `vllm:request_queue_time_seconds`: submit → the prefill lane picks the request up.
+    pub queue_time: Histogram<21>,
+    /// `vllm:request_prefill_time_seconds`: lane pickup → first token.
+    pub prefill_time: Histogram<21>,
+}
+
+impl Stats {
+    /// The cumulative prefill counters the router's scraper reads from `/metrics` (what
+    /// kv-bench's fleet simulation hands its router; vllm-sim itself only renders them).
+    #[cfg_attr(not(test), allow(dead_code))]
+    pub fn timing(&self) -> kv_router::pods::EngineTiming {
+        let secs = |us: u64| us as f64 / 1e6;
+        kv_router::pods::EngineTiming {
+            prefill_tokens: self.prefill_uncached_tokens as f64,
+            prefills: self.prefill_time.count as f64,
+            prefill_seconds: secs(self.prefill_time.sum_us),
+            queued: self.queue_time.count as f64,
+            queue_seconds: secs(self.queue_time.sum_us),
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -192,6 +307,10 @@ struct Req {
     held: Vec<BlockKey>,
     cached_tokens: u32,
     generated: u32,
+    /// When it was submitted.
+    submitted: u64,
+    /// When the prefill lane picked it up.
+    scheduled: u64,
     /// Scheduled time of the next decode event (while decoding).
     next_at: u64,
 }
@@ -271,6 +390,8 @@ impl Engine {
                 held: Vec::new(),
                 cached_tokens: 0,
                 generated: 0,
+                submitted: self.now,
+                scheduled: 0,
                 next_at: 0,
             },
         );
@@ -404,6 +525,7 @@ impl Engine {
         req.held = self.cache.acquire(&req.sub.keys[..hit]);
         req.cached_tokens = (hit * bs) as u32;
         req.phase = Phase::Prefilling;
+        req.scheduled = now;
         self.stats.prefix_cache_queries += prompt as u64;
         self.stats.prefix_cache_hits += (hit * bs) as u64;
         let uncached = (prompt - hit * bs) as f64;
@@ -447,6 +569,21 @@ impl Engine {
         let after = (req.prompt_len() + req.generated as usize).div_ceil(bs);
         let index = req.generated - 1;
         self.stats.generation_tokens += 1;
+        if index == 0 {
+            let s = &mut self.stats;
+            s.prefill_uncached_tokens += (req.prompt_len() - req.cached_tokens as usize) as u64;
+            // Engine time never goes backwards: submitted ≤ scheduled ≤ now.
+            s.ttft
+                .observe(now.saturating_sub(req.submitted), &TTFT_BUCKETS_US);
+            s.queue_time.observe(
+                req.scheduled.saturating_sub(req.submitted),
+                &REQUEST_LATENCY_BUCKETS_US,
+            );
+            s.prefill_time.observe(
+                now.saturating_sub(req.scheduled),
+                &REQUEST_LATENCY_BUCKETS_US,
+            );
+        }
         self.outputs.push(Output::Token { id, index, at: now });
         let grew = after - before;
         let finished = req.generated >= req.sub.max_tokens.max(1);
@@ -733,6 +870,74 @@ mod tests {
         }
         assert_eq!(e.stats().kv_cache_usage, 9.0 / 1024.0);
         assert_eq!(e.stats().running, 1);
+    }
+
+    #[test]
+    fn timing_histograms_follow_the_lane() {
+        let mut e = Engine::new(cfg());
+        // Two uncached 100-token prompts at once: the lane takes 0..1000, then 1000..2000.
+        e.submit(0, 1, sub(1, 100, 2));
+        e.submit(0, 2, sub(2, 100, 2));
+        let done = run(&mut e);
+        assert_eq!((done[&1].0, done[&2].0), (2_000, 3_000));
+        let s = e.stats();
+        // Request 1: queue 0, prefill 100 × 10 + 1000; request 2 also waits request 1's lane time.
+        assert_eq!((s.queue_time.count, s.queue_time.sum_us), (2, 1_000));
+        assert_eq!((s.prefill_time.count, s.prefill_time.sum_us), (2, 4_000));
+        assert_eq!((s.ttft.count, s.ttft.sum_us), (2, 5_000));
+        // All queue times ≤ 0.3 s; TTFTs of 2 and 3 ms fall in le=0.005.
+        assert_eq!(s.queue_time.buckets[0], 2);
+        assert_eq!(s.ttft.buckets[..3], [0, 2, 0]);
+        assert_eq!(s.prefill_uncached_tokens, 200);
+        let t = s.timing();
+        assert_eq!(t.prefill_tokens, 200.0);
+        assert_eq!((t.prefills, t.prefill_seconds), (2.0, 0.004));
+        assert_eq!((t.queued, t.queue_seconds), (2.0, 0.001));
+
+        // A cached prompt: only its uncached tokens count, and its prefill is shorter.
+        let t0 = e.now + 1_000_000;
+        e.submit(t0, 3, sub(1, 100, 2));
+        run(&mut e);
+        let s = e.stats();
+        // 100 tokens = 25 blocks; 24 hit (the last token is recomputed): 4 uncached tokens.
+        assert_eq!(s.prefill_uncached_tokens, 204);
+        assert_eq!(s.prefill_time.sum_us, 4_000 + 4 * 10 + 1_000);
+        assert_eq!(s.timing().prefill_tokens, 204.0);
+    }
+
+    #[test]
+    fn a_request_cancelled_before_its_first_token_records_no_timing() {
+        let mut e = Engine::new(cfg());
+        e.submit(0, 1, sub(1, 100, 2));
+        // Its prefill finished at 1000; the first token is due at 2000.
+        e.step(1_500);
+        assert!(e.cancel(1_500, 1));
+        e.submit(1_500, 2, sub(2, 100, 2));
+        assert!(e.cancel(1_600, 2), "cancelled mid-prefill");
+        run(&mut e);
+        let s = e.stats();
+        assert_eq!(
+            s.prompt_tokens, 100,
+            "vLLM's counter counts the finished prefill"
+        );
+        assert_eq!(s.prefill_uncached_tokens, 0);
+        assert_eq!(s.timing(), kv_router::pods::EngineTiming::default());
+        assert_eq!((s.ttft, s.queue_time, s.prefill_time), Default::default());
+    }
+
+    #[test]
+    fn histogram_bounds_are_inclusive() {
+        let mut h = Histogram::<21>::default();
+        h.observe(300_000, &REQUEST_LATENCY_BUCKETS_US);
+        h.observe(300_001, &REQUEST_LATENCY_BUCKETS_US);
+        h.observe(10_000_000_000, &REQUEST_LATENCY_BUCKETS_US);
+        assert_eq!(h.buckets[..2], [1, 1]);
+        assert_eq!(
+            h.buckets.iter().sum::<u64>(),
+            2,
+            "above the last bound: +Inf only"
+        );
+        assert_eq!((h.count, h.sum_us), (3, 10_000_600_001));
     }
 
     #[test]

@@ -1,10 +1,12 @@
 //! `/metrics` in the Prometheus text format as vLLM's `prometheus_client` writes it: one
 //! `# HELP` and `# TYPE` per family, counter families named without `_total`, samples with
-//! `_total`, float values (`1.0`), labels `model_name`, `engine` in that order.
+//! `_total`, float values (`1.0`), labels `model_name`, `engine` in that order. Histograms as
+//! its `Histogram` writes them: cumulative `_bucket` samples (`le` last, up to `+Inf`), then
+//! `_count`, then `_sum`.
 
 use std::fmt::Write;
 
-use super::engine::Stats;
+use super::engine::{Histogram, Stats, REQUEST_LATENCY_BUCKETS_US, TTFT_BUCKETS_US};
 
 /// Static labels and cache configuration for the exposition.
 #[derive(Debug, Clone)]
@@ -37,6 +39,25 @@ fn num(v: f64) -> String {
     } else {
         format!("{v}")
     }
+}
+
+/// A histogram's samples: cumulative buckets, `+Inf`, `_count`, `_sum` (seconds).
+fn histogram<const N: usize>(
+    labels: &str,
+    h: &Histogram<N>,
+    bounds: &[u64; N],
+) -> Vec<(&'static str, String, f64)> {
+    let mut out = Vec::with_capacity(N + 3);
+    let mut acc = 0;
+    for (bound, n) in bounds.iter().zip(h.buckets) {
+        acc += n;
+        let le = num(*bound as f64 / 1e6);
+        out.push(("_bucket", format!("{labels},le=\"{le}\""), acc as f64));
+    }
+    out.push(("_bucket", format!("{labels},le=\"+Inf\""), h.count as f64));
+    out.push(("_count", labels.to_string(), h.count as f64));
+    out.push(("_sum", labels.to_string(), h.sum_us as f64 / 1e6));
+    out
 }
 
 /// Renders the exposition text.
@@ -116,6 +137,24 @@ pub fn render(info: &MetricsInfo, s: &Stats) -> String {
         &success,
     );
     family(
+        "vllm:time_to_first_token_seconds",
+        "histogram",
+        "Histogram of time to first token in seconds.",
+        &histogram(&labels, &s.ttft, &TTFT_BUCKETS_US),
+    );
+    family(
+        "vllm:request_queue_time_seconds",
+        "histogram",
+        "Histogram of time spent in WAITING phase for request.",
+        &histogram(&labels, &s.queue_time, &REQUEST_LATENCY_BUCKETS_US),
+    );
+    family(
+        "vllm:request_prefill_time_seconds",
+        "histogram",
+        "Histogram of time spent in PREFILL phase for request.",
+        &histogram(&labels, &s.prefill_time, &REQUEST_LATENCY_BUCKETS_US),
+    );
+    family(
         "vllm:cache_config_info",
         "gauge",
         "Information of the LLMCache",
@@ -134,6 +173,7 @@ pub fn render(info: &MetricsInfo, s: &Stats) -> String {
 
 #[cfg(test)]
 mod tests {
+    use super::super::engine::{Engine, EngineConfig, Submission};
     use super::*;
 
     #[test]
@@ -163,5 +203,97 @@ mod tests {
         assert!(text.contains("finished_reason=\"length\"} 2.0\n"));
         assert!(text.contains("block_size=\"16\""));
         assert!(text.contains("num_gpu_blocks=\"2048\""));
+    }
+
+    fn info() -> MetricsInfo {
+        MetricsInfo {
+            model_name: "m".into(),
+            block_size: 4,
+            num_gpu_blocks: 1024,
+        }
+    }
+
+    /// Two uncached 100-token prompts submitted together, run to completion.
+    fn run_two() -> Stats {
+        let mut e = Engine::new(EngineConfig {
+            block_size: 4,
+            num_gpu_blocks: 1024,
+            max_num_seqs: 4,
+            ttft_base_us: 1_000.0,
+            prefill_us_per_token: 10.0,
+            decode_us_per_token: 100.0,
+            decode_batch_slowdown: 0.0,
+        });
+        e.submit(0, 1, Submission::new(1, (0..100).collect(), 2, 4));
+        e.submit(0, 2, Submission::new(2, (0..100).collect(), 2, 4));
+        while let Some(t) = e.next_event_time() {
+            e.step(t);
+        }
+        e.stats()
+    }
+
+    #[test]
+    fn timing_histograms_in_prometheus_client_shape() {
+        let text = render(&info(), &run_two());
+        let l = "model_name=\"m\",engine=\"0\"";
+        // Prefill: 100 × 10 µs + 1 ms each; queue: 0 and 1 ms; TTFT: 2 and 3 ms.
+        let prefill = "vllm:request_prefill_time_seconds";
+        let want = format!(
+            "# HELP {prefill} Histogram of time spent in PREFILL phase for request.\n\
+             # TYPE {prefill} histogram\n\
+             {prefill}_bucket{{{l},le=\"0.3\"}} 2.0\n\
+             {prefill}_bucket{{{l},le=\"0.5\"}} 2.0\n"
+        );
+        assert!(text.contains(&want), "{text}");
+        let tail = format!(
+            "{prefill}_bucket{{{l},le=\"7680.0\"}} 2.0\n\
+             {prefill}_bucket{{{l},le=\"+Inf\"}} 2.0\n\
+             {prefill}_count{{{l}}} 2.0\n\
+             {prefill}_sum{{{l}}} 0.004\n"
+        );
+        assert!(text.contains(&tail), "{text}");
+        let queue = "vllm:request_queue_time_seconds";
+        assert!(text.contains(&format!(
+            "{queue}_count{{{l}}} 2.0\n{queue}_sum{{{l}}} 0.001\n"
+        )));
+        let ttft = "vllm:time_to_first_token_seconds";
+        assert!(text.contains("# TYPE vllm:time_to_first_token_seconds histogram\n"));
+        assert!(text.contains(&format!("{ttft}_bucket{{{l},le=\"0.001\"}} 0.0\n")));
+        assert!(text.contains(&format!("{ttft}_bucket{{{l},le=\"0.005\"}} 2.0\n")));
+        assert!(text.contains(&format!("{ttft}_bucket{{{l},le=\"2560.0\"}} 2.0\n")));
+        assert!(text.contains(&format!("{ttft}_sum{{{l}}} 0.005\n")));
+        // Every bucket line of the three families: 22 + 1, 21 + 1, 21 + 1.
+        assert_eq!(text.matches("_seconds_bucket{").count(), 23 + 22 + 22);
+    }
+
+    #[test]
+    fn buckets_are_cumulative() {
+        let mut s = Stats::default();
+        for us in [100_000, 400_000, 400_000, 9_000_000_000] {
+            s.queue_time.observe(us, &REQUEST_LATENCY_BUCKETS_US);
+        }
+        let text = render(&info(), &s);
+        let q = "vllm:request_queue_time_seconds_bucket{model_name=\"m\",engine=\"0\"";
+        for (le, n) in [("0.3", 1), ("0.5", 3), ("7680.0", 3), ("+Inf", 4)] {
+            assert!(text.contains(&format!("{q},le=\"{le}\"}} {n}.0\n")), "{le}");
+        }
+    }
+
+    #[test]
+    fn the_routers_vllm_preset_reads_the_timing_back() {
+        let mut s = run_two();
+        // Counters and sums that are not round in binary nor in decimal.
+        s.prefill_uncached_tokens += 123_457;
+        s.prompt_tokens += 123_457;
+        s.prefill_time
+            .observe(1_234_567, &REQUEST_LATENCY_BUCKETS_US);
+        s.queue_time.observe(7_654_321, &REQUEST_LATENCY_BUCKETS_US);
+        for stats in [run_two(), s] {
+            let read = kv_router::pods::parse_vllm_metrics(&render(&info(), &stats));
+            // prompt_tokens − prefix_cache_hits is the same set as the uncached tokens here
+            // (no request is between its prefill and its first token).
+            assert_eq!(read.timing, Some(stats.timing()));
+            assert_eq!(read.running, 0.0);
+        }
     }
 }
