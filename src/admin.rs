@@ -144,6 +144,7 @@ async fn debug_pods(State(s): State<AdminState>) -> Json<Value> {
                 "engine_setting": p.engine().setting(),
                 "engine_setting_from": p.engine().setting_from(),
                 "load": p.load(now, s.stale_after),
+                "prefill_model": p.ttft_model(s.decider.ttft_prior()),
                 "metrics": sample.map(|(_, m)| m),
                 "metrics_age_ms": sample.map(|(t, _)| now.saturating_duration_since(t).as_millis() as u64),
             })

@@ -54,6 +54,7 @@ fn quick_report_is_produced_and_well_formed() {
                 "least-loaded",
                 "prefix-only",
                 "weighted",
+                "predicted-ttft",
                 "precise",
                 "redis"
             ],

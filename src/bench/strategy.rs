@@ -21,6 +21,9 @@ pub enum Strategy {
     /// Router defaults: prefix + session + load scorers behind the gates, approximate index
     /// learned from the router's own decisions.
     Weighted,
+    /// `policy: predicted-ttft` on the approximate index: the lowest predicted time to first
+    /// token from each pod's learned prefill speed.
+    PredictedTtft,
     /// The defaults on the precise index fed by the pods' KV events (exact token blocks).
     Precise,
     /// The defaults on the shared Redis index.
@@ -29,12 +32,13 @@ pub enum Strategy {
 
 impl Strategy {
     /// Every strategy, baselines first.
-    pub const ALL: [Strategy; 7] = [
+    pub const ALL: [Strategy; 8] = [
         Strategy::RoundRobin,
         Strategy::Random,
         Strategy::LeastLoaded,
         Strategy::PrefixOnly,
         Strategy::Weighted,
+        Strategy::PredictedTtft,
         Strategy::Precise,
         Strategy::Redis,
     ];
@@ -47,6 +51,7 @@ impl Strategy {
             Strategy::LeastLoaded => "least-loaded",
             Strategy::PrefixOnly => "prefix-only",
             Strategy::Weighted => "weighted",
+            Strategy::PredictedTtft => "predicted-ttft",
             Strategy::Precise => "precise",
             Strategy::Redis => "redis",
         }
@@ -104,6 +109,7 @@ impl Strategy {
                 cfg.gate.enabled = false;
             }
             Strategy::Weighted => {}
+            Strategy::PredictedTtft => cfg.policy = Policy::PredictedTtft,
             Strategy::Redis => {
                 cfg.index.backend = IndexBackend::Redis;
                 cfg.index.redis.key_prefix = "kv-bench".into();
@@ -146,6 +152,7 @@ mod tests {
             ),
             (Policy::Weighted, 1.0, 0.0, 0.0, false)
         );
+        assert_eq!(cfg(Strategy::PredictedTtft).policy, Policy::PredictedTtft);
         let w = cfg(Strategy::Weighted);
         assert!(!w.kv_events.enabled);
         assert_eq!(w.scorers, base.scorers, "weighted is the defaults");

@@ -244,6 +244,8 @@ pub enum Policy {
     Random,
     /// Lowest load.
     LeastLoaded,
+    /// Lowest predicted time to first token (learned per pod), near-ties to cache affinity.
+    PredictedTtft,
 }
 
 impl Policy {
@@ -254,6 +256,7 @@ impl Policy {
             Policy::RoundRobin => "round-robin",
             Policy::Random => "random",
             Policy::LeastLoaded => "least-loaded",
+            Policy::PredictedTtft => "predicted-ttft",
         }
     }
 }
@@ -326,6 +329,38 @@ pub struct ScorersConfig {
     pub session: SessionScorerConfig,
     /// Load.
     pub load: LoadScorerConfig,
+    /// The `predicted-ttft` policy's model.
+    pub ttft: TtftConfig,
+}
+
+/// The `predicted-ttft` policy: its prior (the prefill speed is `load.prefill_tokens_per_sec`)
+/// and what counts as a tie.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct TtftConfig {
+    /// Per-request prefill overhead assumed before a pod's engine reports its own (ms).
+    pub prior_overhead_ms: f64,
+    /// How many observed prefills the prior counts as.
+    pub prior_weight: f64,
+    /// Predictions within this many ms of the best are ties, broken toward cache affinity.
+    pub tie_ms: f64,
+    /// ...or within this fraction of the best prediction.
+    pub tie_ratio: f64,
+    /// How much a candidate's own prefill time counts again as the work it commits the pod to
+    /// (everything routed there later waits behind it): rank by `ttft + this × prefill`.
+    pub work_weight: f64,
+}
+
+impl Default for TtftConfig {
+    fn default() -> Self {
+        Self {
+            prior_overhead_ms: 10.0,
+            prior_weight: 1.0,
+            tie_ms: 10.0,
+            tie_ratio: 0.05,
+            work_weight: 1.0,
+        }
+    }
 }
 
 /// Prefix scorer.
@@ -587,6 +622,10 @@ impl Config {
             ("scorers.load.queue_weight", s.load.queue_weight),
             ("scorers.load.kv_weight", s.load.kv_weight),
             ("scorers.load.tokens_weight", s.load.tokens_weight),
+            ("scorers.ttft.prior_overhead_ms", s.ttft.prior_overhead_ms),
+            ("scorers.ttft.tie_ms", s.ttft.tie_ms),
+            ("scorers.ttft.tie_ratio", s.ttft.tie_ratio),
+            ("scorers.ttft.work_weight", s.ttft.work_weight),
         ] {
             if !(w >= 0.0 && w.is_finite()) {
                 bad(key, "must be a finite number >= 0");
@@ -599,6 +638,7 @@ impl Config {
                 "scorers.load.prefill_tokens_per_sec",
                 s.load.prefill_tokens_per_sec,
             ),
+            ("scorers.ttft.prior_weight", s.ttft.prior_weight),
             ("gate.max_waiting", self.gate.max_waiting),
             ("gate.max_inflight_tokens", self.gate.max_inflight_tokens),
         ] {

@@ -25,7 +25,7 @@ use crate::blocks::BlockScheme;
 use crate::config::Config;
 use crate::index::KvIndex;
 use crate::keys::{Keyer, Keys};
-use crate::pods::{InflightGuard, Pod, PodId, PodRegistry};
+use crate::pods::{InflightGuard, Pod, PodId, PodRegistry, TtftPrior};
 use crate::request::{self, RequestError, RoutingRequest};
 use crate::scoring::{Candidate, SessionKey, SessionStore};
 use crate::telemetry::ErrorKind;
@@ -174,6 +174,12 @@ impl Decider {
         self.epoch.elapsed().as_millis() as u64
     }
 
+    /// Where every pod's prefill model starts (`scorers.load.prefill_tokens_per_sec`,
+    /// `scorers.ttft`).
+    pub fn ttft_prior(&self) -> &TtftPrior {
+        self.stages.ttft_prior()
+    }
+
     /// The index (for maintenance and debug views).
     pub fn index(&self) -> &Arc<dyn KvIndex> {
         &self.index
@@ -312,6 +318,7 @@ impl Decider {
                 load: p.load(now, self.stale_after),
                 session_pod: session_pod.as_ref() == Some(p.id()),
                 conversations,
+                model: p.ttft_model(self.stages.ttft_prior()),
             })
             .collect();
         let body = match (&parsed, req.body) {

@@ -11,10 +11,10 @@ use crate::config::{Config, Policy};
 use crate::index::{IndexError, KvIndex};
 use crate::keys::Keys;
 use crate::picker::{Picker, Reason};
-use crate::pods::PodId;
+use crate::pods::{PodId, TtftPrior};
 use crate::scoring::{
-    run_scorer, Candidate, LoadScorer, PrefixScorer, ScoreError, ScoreInput, Scorer, SessionKey,
-    SessionScorer, SessionStore,
+    run_scorer, Candidate, LoadScorer, Prediction, PrefixScorer, ScoreError, ScoreInput, Scorer,
+    SessionKey, SessionScorer, SessionStore,
 };
 
 /// The scoring stages of a decision (scorers, load signal, pickers, retry list length) built
@@ -27,6 +27,7 @@ pub struct Stages {
     fallbacks: usize,
     prefill_tokens_per_sec: f64,
     max_prompt_tokens: u64,
+    prior: TtftPrior,
 }
 
 impl Stages {
@@ -43,12 +44,22 @@ impl Stages {
         Self {
             scorers,
             load,
-            picker: Picker::new(cfg.policy, weights, cfg.gate.clone()),
+            picker: Picker::new(cfg.policy, weights, cfg.gate.clone()).with_ties(s.ttft.clone()),
             least_loaded: Picker::new(Policy::LeastLoaded, vec![], cfg.gate.clone()),
             fallbacks: cfg.fallbacks,
             prefill_tokens_per_sec: s.load.prefill_tokens_per_sec,
             max_prompt_tokens: s.load.max_prompt_tokens,
+            prior: TtftPrior::new(
+                s.load.prefill_tokens_per_sec,
+                s.ttft.prior_overhead_ms,
+                s.ttft.prior_weight,
+            ),
         }
+    }
+
+    /// Where every pod's TTFT model starts, and what it is pulled toward while data is scarce.
+    pub fn ttft_prior(&self) -> &TtftPrior {
+        &self.prior
     }
 
     /// The configured prefill rate (tokens/s) the in-flight estimate uses.
@@ -98,6 +109,9 @@ pub struct ScoredPod {
     pub matched_blocks: f64,
     /// The gate marked it saturated.
     pub saturated: bool,
+    /// Predicted time to first token and its terms (every policy shows it; `predicted-ttft`
+    /// ranks by it).
+    pub predicted: Prediction,
 }
 
 /// A ranked decision, not yet recorded anywhere.
@@ -152,7 +166,10 @@ pub fn plan(stages: &Stages, input: PlanInput, rng: &mut impl Rng) -> Plan {
         total_blocks: keys.keys.len(),
         candidates,
         new_conversation,
+        prompt_tokens: keys.prompt_tokens.min(stages.max_prompt_tokens) as f64,
+        tokens_per_block: keys.tokens_per_block as f64,
     };
+    let predictions = input.predictions();
     let busy: Vec<f64> = input
         .candidates
         .iter()
@@ -198,6 +215,7 @@ pub fn plan(stages: &Stages, input: PlanInput, rng: &mut impl Rng) -> Plan {
                 .collect(),
             matched_blocks: input.candidates[i].matched_blocks,
             saturated: ranking.saturated[i],
+            predicted: predictions[i],
         })
         .collect();
     let endpoints = ranked
@@ -303,6 +321,7 @@ mod tests {
                     },
                     session_pod: false,
                     conversations: 0.0,
+                    model: Default::default(),
                 })
                 .collect(),
             session: None,

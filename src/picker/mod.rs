@@ -8,7 +8,9 @@ use rand::seq::SliceRandom;
 use rand::Rng;
 use serde::{Serialize, Serializer};
 
-use crate::config::{GateConfig, Policy};
+use std::cmp::Ordering;
+
+use crate::config::{GateConfig, Policy, TtftConfig};
 use crate::pods::PodLoad;
 use crate::scoring::ScoreInput;
 
@@ -85,6 +87,7 @@ pub(crate) struct Picker {
     policy: Policy,
     weights: Vec<f64>,
     gate: GateConfig,
+    ties: TtftConfig,
 }
 
 impl Picker {
@@ -94,7 +97,14 @@ impl Picker {
             policy,
             weights,
             gate,
+            ties: TtftConfig::default(),
         }
+    }
+
+    /// What `predicted-ttft` counts as a tie.
+    pub fn with_ties(mut self, ties: TtftConfig) -> Self {
+        self.ties = ties;
+        self
     }
 
     /// Whether a pod counts as saturated.
@@ -126,6 +136,19 @@ impl Picker {
             .collect()
     }
 
+    /// `Σ weight × score` per candidate.
+    fn weighted_totals(&self, scores: &[Vec<f64>], n: usize) -> Vec<f64> {
+        (0..n)
+            .map(|i| {
+                scores
+                    .iter()
+                    .zip(&self.weights)
+                    .map(|(s, w)| w * s.get(i).copied().unwrap_or(0.0))
+                    .sum()
+            })
+            .collect()
+    }
+
     /// Ranks candidates. `scores[s][i]` is scorer `s`'s score of candidate `i`; `busy[i]` is
     /// candidate `i`'s load in [0, 1] (for least-loaded); round robin starts at candidate
     /// `turn % n`; `rng` breaks ties and drives the random policy.
@@ -149,23 +172,20 @@ impl Picker {
         let mut order: Vec<usize> = (0..n).collect();
         // Shuffle first, then a stable sort: exact ties end up in random order.
         order.shuffle(rng);
+        let all_saturated = n > 0 && saturated.iter().all(|s| *s);
+        let gate = |i: usize| saturated[i] && !all_saturated;
+        let spread = self.gate.enabled
+            && self.gate.spread_new_conversations
+            && input.new_conversation
+            && !all_saturated;
+        let reason = match (all_saturated, spread) {
+            (true, _) => Reason::AllSaturated,
+            (false, true) => Reason::Spread,
+            (false, false) => Reason::Scored,
+        };
         let (totals, reason) = match self.policy {
             Policy::Weighted => {
-                let totals: Vec<f64> = (0..n)
-                    .map(|i| {
-                        scores
-                            .iter()
-                            .zip(&self.weights)
-                            .map(|(s, w)| w * s[i])
-                            .sum()
-                    })
-                    .collect();
-                let all_saturated = n > 0 && saturated.iter().all(|s| *s);
-                let gate = |i: usize| saturated[i] && !all_saturated;
-                let spread = self.gate.enabled
-                    && self.gate.spread_new_conversations
-                    && input.new_conversation
-                    && !all_saturated;
+                let totals = self.weighted_totals(scores, n);
                 if spread {
                     let commitments = commitments(input);
                     order.sort_by(|&a, &b| {
@@ -179,12 +199,47 @@ impl Picker {
                         gate(a).cmp(&gate(b)).then(totals[b].total_cmp(&totals[a]))
                     });
                 }
-                let reason = match (all_saturated, spread) {
-                    (true, _) => Reason::AllSaturated,
-                    (false, true) => Reason::Spread,
-                    (false, false) => Reason::Scored,
-                };
                 (totals, reason)
+            }
+            Policy::PredictedTtft => {
+                // The request's wait plus the prefill work it leaves the pod with.
+                let ttft: Vec<f64> = input
+                    .predictions()
+                    .iter()
+                    .map(|p| p.ttft_ms + self.ties.work_weight * p.prefill_ms)
+                    .collect();
+                if spread {
+                    let commitments = commitments(input);
+                    order.sort_by(|&a, &b| {
+                        gate(a)
+                            .cmp(&gate(b))
+                            .then(commitments[a].total_cmp(&commitments[b]))
+                            .then(ttft[a].total_cmp(&ttft[b]))
+                    });
+                } else {
+                    let best = (0..n)
+                        .filter(|&i| !gate(i))
+                        .map(|i| ttft[i])
+                        .fold(f64::INFINITY, f64::min);
+                    let band = best + self.ties.tie_ms.max(self.ties.tie_ratio * best);
+                    let tied = |i: usize| ttft[i] <= band;
+                    let weighted = self.weighted_totals(scores, n);
+                    order.sort_by(|&a, &b| {
+                        let within = if tied(a) && tied(b) {
+                            // Near-equal predictions: the weighted score (cache affinity, the
+                            // session's pod, load and KV usage) decides.
+                            weighted[b].total_cmp(&weighted[a])
+                        } else {
+                            Ordering::Equal
+                        };
+                        gate(a)
+                            .cmp(&gate(b))
+                            .then(tied(b).cmp(&tied(a)))
+                            .then(within)
+                            .then(ttft[a].total_cmp(&ttft[b]))
+                    });
+                }
+                (ttft.iter().map(|t| -t).collect(), reason)
             }
             Policy::Random => (vec![0.0; n], Reason::Policy),
             Policy::RoundRobin => {
@@ -263,6 +318,8 @@ mod tests {
             total_blocks: 4,
             candidates: (0..n).map(|i| candidate(&format!("p:{i}"))).collect(),
             new_conversation: false,
+            prompt_tokens: 0.0,
+            tokens_per_block: 16.0,
         }
     }
 
@@ -430,6 +487,81 @@ mod tests {
             ..gate()
         };
         assert_eq!(place_new_conversations(2, 3, off), vec![0, 3]);
+    }
+
+    /// Three candidates of a 1600-token prompt: pod 0 holds 80 of its 100 blocks, 1 and 2 none.
+    fn ttft_input() -> ScoreInput {
+        let mut inp = input(3);
+        inp.prompt_tokens = 1600.0;
+        inp.tokens_per_block = 16.0;
+        inp.candidates[0].matched_blocks = 80.0;
+        inp
+    }
+
+    fn ttft_first(inp: &ScoreInput) -> (usize, Reason) {
+        let p = Picker::new(Policy::PredictedTtft, vec![3.0], GateConfig::default());
+        let prefix = inp.candidates.iter().map(|c| c.matched_blocks / 100.0);
+        let scores = vec![prefix.collect()];
+        let r = p.rank(inp, &scores, &[0.0; 3], 0, &mut StdRng::seed_from_u64(2));
+        assert!(r.totals.iter().all(|t| t.is_finite() && *t <= 0.0));
+        (r.order[0], r.reason)
+    }
+
+    #[test]
+    fn predicted_ttft_takes_the_warm_pod_until_its_queue_costs_more() {
+        // Idle fleet: the warm pod computes 320 tokens instead of 1600 (ranked by 42 ms of
+        // TTFT + 32 ms of work left on the pod, against 170 + 160 on a cold one).
+        let mut inp = ttft_input();
+        assert_eq!(ttft_first(&inp), (0, Reason::Scored));
+        // 3000 tokens of this router's requests still prefilling there (300 ms at the prior's
+        // 10k tokens/s) outweigh the 256 ms the cache saves: a cold pod is ranked first.
+        inp.candidates[0].load.inflight_tokens = 3000.0;
+        assert_ne!(ttft_first(&inp).0, 0);
+        // The pod's own queue counts too (another replica's requests): 3 waiting at the mean.
+        inp.candidates[0].load.inflight_tokens = 0.0;
+        inp.candidates[0].load.waiting = 3.0;
+        assert_ne!(ttft_first(&inp).0, 0);
+    }
+
+    #[test]
+    fn predicted_ttft_prices_each_pods_learned_speed() {
+        // Nothing cached anywhere; pod 1 learned to prefill 4x slower, pod 2 2x faster.
+        let mut inp = ttft_input();
+        inp.candidates[0].matched_blocks = 0.0;
+        inp.candidates[1].model.sec_per_token *= 4.0;
+        inp.candidates[2].model.sec_per_token /= 2.0;
+        assert_eq!(ttft_first(&inp).0, 2);
+        // The fast pod with a queue loses to the idle one of the prior's speed.
+        inp.candidates[2].load.inflight_tokens = 4000.0;
+        assert_eq!(ttft_first(&inp).0, 0);
+    }
+
+    #[test]
+    fn predicted_ttft_breaks_near_ties_toward_the_cache() {
+        // Pod 0 holds one block more but 100 in-flight tokens: ranked 6.8 ms behind, inside the
+        // 16.5 ms tie band (5 %), so the weighted score (its cache match) decides.
+        let mut inp = ttft_input();
+        inp.candidates[0].matched_blocks = 1.0;
+        inp.candidates[0].load.inflight_tokens = 100.0;
+        assert_eq!(ttft_first(&inp).0, 0);
+        // A hot pod is gated whatever its prediction.
+        inp.candidates[0].matched_blocks = 80.0;
+        inp.candidates[0].load.inflight_tokens = 0.0;
+        inp.candidates[0].load.running = 10.0;
+        assert_ne!(ttft_first(&inp).0, 0);
+    }
+
+    #[test]
+    fn predicted_ttft_spreads_new_conversations() {
+        let mut inp = ttft_input();
+        inp.new_conversation = true;
+        inp.candidates[0].conversations = 2.0;
+        let (first, reason) = ttft_first(&inp);
+        assert_eq!(reason, Reason::Spread);
+        assert_ne!(
+            first, 0,
+            "the holder is committed; a second pod warms the prefix"
+        );
     }
 
     #[test]

@@ -63,6 +63,8 @@ mod tests {
             total_blocks: 1,
             candidates: vec![idle, busy, drowned],
             new_conversation: false,
+            prompt_tokens: 0.0,
+            tokens_per_block: 16.0,
         };
         let s = run_scorer(&scorer, &input).unwrap();
         assert_eq!(s[0], 1.0);

@@ -4,15 +4,17 @@
 mod load;
 mod prefix;
 mod session;
+mod ttft;
 
 use thiserror::Error;
 
-use crate::pods::{PodId, PodLoad};
+use crate::pods::{PodId, PodLoad, TtftModel};
 
 pub(crate) use load::LoadScorer;
 pub(crate) use prefix::PrefixScorer;
 pub(crate) use session::SessionScorer;
 pub use session::{SessionKey, SessionStore, SharedSessions};
+pub use ttft::{predict, Prediction};
 
 /// One candidate pod as the scorers see it.
 #[derive(Debug, Clone)]
@@ -27,6 +29,8 @@ pub struct Candidate {
     pub session_pod: bool,
     /// Live conversations (sessions) this router pinned to the pod.
     pub conversations: f64,
+    /// The pod's learned prefill coefficients (predicted TTFT).
+    pub model: TtftModel,
 }
 
 /// Everything scorers read for one request.
@@ -38,6 +42,20 @@ pub(crate) struct ScoreInput {
     pub candidates: Vec<Candidate>,
     /// The request starts a new conversation on a prefix others share (the picker spreads it).
     pub new_conversation: bool,
+    /// Prompt tokens (estimated in approximate mode), capped at what a model accepts.
+    pub prompt_tokens: f64,
+    /// Tokens per matched block.
+    pub tokens_per_block: f64,
+}
+
+impl ScoreInput {
+    /// Each candidate's predicted time to first token.
+    pub fn predictions(&self) -> Vec<Prediction> {
+        self.candidates
+            .iter()
+            .map(|c| predict(c, self.prompt_tokens, self.tokens_per_block))
+            .collect()
+    }
 }
 
 /// A scorer produced an unusable value.
@@ -88,6 +106,7 @@ pub(crate) fn candidate(pod: &str) -> Candidate {
         },
         session_pod: false,
         conversations: 0.0,
+        model: TtftModel::default(),
     }
 }
 
@@ -114,12 +133,16 @@ mod tests {
             total_blocks: 1,
             candidates: vec![candidate("a:1")],
             new_conversation: false,
+            prompt_tokens: 0.0,
+            tokens_per_block: 16.0,
         };
         assert_eq!(run_scorer(&Broken, &one).unwrap(), vec![1.0]);
         let two = ScoreInput {
             total_blocks: 1,
             candidates: vec![candidate("a:1"), candidate("b:1")],
             new_conversation: false,
+            prompt_tokens: 0.0,
+            tokens_per_block: 16.0,
         };
         assert!(matches!(
             run_scorer(&Broken, &two),

@@ -36,12 +36,16 @@ mod tests {
             total_blocks: 4,
             candidates: vec![a, candidate("b:1")],
             new_conversation: false,
+            prompt_tokens: 0.0,
+            tokens_per_block: 16.0,
         };
         assert_eq!(run_scorer(&PrefixScorer, &input).unwrap(), vec![0.75, 0.0]);
         let empty = ScoreInput {
             total_blocks: 0,
             candidates: vec![candidate("a:1")],
             new_conversation: false,
+            prompt_tokens: 0.0,
+            tokens_per_block: 16.0,
         };
         assert_eq!(run_scorer(&PrefixScorer, &empty).unwrap(), vec![0.0]);
     }

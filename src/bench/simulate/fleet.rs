@@ -56,6 +56,8 @@ pub(super) struct RunOutcome {
     pub(super) all_saturated: usize,
     pub(super) makespan_us: u64,
     pub(super) kv_events: Option<ApplyStats>,
+    /// Each pod's prefill speed as the router learned it by the end (tokens/s).
+    pub(super) learned_tokens_per_sec: Vec<f64>,
 }
 
 /// The fleet side of one run: engines, their event schedule, and what they reported.
@@ -168,7 +170,15 @@ pub(super) fn simulate(
     let n = prep.at_us.len();
     let mut fleet = Fleet {
         prep,
-        engines: (0..pods).map(|_| Engine::new(ecfg.clone())).collect(),
+        engines: (0..pods)
+            .map(|p| {
+                let mut e = ecfg.clone();
+                if p < opts.slow_pods {
+                    e.prefill_us_per_token *= opts.slow_factor;
+                }
+                Engine::new(e)
+            })
+            .collect(),
         heap: BinaryHeap::new(),
         scheduled: vec![None; pods],
         deliveries: VecDeque::new(),
@@ -259,6 +269,7 @@ pub(super) fn simulate(
                 load: views[p].load(SimTime(t), stale_after),
                 session_pod: false,
                 conversations: 0.0,
+                model: views[p].model(stages.ttft_prior()),
             })
             .collect();
         let input = PlanInput {
@@ -311,5 +322,9 @@ pub(super) fn simulate(
         all_saturated,
         makespan_us: fleet.makespan_us,
         kv_events: fleet.publish.then_some(applied),
+        learned_tokens_per_sec: views
+            .iter()
+            .map(|v| 1.0 / v.model(stages.ttft_prior()).sec_per_token)
+            .collect(),
     })
 }

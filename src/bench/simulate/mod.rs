@@ -66,6 +66,10 @@ pub struct SimParams {
     pub ttft_base_ms: f64,
     /// Prefill µs per uncached token.
     pub prefill_us_per_token: f64,
+    /// Pods (the first ones) that prefill `slow_factor` times slower.
+    pub slow_pods: usize,
+    /// Their slowdown.
+    pub slow_factor: f64,
     /// Decode ms per token (batch of one).
     pub decode_ms_per_token: f64,
     /// Decode slowdown per running request.
@@ -232,6 +236,8 @@ pub fn run_trace(trace: &Trace, opts: &SimulateOptions) -> Result<SimulateReport
             max_num_seqs: engine.max_num_seqs,
             ttft_base_ms: engine.ttft_base_us / 1e3,
             prefill_us_per_token: engine.prefill_us_per_token,
+            slow_pods: opts.slow_pods.min(opts.pods),
+            slow_factor: opts.slow_factor,
             decode_ms_per_token: engine.decode_us_per_token / 1e3,
             decode_batch_slowdown: engine.decode_batch_slowdown,
             event_delay_ms: opts.event_delay_ms,

@@ -96,6 +96,10 @@ pub struct SimulateOptions {
     pub strategies: Vec<Strategy>,
     /// Every pod's scheduler and latency model (block size is [`BLOCK_TOKENS`]).
     pub engine: EngineConfig,
+    /// The first this many pods prefill `slow_factor` times slower than the rest.
+    pub slow_pods: usize,
+    /// How much slower the slow pods prefill (1 = all pods equal).
+    pub slow_factor: f64,
     /// KV events reach the precise index this long after the engine step that caused them.
     pub event_delay_ms: f64,
     /// Pod metrics scrape period, virtual milliseconds (the router's `scrape_interval_ms`).
@@ -118,6 +122,8 @@ impl Default for SimulateOptions {
             pods: 64,
             strategies: Strategy::available(),
             engine: EngineConfig::default(),
+            slow_pods: 0,
+            slow_factor: 1.0,
             event_delay_ms: 5.0,
             scrape_interval_ms: kv_router::config::PodsConfig::default().scrape_interval_ms,
             seed: 1,

@@ -59,6 +59,8 @@ pub struct StrategyResult {
     pub ttft_cdf_ms: Vec<f64>,
     /// What the precise index made of the KV events (precise strategy only).
     pub kv_events: Option<ApplyStats>,
+    /// Each pod's prefill speed as the router learned it from the engine's counters (tokens/s).
+    pub learned_tokens_per_sec: Vec<f64>,
     /// Real time spent.
     pub timing: Timing,
 }
@@ -104,6 +106,7 @@ impl StrategyResult {
             makespan_s,
             ttft_cdf_ms,
             kv_events: out.kv_events,
+            learned_tokens_per_sec: out.learned_tokens_per_sec,
             timing: Timing {
                 wall_s,
                 speed: if wall_s > 0.0 {

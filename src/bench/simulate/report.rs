@@ -95,6 +95,29 @@ impl SimulateReport {
             ]);
         }
         out.push_str(&table.render(style));
+        let slow = p.slow_pods.min(self.pods);
+        if slow > 0 && slow < self.pods {
+            let _ = writeln!(
+                out,
+                "\nThe first {slow} pod(s) prefill {}x slower; their share of requests (even: {:.1} %):",
+                p.slow_factor,
+                100.0 * slow as f64 / self.pods as f64
+            );
+            let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len().max(1) as f64;
+            for r in &self.strategies {
+                let total: usize = r.per_pod.iter().sum();
+                let theirs: usize = r.per_pod.iter().take(slow).sum();
+                let learned = &r.learned_tokens_per_sec;
+                let _ = writeln!(
+                    out,
+                    "- {}: {:.1} % (learned prefill speed: slow pods {:.0}, others {:.0} tokens/s)",
+                    r.strategy.as_str(),
+                    100.0 * theirs as f64 / total.max(1) as f64,
+                    mean(&learned[..slow.min(learned.len())]),
+                    mean(&learned[slow.min(learned.len())..]),
+                );
+            }
+        }
         for r in &self.strategies {
             if let Some(k) = &r.kv_events {
                 let _ = writeln!(

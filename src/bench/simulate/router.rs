@@ -3,7 +3,9 @@
 
 use std::time::Duration;
 
-use kv_router::pods::{prefill_time, LoadSample, PodLoad, Settling, Timestamp};
+use kv_router::pods::{
+    prefill_time, LoadSample, PodLoad, Settling, Timestamp, TtftLearner, TtftModel, TtftPrior,
+};
 
 use crate::sim::engine::Engine;
 
@@ -27,6 +29,8 @@ impl Timestamp for SimTime {
 pub(super) struct PodView {
     pub(super) sample: Option<(SimTime, LoadSample)>,
     pub(super) settling: Settling<SimTime>,
+    /// The prefill model learned from the engine's timing counters, as `Pod` learns it.
+    pub(super) ttft: TtftLearner,
 }
 
 impl PodView {
@@ -45,10 +49,17 @@ impl PodView {
                 waiting: s.waiting as f64,
                 running: s.running as f64,
                 kv_usage: s.kv_cache_usage,
+                timing: Some(s.timing()),
                 ..LoadSample::default()
             },
         ));
         self.settling.observed_scrape(now);
+        self.ttft.observe(s.timing());
+    }
+
+    /// The learned prefill model (`Pod::ttft_model`).
+    pub(super) fn model(&self, prior: &TtftPrior) -> TtftModel {
+        self.ttft.model(prior)
     }
 
     /// A request was routed here at `now` with `tokens` estimated uncached prompt tokens.

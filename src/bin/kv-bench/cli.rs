@@ -594,6 +594,12 @@ pub(crate) struct SimulateArgs {
     /// Delay of KV events before the precise index sees them, milliseconds.
     #[arg(long, default_value_t = 5.0)]
     pub(crate) event_delay_ms: f64,
+    /// The first N pods prefill --slow-factor times slower (a mixed fleet).
+    #[arg(long, default_value_t = 0)]
+    pub(crate) slow_pods: usize,
+    /// How much slower the --slow-pods prefill.
+    #[arg(long, default_value_t = 1.0)]
+    pub(crate) slow_factor: f64,
     /// Seed of tie-breaks and the random policy.
     #[arg(long, default_value_t = 1)]
     pub(crate) seed: u64,
@@ -630,6 +636,12 @@ impl SimulateArgs {
                 prefill_us_per_token: finite(self.prefill_us_per_token),
                 decode_us_per_token: finite(self.decode_ms_per_token) * 1e3,
                 ..EngineConfig::default()
+            },
+            slow_pods: self.slow_pods,
+            slow_factor: if self.slow_factor.is_finite() && self.slow_factor > 0.0 {
+                self.slow_factor
+            } else {
+                1.0
             },
             event_delay_ms: finite(self.event_delay_ms),
             scrape_interval_ms: SimulateOptions::default().scrape_interval_ms,
