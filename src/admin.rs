@@ -16,7 +16,7 @@ use tokio::time::Instant;
 
 use crate::decide::{DecideRequest, Decider};
 use crate::extproc::reply::Rejection;
-use crate::pods::PodRegistry;
+use crate::pods::{fleet_models, PodRegistry};
 use crate::scoring::SessionStore;
 use crate::supervise::Supervisor;
 
@@ -128,12 +128,14 @@ async fn readyz(State(s): State<AdminState>) -> Response {
 
 async fn debug_pods(State(s): State<AdminState>) -> Json<Value> {
     let now = Instant::now();
-    let pods: Vec<Value> = s
-        .pods
-        .snapshot()
+    let snapshot = s.pods.snapshot();
+    let learners: Vec<_> = snapshot.pods().iter().map(|p| p.ttft_learner()).collect();
+    let models = fleet_models(&learners, s.decider.ttft_prior());
+    let pods: Vec<Value> = snapshot
         .pods()
         .iter()
-        .map(|p| {
+        .zip(models)
+        .map(|(p, model)| {
             let sample = p.last_sample();
             json!({
                 "address": p.id(),
@@ -144,7 +146,7 @@ async fn debug_pods(State(s): State<AdminState>) -> Json<Value> {
                 "engine_setting": p.engine().setting(),
                 "engine_setting_from": p.engine().setting_from(),
                 "load": p.load(now, s.stale_after),
-                "prefill_model": p.ttft_model(s.decider.ttft_prior()),
+                "prefill_model": model,
                 "metrics": sample.map(|(_, m)| m),
                 "metrics_age_ms": sample.map(|(t, _)| now.saturating_duration_since(t).as_millis() as u64),
             })

@@ -51,6 +51,7 @@ impl Default for SmallFleetOptions {
                 Strategy::LeastLoaded,
                 Strategy::PrefixOnly,
                 Strategy::Weighted,
+                Strategy::PredictedTtft,
                 Strategy::Precise,
                 Strategy::Redis,
             ],

@@ -25,7 +25,7 @@ use crate::blocks::BlockScheme;
 use crate::config::Config;
 use crate::index::KvIndex;
 use crate::keys::{Keyer, Keys};
-use crate::pods::{InflightGuard, Pod, PodId, PodRegistry, TtftPrior};
+use crate::pods::{fleet_models, InflightGuard, Pod, PodId, PodRegistry, TtftPrior};
 use crate::request::{self, RequestError, RoutingRequest};
 use crate::scoring::{Candidate, SessionKey, SessionStore};
 use crate::telemetry::ErrorKind;
@@ -308,17 +308,20 @@ impl Decider {
         } else {
             vec![0.0; ids.len()]
         };
+        let learners: Vec<_> = pods.iter().map(|p| p.ttft_learner()).collect();
+        let models = fleet_models(&learners, self.stages.ttft_prior());
         let candidates = pods
             .iter()
             .zip(matched)
             .zip(conversations)
-            .map(|((p, matched_blocks), conversations)| Candidate {
+            .zip(models)
+            .map(|(((p, matched_blocks), conversations), model)| Candidate {
                 pod: p.id().clone(),
                 matched_blocks,
                 load: p.load(now, self.stale_after),
                 session_pod: session_pod.as_ref() == Some(p.id()),
                 conversations,
-                model: p.ttft_model(self.stages.ttft_prior()),
+                model,
             })
             .collect();
         let body = match (&parsed, req.body) {

@@ -33,7 +33,7 @@ pub use kubernetes::KubernetesSource;
 pub use metrics::PodMetrics;
 pub(crate) use probe::Prober;
 pub use source::{DnsSource, PodSource, PodSourceError, StaticSource};
-pub use ttft::{TtftLearner, TtftModel, TtftPrior};
+pub use ttft::{fleet_models, TtftLearner, TtftModel, TtftPrior};
 
 /// A pod's identity: the `ip:port` Envoy knows it by.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
@@ -220,13 +220,15 @@ impl Pod {
         *self.sample.lock() = Some((started, sample));
         self.inflight.observed_scrape(started);
         if let Some(timing) = sample.timing {
-            self.ttft.lock().observe(timing);
+            self.ttft
+                .lock()
+                .observe(timing, sample.waiting + sample.running == 0.0);
         }
     }
 
-    /// The pod's prefill model as learned so far, pulled toward `prior`.
-    pub fn ttft_model(&self, prior: &TtftPrior) -> TtftModel {
-        self.ttft.lock().model(prior)
+    /// What the pod's prefill model has learned so far (see [`fleet_models`]).
+    pub fn ttft_learner(&self) -> TtftLearner {
+        *self.ttft.lock()
     }
 
     /// Last scrape and its time.

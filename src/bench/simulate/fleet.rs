@@ -12,7 +12,7 @@ use kv_router::events::KvEventBatch;
 use kv_router::index::{build_index, index_capacity, ApplyStats};
 use kv_router::keys::Keys;
 use kv_router::picker::Reason;
-use kv_router::pods::PodId;
+use kv_router::pods::{fleet_models, PodId};
 use kv_router::scoring::Candidate;
 
 use super::super::splitmix::SplitMix64;
@@ -262,6 +262,8 @@ pub(super) fn simulate(
             }
             _ => vec![0.0; pods],
         };
+        let learners: Vec<_> = views.iter().map(|v| v.ttft).collect();
+        let models = fleet_models(&learners, stages.ttft_prior());
         let candidates = (0..pods)
             .map(|p| Candidate {
                 pod: ids[p].clone(),
@@ -269,7 +271,7 @@ pub(super) fn simulate(
                 load: views[p].load(SimTime(t), stale_after),
                 session_pod: false,
                 conversations: 0.0,
-                model: views[p].model(stages.ttft_prior()),
+                model: models[p],
             })
             .collect();
         let input = PlanInput {
@@ -322,9 +324,12 @@ pub(super) fn simulate(
         all_saturated,
         makespan_us: fleet.makespan_us,
         kv_events: fleet.publish.then_some(applied),
-        learned_tokens_per_sec: views
-            .iter()
-            .map(|v| 1.0 / v.model(stages.ttft_prior()).sec_per_token)
-            .collect(),
+        learned_tokens_per_sec: {
+            let learners: Vec<_> = views.iter().map(|v| v.ttft).collect();
+            fleet_models(&learners, stages.ttft_prior())
+                .iter()
+                .map(|m| 1.0 / m.sec_per_token)
+                .collect()
+        },
     })
 }

@@ -3,9 +3,7 @@
 
 use std::time::Duration;
 
-use kv_router::pods::{
-    prefill_time, LoadSample, PodLoad, Settling, Timestamp, TtftLearner, TtftModel, TtftPrior,
-};
+use kv_router::pods::{prefill_time, LoadSample, PodLoad, Settling, Timestamp, TtftLearner};
 
 use crate::sim::engine::Engine;
 
@@ -54,12 +52,7 @@ impl PodView {
             },
         ));
         self.settling.observed_scrape(now);
-        self.ttft.observe(s.timing());
-    }
-
-    /// The learned prefill model (`Pod::ttft_model`).
-    pub(super) fn model(&self, prior: &TtftPrior) -> TtftModel {
-        self.ttft.model(prior)
+        self.ttft.observe(s.timing(), s.waiting + s.running == 0);
     }
 
     /// A request was routed here at `now` with `tokens` estimated uncached prompt tokens.

@@ -253,9 +253,16 @@ fn report_renders_every_strategy() {
 
 #[test]
 fn predicted_ttft_learns_a_slow_pod_and_sends_it_less() {
-    // Pod 0 prefills four times slower; mostly cold prompts (64 prefixes, 5 requests each)
-    // arrive faster than one pod prefills them.
-    let t = grouped_trace(64, 5, 40);
+    // Pod 0 prefills four times slower; mostly cold prompts (64 prefixes, 5 requests each) of
+    // 1-6 blocks (sizes must vary for a speed to be told from a per-request overhead) arrive
+    // faster than one pod prefills them.
+    let mut t = grouped_trace(64, 5, 40);
+    for (i, r) in t.records.iter_mut().enumerate() {
+        let extra = i * 7 % 4;
+        r.input_length = (1_300 + 1_000 * extra) as _;
+        r.hash_ids
+            .extend((0..2 * extra as u64).map(|k| 1_000_000 + i as u64 * 8 + k));
+    }
     let mut o = opts(4);
     o.slow_pods = 1;
     o.slow_factor = 4.0;
@@ -268,15 +275,12 @@ fn predicted_ttft_learns_a_slow_pod_and_sends_it_less() {
     let (rr, weighted, ttft) = (&r.strategies[0], &r.strategies[1], &r.strategies[2]);
     let fast = 1e6 / o.engine.prefill_us_per_token;
     // The router learns each pod's speed from the engines' counters: the fast pods within 5 %
-    // after 80 requests each, the slow one within 20 % (the prior, 10k tokens/s, still pulls)...
+    // after 80 requests each, the slow one within 20 % (the prior, 10k tokens/s, still pulls).
     let l = &rr.learned_tokens_per_sec;
     assert!((l[0] / (fast / 4.0) - 1.0).abs() < 0.2, "slow pod: {l:?}");
     for v in &l[1..] {
         assert!((v / fast - 1.0).abs() < 0.05, "fast pods: {l:?}");
     }
-    // ...and well enough to avoid it where the policy sends it only a few.
-    let l = &ttft.learned_tokens_per_sec;
-    assert!(l[0] < fast / 2.0 && l[1] > fast * 0.95, "{l:?}");
     let share = |s: &StrategyResult| s.per_pod[0] as f64 / t.records.len() as f64;
     assert_eq!(share(rr), 0.25);
     // A pod at a quarter of the speed is worth a thirteenth of the fleet (7.7 %).

@@ -213,7 +213,7 @@ pub(crate) struct SmallFleetArgs {
     #[arg(long, value_delimiter = ',', value_parser = parse_cell)]
     pub(crate) cells: Vec<(usize, usize)>,
     /// Strategies after round robin (always first: the goals are relative to it)
-    /// [default: least-loaded,prefix-only,weighted,precise,redis; --quick: weighted,precise].
+    /// [default: least-loaded,prefix-only,weighted,predicted-ttft,precise,redis; --quick: weighted,precise].
     #[arg(long, value_enum, value_delimiter = ',')]
     pub(crate) strategies: Vec<Strategy>,
     /// Turns per session [default: 8; --quick: 4].
