@@ -183,17 +183,22 @@ impl Picker {
             (false, true) => Reason::Spread,
             (false, false) => Reason::Scored,
         };
+        // A new conversation: ungated first, then the least committed pod, then `cost`.
+        let spread_by = |order: &mut Vec<usize>, cost: &[f64]| {
+            let commitments = commitments(input);
+            order.sort_by(|&a, &b| {
+                gate(a)
+                    .cmp(&gate(b))
+                    .then(commitments[a].total_cmp(&commitments[b]))
+                    .then(cost[a].total_cmp(&cost[b]))
+            });
+        };
         let (totals, reason) = match self.policy {
             Policy::Weighted => {
                 let totals = self.weighted_totals(scores, n);
                 if spread {
-                    let commitments = commitments(input);
-                    order.sort_by(|&a, &b| {
-                        gate(a)
-                            .cmp(&gate(b))
-                            .then(commitments[a].total_cmp(&commitments[b]))
-                            .then(totals[b].total_cmp(&totals[a]))
-                    });
+                    let cost: Vec<f64> = totals.iter().map(|t| -t).collect();
+                    spread_by(&mut order, &cost);
                 } else {
                     order.sort_by(|&a, &b| {
                         gate(a).cmp(&gate(b)).then(totals[b].total_cmp(&totals[a]))
@@ -209,13 +214,7 @@ impl Picker {
                     .map(|p| p.ttft_ms + self.ties.work_weight * p.prefill_ms)
                     .collect();
                 if spread {
-                    let commitments = commitments(input);
-                    order.sort_by(|&a, &b| {
-                        gate(a)
-                            .cmp(&gate(b))
-                            .then(commitments[a].total_cmp(&commitments[b]))
-                            .then(ttft[a].total_cmp(&ttft[b]))
-                    });
+                    spread_by(&mut order, &ttft);
                 } else {
                     let best = (0..n)
                         .filter(|&i| !gate(i))
