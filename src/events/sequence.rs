@@ -23,17 +23,36 @@ pub(crate) enum Verdict {
         /// The arriving sequence number.
         to: u64,
     },
+    /// Already applied by the catch-up replay (published while it ran): drop it.
+    Duplicate,
 }
 
 /// Last applied sequence number of one publisher.
 #[derive(Debug, Default, Clone)]
 pub(crate) struct SeqTracker {
     last: Option<u64>,
+    /// After a catch-up replay through `.0`: live copies of replayed messages, in increasing
+    /// order, last seen `.1`; the window closes at the first message outside it.
+    duplicates: Option<(u64, Option<u64>)>,
 }
 
 impl SeqTracker {
+    /// Records that a catch-up replay applied everything through `last`.
+    pub(crate) fn caught_up(&mut self, last: u64) {
+        self.last = Some(last);
+        self.duplicates = Some((last, None));
+    }
+
     /// Judges `seq` and records it as the last applied.
     pub(crate) fn observe(&mut self, seq: u64) -> Verdict {
+        if let Some((through, prev)) = self.duplicates {
+            // A repeat or a step back inside the window is a restart, not a copy.
+            if seq <= through && prev.is_none_or(|p| seq > p) {
+                self.duplicates = Some((through, Some(seq)));
+                return Verdict::Duplicate;
+            }
+            self.duplicates = None;
+        }
         let verdict = match self.last {
             None if seq == 0 => Verdict::Apply,
             None => Verdict::Joined { to: seq },
@@ -74,5 +93,28 @@ mod tests {
             Verdict::Apply,
             "42 was recorded as the last"
         );
+    }
+
+    #[test]
+    fn after_a_catch_up_live_copies_are_dropped_until_new_messages() {
+        let mut t = SeqTracker::default();
+        t.caught_up(7);
+        assert_eq!(t.observe(6), Verdict::Duplicate);
+        assert_eq!(t.observe(7), Verdict::Duplicate);
+        assert_eq!(t.observe(8), Verdict::Apply);
+        assert_eq!(
+            t.observe(3),
+            Verdict::Restarted { to: 3 },
+            "the window closed"
+        );
+        let mut gap = SeqTracker::default();
+        gap.caught_up(7);
+        assert_eq!(gap.observe(10), Verdict::Gap { from: 8, to: 10 });
+        // A step back inside the window is the engine starting over.
+        let mut restart = SeqTracker::default();
+        restart.caught_up(7);
+        assert_eq!(restart.observe(5), Verdict::Duplicate);
+        assert_eq!(restart.observe(0), Verdict::Restarted { to: 0 });
+        assert_eq!(restart.observe(1), Verdict::Apply);
     }
 }

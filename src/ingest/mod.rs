@@ -203,7 +203,8 @@ async fn apply_loop(
                             .duration_since(UNIX_EPOCH)
                             .map(|d| d.as_secs_f64())
                             .unwrap_or(0.0);
-                        if batch.ts > 0.0 && now >= batch.ts {
+                        // A replayed batch (catch-up, gap) is old by design, not late.
+                        if !replayed && batch.ts > 0.0 && now >= batch.ts {
                             metrics.lag(now - batch.ts);
                         }
                     }

@@ -14,6 +14,7 @@ use tokio::sync::mpsc;
 use tracing::{debug, warn};
 
 use crate::events::sequence::{SeqTracker, Verdict};
+use zmq::SocketEvent::{DISCONNECTED, HANDSHAKE_SUCCEEDED};
 
 /// Where to subscribe.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -97,6 +98,14 @@ fn run(spec: SubscriptionSpec, tx: mpsc::Sender<Delivery>, stop: Arc<AtomicBool>
     };
     let mut tracker = SeqTracker::default();
     let send = |d: Delivery| tx.blocking_send(d).is_ok();
+    // Learn what the pod cached before this subscription (router restart, pod already warm, an
+    // event published before the SUB joined): live messages only tell what happens next.
+    socket.wait_connected(CONNECT_WAIT);
+    match catch_up(&spec, &send) {
+        Err(Closed) => return,
+        Ok(Some(last)) => tracker.caught_up(last),
+        Ok(None) => {}
+    }
     while !stop.load(Ordering::Relaxed) {
         if socket.disconnected() {
             // libzmq does not reconnect after dropping a peer for an oversized message.
@@ -124,6 +133,7 @@ fn run(spec: SubscriptionSpec, tx: mpsc::Sender<Delivery>, stop: Arc<AtomicBool>
         };
         let payload = frames.into_iter().nth(2).expect("3 frames");
         let ok = match tracker.observe(seq) {
+            Verdict::Duplicate => continue,
             Verdict::Apply => true,
             Verdict::Joined { to } => replay_into(&spec, 0, to, &send, false),
             Verdict::Gap { from, to } => {
@@ -152,11 +162,15 @@ pub(crate) const MAX_MESSAGE_BYTES: i64 = 1 << 20;
 /// Messages queued per subscription before libzmq drops new ones (the sequence gap is then
 /// replayed or purged); with [`MAX_MESSAGE_BYTES`] this bounds a hostile publisher to 1 GiB.
 const RECEIVE_HWM: i32 = 1_000;
+/// How long a new subscription waits for its TCP connection before the catch-up replay.
+const CONNECT_WAIT: Duration = Duration::from_secs(1);
 
-/// A SUB socket with a monitor that reports disconnects.
+/// A SUB socket with a monitor that reports connects and disconnects.
 struct MonitoredSub {
     sub: zmq::Socket,
     monitor: zmq::Socket,
+    /// A disconnect read from the monitor while waiting for the connect.
+    dropped: bool,
 }
 
 impl MonitoredSub {
@@ -168,21 +182,54 @@ impl MonitoredSub {
                 "inproc://kv-sub-monitor-{}",
                 NEXT.fetch_add(1, Ordering::Relaxed)
             );
-            sub.monitor(&addr, zmq::SocketEvent::DISCONNECTED as i32)?;
+            let events = [DISCONNECTED, HANDSHAKE_SUCCEEDED]
+                .iter()
+                .fold(0, |m, e| m | i32::from(e.to_raw()));
+            sub.monitor(&addr, events)?;
             let monitor = context().socket(zmq::PAIR)?;
             monitor.connect(&addr)?;
-            Ok(Self { sub, monitor })
+            Ok(Self {
+                sub,
+                monitor,
+                dropped: false,
+            })
         };
         open()
             .map_err(|e| warn!(endpoint = %spec.endpoint, error = %e, "cannot create KV-event subscriber"))
             .ok()
     }
 
+    /// The next monitor event's raw id (frames: `[id u16 LE, value u32]`, endpoint), waiting
+    /// up to `wait_ms`; 0 for an unreadable one.
+    fn event(&self, wait_ms: i64) -> Option<u16> {
+        if self.monitor.poll(zmq::POLLIN, wait_ms).ok()? == 0 {
+            return None;
+        }
+        let frames = self.monitor.recv_multipart(zmq::DONTWAIT).ok()?;
+        Some(match frames.first().and_then(|f| f.get(..2)) {
+            Some(h) => u16::from_le_bytes([h[0], h[1]]),
+            None => 0,
+        })
+    }
+
+    /// Waits until the SUB's connection has finished its handshake, so the subscription is on
+    /// its way to the publisher (or until `limit` passes).
+    fn wait_connected(&mut self, limit: Duration) {
+        let deadline = Instant::now() + limit;
+        while let Some(left) = deadline.checked_duration_since(Instant::now()) {
+            match self.event(left.as_millis().max(1) as i64) {
+                Some(e) if e == HANDSHAKE_SUCCEEDED.to_raw() => return,
+                Some(e) => self.dropped |= e == DISCONNECTED.to_raw(),
+                None => return,
+            }
+        }
+    }
+
     /// Whether the publisher's connection dropped since the last call.
-    fn disconnected(&self) -> bool {
-        let mut any = false;
-        while let Ok(frames) = self.monitor.recv_multipart(zmq::DONTWAIT) {
-            any |= !frames.is_empty();
+    fn disconnected(&mut self) -> bool {
+        let mut any = std::mem::take(&mut self.dropped);
+        while let Some(e) = self.event(0) {
+            any |= e == DISCONNECTED.to_raw();
         }
         any
     }
@@ -275,6 +322,36 @@ const END_SEQ: [u8; 8] = [0xff; 8];
 /// Asks a vLLM replay (ROUTER) socket for messages `from..to`; accepts both reply layouts
 /// (with the topic frame, vLLM ≥ 0.26, and without).
 fn replay(endpoint: &str, from: u64, to: u64) -> Result<Vec<(u64, Vec<u8>)>, ReplayError> {
+    let mut out = Vec::new();
+    let mut first = None;
+    replay_each(endpoint, from, |seq, payload| {
+        first.get_or_insert(seq);
+        if seq >= from && seq < to {
+            out.push((seq, payload.to_vec()));
+        }
+        true
+    })?;
+    match first {
+        Some(got) if got > from => Err(ReplayError::TooOld { got, wanted: from }),
+        None if to > from => Err(ReplayError::TooOld {
+            got: u64::MAX,
+            wanted: from,
+        }),
+        _ if out.len() as u64 != to - from => Err(ReplayError::TooOld {
+            got: first.unwrap_or(0),
+            wanted: from,
+        }),
+        _ => Ok(out),
+    }
+}
+
+/// Asks the replay socket for everything from `from` and hands each message to `each` until
+/// the end marker, a 2 s deadline, or `each` returning false.
+fn replay_each(
+    endpoint: &str,
+    from: u64,
+    mut each: impl FnMut(u64, &[u8]) -> bool,
+) -> Result<(), ReplayError> {
     let s = context().socket(zmq::DEALER)?;
     s.set_linger(0)?;
     s.set_rcvtimeo(200)?;
@@ -283,8 +360,6 @@ fn replay(endpoint: &str, from: u64, to: u64) -> Result<Vec<(u64, Vec<u8>)>, Rep
     s.connect(endpoint)?;
     s.send_multipart([Vec::new(), from.to_be_bytes().to_vec()], 0)?;
     let deadline = Instant::now() + Duration::from_secs(2);
-    let mut out = Vec::new();
-    let mut first = None;
     loop {
         if Instant::now() > deadline {
             return Err(ReplayError::Timeout);
@@ -301,26 +376,56 @@ fn replay(endpoint: &str, from: u64, to: u64) -> Result<Vec<(u64, Vec<u8>)>, Rep
             _ => return Err(ReplayError::Malformed),
         };
         if seq.as_slice() == END_SEQ {
-            break;
+            return Ok(());
         }
         let seq = u64::from_be_bytes(seq.as_slice().try_into().expect("8 bytes"));
-        first.get_or_insert(seq);
-        if seq >= from && seq < to {
-            out.push((seq, payload.clone()));
+        if !each(seq, payload) {
+            return Ok(());
         }
     }
-    match first {
-        Some(got) if got > from => Err(ReplayError::TooOld { got, wanted: from }),
-        None if to > from => Err(ReplayError::TooOld {
-            got: u64::MAX,
-            wanted: from,
-        }),
-        _ if out.len() as u64 != to - from => Err(ReplayError::TooOld {
-            got: first.unwrap_or(0),
-            wanted: from,
-        }),
-        _ => Ok(out),
+}
+
+/// The receiving side of the channel is gone: the subscription was stopped.
+struct Closed;
+
+/// Delivers the pod's whole replay buffer, in increasing sequence order, as it arrives (the
+/// bounded channel bounds memory); returns the last sequence number delivered. A pod without
+/// a replay socket, or one that does not answer, is simply followed from its next message.
+fn catch_up(
+    spec: &SubscriptionSpec,
+    send: &impl Fn(Delivery) -> bool,
+) -> Result<Option<u64>, Closed> {
+    let Some(endpoint) = spec.replay_endpoint.as_deref() else {
+        return Ok(None);
+    };
+    let mut last: Option<u64> = None;
+    let mut open = true;
+    let outcome = replay_each(endpoint, 0, |seq, payload| {
+        // Out-of-order entries would apply events backwards: skipped.
+        if last.is_some_and(|l| seq <= l) {
+            return true;
+        }
+        open = send(Delivery::Batch {
+            seq,
+            payload: payload.to_vec(),
+            replayed: true,
+        });
+        if open {
+            last = Some(seq);
+        }
+        open
+    });
+    if let Err(e) = &outcome {
+        debug!(endpoint, error = %e, "KV-event catch-up replay incomplete");
     }
+    if !open
+        || !send(Delivery::Replay {
+            complete: outcome.is_ok(),
+        })
+    {
+        return Err(Closed);
+    }
+    Ok(last)
 }
 
 #[cfg(test)]
@@ -467,6 +572,11 @@ mod tests {
             topic: "kv@".into(),
         };
         let (_h, mut rx) = spawn(spec, "test".into()).unwrap();
+        // The catch-up finds an empty buffer.
+        assert!(matches!(
+            next(&mut rx, &engine),
+            Delivery::Replay { complete: true }
+        ));
         // Slow joiner: publish seq 0 until the subscriber sees it.
         let deadline = Instant::now() + Duration::from_secs(5);
         loop {
@@ -553,6 +663,49 @@ mod tests {
             next(&mut rx, &engine),
             Delivery::Batch { seq: 9, .. }
         ));
+    }
+
+    #[test]
+    fn a_late_subscriber_catches_up_from_the_replay_buffer_and_drops_live_copies() {
+        let (pp, rp) = (free_port(), free_port());
+        let mut engine = FakeEngine::new(pp, rp);
+        // Published before anyone subscribed: only the replay buffer has them.
+        engine.publish(0, b"p0", true);
+        engine.publish(1, b"p1", true);
+        let spec = SubscriptionSpec {
+            endpoint: format!("tcp://127.0.0.1:{pp}"),
+            replay_endpoint: Some(format!("tcp://127.0.0.1:{rp}")),
+            topic: "kv@".into(),
+        };
+        let (_h, mut rx) = spawn(spec, "test".into()).unwrap();
+        for want in [0u64, 1] {
+            match next(&mut rx, &engine) {
+                Delivery::Batch {
+                    seq,
+                    replayed: true,
+                    payload,
+                } => {
+                    assert_eq!(seq, want);
+                    assert_eq!(payload, format!("p{want}").into_bytes());
+                }
+                other => panic!("expected caught-up batch {want}, got {other:?}"),
+            }
+        }
+        assert!(matches!(
+            next(&mut rx, &engine),
+            Delivery::Replay { complete: true }
+        ));
+        // A live copy of a caught-up message is dropped; the next one applies in order.
+        engine.publish(1, b"p1", true);
+        engine.publish(2, b"p2", true);
+        match next(&mut rx, &engine) {
+            Delivery::Batch {
+                seq: 2,
+                replayed: false,
+                ..
+            } => {}
+            other => panic!("expected live batch 2, got {other:?}"),
+        }
     }
 
     #[test]
