@@ -29,6 +29,11 @@ impl SplitMix64 {
         z ^ (z >> 31)
     }
 
+    /// Uniform float in `[0, 1)` (53 bits).
+    pub fn unit(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+    }
+
     /// Uniform integer in `lo..=hi`.
     pub fn range(&mut self, lo: usize, hi: usize) -> usize {
         debug_assert!(lo <= hi);

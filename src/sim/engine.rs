@@ -436,6 +436,25 @@ impl Engine {
         self.cache.clear(&mut self.events)
     }
 
+    /// The engine restarts at `now` (a crash, a redeploy): its cache and counters start empty,
+    /// `AllBlocksCleared` is published, and every unfinished request is returned, by id, for
+    /// its client to retry. Outputs produced before the restart are kept.
+    #[allow(dead_code)] // kv-bench simulate's restarts; a vllm-sim process restarts whole
+    pub fn restart(&mut self, now: u64) -> Vec<(RequestId, Submission)> {
+        self.advance(now);
+        let mut lost: Vec<_> = self.reqs.drain().map(|(id, r)| (id, r.sub)).collect();
+        lost.sort_by_key(|(id, _)| *id);
+        let outputs = std::mem::take(&mut self.outputs);
+        let mut events = std::mem::take(&mut self.events);
+        events.push(CacheEvent::AllBlocksCleared);
+        let at = self.now.max(now);
+        *self = Engine::new(self.cfg.clone());
+        self.now = at;
+        self.outputs = outputs;
+        self.events = events;
+        lost
+    }
+
     /// Processes everything due up to `now` and returns the outputs produced since the last
     /// call (including those caused by `submit`/`cancel`).
     pub fn step(&mut self, now: u64) -> Vec<Output> {
@@ -724,6 +743,36 @@ mod tests {
         assert_eq!(s.generation_tokens, 9);
         assert_eq!(s.finished_length, 3);
         assert_eq!((s.running, s.waiting, s.kv_cache_usage), (0, 0, 0.0));
+    }
+
+    #[test]
+    fn a_restart_drops_the_cache_and_hands_back_unfinished_requests() {
+        let mut e = Engine::new(cfg());
+        e.submit(0, 1, sub(7, 402, 3));
+        run(&mut e);
+        e.drain_cache_events();
+        let t = e.now + 1_000;
+        e.submit(t, 2, sub(7, 402, 3));
+        e.submit(t, 3, sub(8, 40, 3));
+        let lost = e.restart(t + 10);
+        assert_eq!(
+            lost.iter().map(|(id, _)| *id).collect::<Vec<_>>(),
+            vec![2, 3]
+        );
+        assert_eq!(
+            e.drain_cache_events().last(),
+            Some(&CacheEvent::AllBlocksCleared)
+        );
+        assert_eq!(e.stats().prefix_cache_queries, 0, "counters restart too");
+        for (id, s) in lost {
+            e.submit(t + 10, id, s);
+        }
+        let done = run(&mut e);
+        assert_eq!(
+            done[&2].1.cached_tokens, 0,
+            "the retried prompt finds no cache"
+        );
+        assert!(done[&2].0 > t + 10);
     }
 
     #[test]

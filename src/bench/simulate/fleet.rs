@@ -133,6 +133,16 @@ impl Fleet<'_> {
     }
 }
 
+/// Request `i` as its pod receives it.
+fn submission(prep: &Prepared, i: usize) -> Submission {
+    Submission {
+        tokens: prep.tokens[i].clone(),
+        keys: prep.oracle[i].keys.clone(),
+        max_tokens: prep.max_tokens[i],
+        vllm: None,
+    }
+}
+
 /// Simulates `strategy` on `pods` pods over the prepared requests.
 pub(super) fn simulate(
     prep: &Prepared,
@@ -155,13 +165,21 @@ pub(super) fn simulate(
     let mut views: Vec<PodView> = (0..pods).map(|_| PodView::default()).collect();
     if let Some(index) = &index {
         // As the router's maintenance loop does from the pods' `cache_config_info`.
-        let cap = index_capacity(&cfg, ecfg.num_gpu_blocks as u64, BLOCK_TOKENS as u64);
+        let told = ecfg.num_gpu_blocks as f64 * opts.divergence.capacity_belief;
+        let cap = index_capacity(&cfg, told.round().max(1.0) as u64, BLOCK_TOKENS as u64);
         for id in &ids {
             ready(index.set_capacity(id, cap)).expect("in-memory index");
         }
     }
     let salt = SplitMix64::derive(opts.seed, strategy.as_str(), pods as u64).next_u64();
     let mut rng = SplitMix64::new(salt);
+    // Not salted by strategy: every strategy sees the same requests bypass it, to the same pods.
+    let mut bypass_rng = SplitMix64::derive(opts.seed, "bypass", pods as u64);
+    let restart_us = opts
+        .divergence
+        .restart_every_s
+        .map(|s| ((s * 1e6).round() as u64).max(1));
+    let (mut next_restart, mut restarts) = (restart_us.unwrap_or(u64::MAX), 0usize);
     let stale_after = Duration::from_millis(cfg.pods.stale_after_ms);
     let scrape_us = opts.scrape_interval_ms.max(1) * 1000;
     let sweep_every = (1000 / opts.scrape_interval_ms.max(1)).max(1);
@@ -208,7 +226,8 @@ pub(super) fn simulate(
         // Router-side events only matter while requests are still to be routed.
         let t_tick = t_arr.map(|_| next_tick);
         let t_del = t_arr.and(fleet.deliveries.front().map(|d| d.0));
-        let t = [t_pod, t_del, t_tick, t_arr]
+        let t_restart = t_arr.and(restart_us).map(|_| next_restart);
+        let t = [t_pod, t_del, t_tick, t_restart, t_arr]
             .into_iter()
             .flatten()
             .min()
@@ -244,11 +263,29 @@ pub(super) fn simulate(
             next_tick = t + scrape_us;
             continue;
         }
-        // An arrival: the router's lookup, then its own plan and commit, then submit.
+        if t_restart == Some(t) {
+            // A crash: the pod comes back empty, and its clients retry on it.
+            let p = restarts % pods;
+            restarts += 1;
+            next_restart = t + restart_us.expect("scheduled");
+            for (id, sub) in fleet.engines[p].restart(t) {
+                fleet.engines[p].submit(t, id, sub);
+            }
+            fleet.settle(p, t);
+            continue;
+        }
         let i = next_req;
         next_req += 1;
-        let now_ms = t / 1000;
         let oracle = &prep.oracle[i];
+        let (bypassed, pod) = (bypass_rng.unit(), bypass_rng.range(0, pods - 1));
+        if bypassed < opts.divergence.bypass {
+            // Another replica or a direct client: the pod caches it, this router never knows.
+            fleet.engines[pod].submit(t, i as u64, submission(prep, i));
+            fleet.settle(pod, t);
+            continue;
+        }
+        // An arrival: the router's lookup, then its own plan and commit, then submit.
+        let now_ms = t / 1000;
         let keys = Keys {
             keys: oracle.keys[..oracle.keys.len().min(max_blocks)].to_vec(),
             tokens_per_block: BLOCK_TOKENS,
@@ -298,13 +335,7 @@ pub(super) fn simulate(
         ready(commit(&plan, stores, now_ms, |p, tokens| {
             views[p].routed(SimTime(t), tokens, prefill_tps)
         }));
-        let sub = Submission {
-            tokens: prep.tokens[i].clone(),
-            keys: oracle.keys.clone(),
-            max_tokens: prep.max_tokens[i],
-            vllm: None,
-        };
-        fleet.engines[p].submit(t, i as u64, sub);
+        fleet.engines[p].submit(t, i as u64, submission(prep, i));
         fleet.settle(p, t);
     }
     if fleet.done != n {

@@ -49,7 +49,8 @@ use prepare::Prepared;
 
 pub use capacity::CapacityPlan;
 pub use options::{
-    CapacityOptions, SimulateError, SimulateOptions, BLOCK_TOKENS, DEFAULT_TTFT_TARGET_MS,
+    CapacityOptions, Divergence, SimulateError, SimulateOptions, BLOCK_TOKENS,
+    DEFAULT_TTFT_TARGET_MS,
 };
 pub use outcome::StrategyResult;
 
@@ -84,6 +85,8 @@ pub struct SimParams {
     pub output_scale: f64,
     /// Seed.
     pub seed: u64,
+    /// Where the pods' caches drift from the router's record.
+    pub divergence: Divergence,
 }
 
 /// Everything `kv-bench simulate` reports.
@@ -245,6 +248,7 @@ pub fn run_trace(trace: &Trace, opts: &SimulateOptions) -> Result<SimulateReport
             speedup: opts.speedup,
             output_scale: opts.output_scale,
             seed: opts.seed,
+            divergence: opts.divergence,
         },
         oracles,
         strategies,

@@ -28,6 +28,9 @@ pub enum SimulateError {
     /// Arrival compression must be a positive finite number.
     #[error("speedup must be positive and finite, got {0}")]
     BadSpeedup(f64),
+    /// A divergence option out of its range.
+    #[error("{0}")]
+    BadDivergence(&'static str),
     /// The trace (after `--requests`) has no request.
     #[error("the trace has no request to simulate")]
     EmptyTrace,
@@ -110,6 +113,39 @@ pub struct SimulateOptions {
     pub threads: usize,
     /// Capacity planning sweep, if wanted.
     pub capacity: Option<CapacityOptions>,
+    /// Where the pods' caches stop matching what the router recorded.
+    pub divergence: Divergence,
+}
+
+/// Ways the pods' caches drift from the router's own record of its decisions (issue 10 §1):
+/// what only a router that reads the pods' KV events can see.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Divergence {
+    /// Share of requests that reach a pod without this router (another replica, direct
+    /// clients): sent to a pod drawn at random, the same ones for every strategy.
+    pub bypass: f64,
+    /// Every this many virtual seconds one pod, in turn, restarts with an empty cache; its
+    /// unfinished requests are retried on it.
+    pub restart_every_s: Option<f64>,
+    /// The router is told each pod's KV cache is this many times its real size.
+    pub capacity_belief: f64,
+}
+
+impl Default for Divergence {
+    fn default() -> Self {
+        Self {
+            bypass: 0.0,
+            restart_every_s: None,
+            capacity_belief: 1.0,
+        }
+    }
+}
+
+impl Divergence {
+    /// Whether anything diverges.
+    pub fn any(&self) -> bool {
+        *self != Self::default()
+    }
 }
 
 impl Default for SimulateOptions {
@@ -129,6 +165,7 @@ impl Default for SimulateOptions {
             seed: 1,
             threads: 0,
             capacity: Some(CapacityOptions::default()),
+            divergence: Divergence::default(),
         }
     }
 }
@@ -158,6 +195,22 @@ impl SimulateOptions {
         }
         if !(self.speedup.is_finite() && self.speedup > 0.0) {
             return Err(SimulateError::BadSpeedup(self.speedup));
+        }
+        let d = &self.divergence;
+        if !(0.0..=1.0).contains(&d.bypass) {
+            return Err(SimulateError::BadDivergence("bypass must be within 0..=1"));
+        }
+        if d.restart_every_s
+            .is_some_and(|s| !(s.is_finite() && s > 0.0))
+        {
+            return Err(SimulateError::BadDivergence(
+                "restart interval must be positive and finite",
+            ));
+        }
+        if !(d.capacity_belief.is_finite() && d.capacity_belief > 0.0) {
+            return Err(SimulateError::BadDivergence(
+                "capacity belief must be positive and finite",
+            ));
         }
         Ok(())
     }

@@ -52,6 +52,20 @@ impl SimulateReport {
             p.event_delay_ms,
             p.seed
         );
+        let d = &p.divergence;
+        if d.any() {
+            let restarts = d
+                .restart_every_s
+                .map_or("none".to_string(), |s| format!("one pod every {s} s"));
+            let _ = writeln!(
+                out,
+                "\nDivergence: {:.0} % of requests bypass the router to a random pod; restarts: \
+                 {restarts}; the router is told {}x each pod's real KV size. Hit ratios count \
+                 every request, routed or not.",
+                100.0 * d.bypass,
+                d.capacity_belief
+            );
+        }
         let _ = writeln!(
             out,
             "\nOracles: infinite cache {:.3}, pooled LRU of the fleet ({} blocks) {:.3}.\n",

@@ -7,7 +7,7 @@ use anyhow::Result;
 use clap::{Args, Parser, Subcommand};
 
 use crate::bench::simulate::{
-    CapacityOptions, SimulateOptions, BLOCK_TOKENS, DEFAULT_TTFT_TARGET_MS,
+    CapacityOptions, Divergence, SimulateOptions, BLOCK_TOKENS, DEFAULT_TTFT_TARGET_MS,
 };
 use crate::bench::strategy::Strategy;
 use crate::bench::trace::{self, Expansion, Trace};
@@ -600,6 +600,16 @@ pub(crate) struct SimulateArgs {
     /// How much slower the --slow-pods prefill.
     #[arg(long, default_value_t = 1.0)]
     pub(crate) slow_factor: f64,
+    /// Share of requests (0-1) that reach a random pod without this router (another replica,
+    /// direct clients): the pods cache them, the router does not record them.
+    #[arg(long, default_value_t = 0.0)]
+    pub(crate) bypass: f64,
+    /// Every this many virtual seconds one pod, in turn, restarts with an empty cache.
+    #[arg(long)]
+    pub(crate) restart_every_s: Option<f64>,
+    /// The router is told each pod's KV cache is this many times its real size.
+    #[arg(long, default_value_t = 1.0)]
+    pub(crate) capacity_belief: f64,
     /// Seed of tie-breaks and the random policy.
     #[arg(long, default_value_t = 1)]
     pub(crate) seed: u64,
@@ -653,6 +663,11 @@ impl SimulateArgs {
                 ttft_target_ms: self.ttft_target_ms,
                 pods: self.plan_pods.clone(),
             }),
+            divergence: Divergence {
+                bypass: self.bypass,
+                restart_every_s: self.restart_every_s,
+                capacity_belief: self.capacity_belief,
+            },
         };
         if self.quick {
             opts.quick()
