@@ -16,7 +16,7 @@ use tokio::time::Instant;
 
 use crate::decide::{DecideRequest, Decider};
 use crate::extproc::reply::Rejection;
-use crate::pods::{fleet_models, PodRegistry};
+use crate::pods::{prefill_models, PodRegistry};
 use crate::scoring::SessionStore;
 use crate::supervise::Supervisor;
 
@@ -129,8 +129,7 @@ async fn readyz(State(s): State<AdminState>) -> Response {
 async fn debug_pods(State(s): State<AdminState>) -> Json<Value> {
     let now = Instant::now();
     let snapshot = s.pods.snapshot();
-    let learners: Vec<_> = snapshot.pods().iter().map(|p| p.ttft_learner()).collect();
-    let models = fleet_models(&learners, s.decider.ttft_prior());
+    let models = prefill_models(snapshot.pods(), s.decider.ttft_prior());
     let pods: Vec<Value> = snapshot
         .pods()
         .iter()

@@ -25,7 +25,7 @@ use crate::blocks::BlockScheme;
 use crate::config::Config;
 use crate::index::KvIndex;
 use crate::keys::{Keyer, Keys};
-use crate::pods::{fleet_models, InflightGuard, Pod, PodId, PodRegistry, TtftPrior};
+use crate::pods::{prefill_models, InflightGuard, Pod, PodId, PodRegistry, TtftPrior};
 use crate::request::{self, RequestError, RoutingRequest};
 use crate::scoring::{Candidate, SessionKey, SessionStore};
 use crate::telemetry::ErrorKind;
@@ -308,8 +308,7 @@ impl Decider {
         } else {
             vec![0.0; ids.len()]
         };
-        let learners: Vec<_> = pods.iter().map(|p| p.ttft_learner()).collect();
-        let models = fleet_models(&learners, self.stages.ttft_prior());
+        let models = prefill_models(&pods, self.stages.ttft_prior());
         let candidates = pods
             .iter()
             .zip(matched)

@@ -23,7 +23,7 @@ use metrics::DecodeErrorType;
 pub(crate) use metrics::IngestMetrics;
 use subscriber::{Delivery, SubscriberHandle, SubscriptionSpec};
 
-/// How often the subscription set follows the pod set.
+/// How often the subscription set is checked besides pod-set changes (restarts of ended ones).
 const RECONCILE_EVERY: Duration = Duration::from_millis(500);
 /// A subscription that ended is started again no sooner than this after its last start.
 const RESTART_AFTER: Duration = Duration::from_secs(2);
@@ -91,8 +91,13 @@ pub(crate) async fn run(
     let mut running: HashMap<(PodId, u32), Running> = HashMap::new();
     let mut tick = interval(RECONCILE_EVERY);
     tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
+    let mut changed = pods.watch();
     loop {
-        tick.tick().await;
+        // At once when the pod set changes; the tick restarts subscriptions that ended.
+        tokio::select! {
+            _ = tick.tick() => {}
+            Ok(()) = changed.changed() => {}
+        }
         let snapshot = pods.snapshot();
         let mut wanted = HashMap::new();
         for pod in snapshot.pods() {

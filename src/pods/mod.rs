@@ -325,10 +325,18 @@ impl PodSet {
 }
 
 /// The current pod set, readable without locks.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct PodRegistry {
     set: ArcSwap<PodSet>,
     engines: EngineResolver,
+    /// Bumped on every update, so followers (KV-event subscriptions) need not poll.
+    generation: tokio::sync::watch::Sender<u64>,
+}
+
+impl Default for PodRegistry {
+    fn default() -> Self {
+        Self::with_engines(EngineResolver::default())
+    }
 }
 
 impl PodRegistry {
@@ -337,7 +345,13 @@ impl PodRegistry {
         Self {
             set: ArcSwap::default(),
             engines,
+            generation: tokio::sync::watch::Sender::new(0),
         }
+    }
+
+    /// Wakes on each update of the pod set after this call.
+    pub fn watch(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.generation.subscribe()
     }
 
     /// Current snapshot.
@@ -367,6 +381,7 @@ impl PodRegistry {
             .map(|p| p.id().clone())
             .collect();
         self.set.store(Arc::new(new));
+        self.generation.send_modify(|g| *g += 1);
         gone
     }
 
@@ -374,6 +389,12 @@ impl PodRegistry {
     pub fn any_healthy(&self) -> bool {
         self.snapshot().pods().iter().any(|p| p.is_healthy())
     }
+}
+
+/// Each pod's prefill model as [`fleet_models`] fits it from the pods' learners.
+pub fn prefill_models(pods: &[Arc<Pod>], prior: &TtftPrior) -> Vec<TtftModel> {
+    let learners: Vec<_> = pods.iter().map(|p| p.ttft_learner()).collect();
+    fleet_models(&learners, prior)
 }
 
 #[cfg(test)]
@@ -389,6 +410,18 @@ mod tests {
             kv_events_endpoint: None,
             kv_events_replay_endpoint: None,
         }
+    }
+
+    #[test]
+    fn followers_wake_on_each_update() {
+        let reg = PodRegistry::default();
+        let mut w = reg.watch();
+        assert!(!w.has_changed().unwrap());
+        reg.update(vec![spec("127.0.0.1:1")]);
+        assert!(w.has_changed().unwrap());
+        w.mark_unchanged();
+        reg.update(vec![]);
+        assert!(w.has_changed().unwrap(), "a pod leaving wakes them too");
     }
 
     #[test]
