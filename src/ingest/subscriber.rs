@@ -517,6 +517,23 @@ mod tests {
         }
     }
 
+    /// The next deliveries are replayed batches `wanted`, payloads `p{seq}`.
+    fn expect_replayed(rx: &mut mpsc::Receiver<Delivery>, engine: &FakeEngine, wanted: &[u64]) {
+        for &want in wanted {
+            match next(rx, engine) {
+                Delivery::Batch {
+                    seq,
+                    replayed: true,
+                    payload,
+                } => {
+                    assert_eq!(seq, want);
+                    assert_eq!(payload, format!("p{want}").into_bytes());
+                }
+                other => panic!("expected replayed batch {want}, got {other:?}"),
+            }
+        }
+    }
+
     #[test]
     fn an_oversized_message_is_dropped_by_libzmq_not_buffered() {
         let (pp, rp) = (free_port(), free_port());
@@ -615,19 +632,7 @@ mod tests {
             next(&mut rx, &engine),
             Delivery::Replay { complete: true }
         ));
-        for want in [1u64, 2] {
-            match next(&mut rx, &engine) {
-                Delivery::Batch {
-                    seq,
-                    replayed: true,
-                    payload,
-                } => {
-                    assert_eq!(seq, want);
-                    assert_eq!(payload, format!("p{want}").into_bytes());
-                }
-                other => panic!("expected replayed batch {want}, got {other:?}"),
-            }
-        }
+        expect_replayed(&mut rx, &engine, &[1, 2]);
         assert!(matches!(
             next(&mut rx, &engine),
             Delivery::Batch {
@@ -678,19 +683,7 @@ mod tests {
             topic: "kv@".into(),
         };
         let (_h, mut rx) = spawn(spec, "test".into()).unwrap();
-        for want in [0u64, 1] {
-            match next(&mut rx, &engine) {
-                Delivery::Batch {
-                    seq,
-                    replayed: true,
-                    payload,
-                } => {
-                    assert_eq!(seq, want);
-                    assert_eq!(payload, format!("p{want}").into_bytes());
-                }
-                other => panic!("expected caught-up batch {want}, got {other:?}"),
-            }
-        }
+        expect_replayed(&mut rx, &engine, &[0, 1]);
         assert!(matches!(
             next(&mut rx, &engine),
             Delivery::Replay { complete: true }
