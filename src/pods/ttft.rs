@@ -158,8 +158,6 @@ impl TtftLearner {
             self.last = Some(now); // restarted (or absurd): `now` is the new baseline
             return false;
         }
-        // Prompt tokens minus cache hits can dip: engines count a request's hits when it is
-        // scheduled and its prompt tokens later. Wait for both, as for its seconds.
         // Engines count a request's cache hits when it is scheduled, its prompt tokens when its
         // prefill ends and its seconds at its first token (vLLM: when it finishes), so a busy
         // pod's counters describe different requests. Keep the baseline until they agree: an
