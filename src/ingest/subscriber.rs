@@ -399,11 +399,12 @@ fn catch_up(
         return Ok(None);
     };
     let mut last: Option<u64> = None;
-    let mut open = true;
+    let (mut open, mut disordered) = (true, false);
     let outcome = replay_each(endpoint, 0, |seq, payload| {
-        // Out-of-order entries would apply events backwards: skipped.
+        // An entry out of order would apply events backwards: the catch-up stops there.
         if last.is_some_and(|l| seq <= l) {
-            return true;
+            disordered = true;
+            return false;
         }
         open = send(Delivery::Batch {
             seq,
@@ -415,6 +416,10 @@ fn catch_up(
         }
         open
     });
+    let outcome = match outcome {
+        Ok(()) if disordered => Err(ReplayError::Malformed),
+        other => other,
+    };
     if let Err(e) = &outcome {
         debug!(endpoint, error = %e, "KV-event catch-up replay incomplete");
     }
@@ -699,6 +704,26 @@ mod tests {
             } => {}
             other => panic!("expected live batch 2, got {other:?}"),
         }
+    }
+
+    #[test]
+    fn a_catch_up_stops_at_an_entry_out_of_order_and_says_so() {
+        let (pp, rp) = (free_port(), free_port());
+        let mut engine = FakeEngine::new(pp, rp);
+        for seq in [0, 2, 1] {
+            engine.publish(seq, format!("p{seq}").as_bytes(), false);
+        }
+        let spec = SubscriptionSpec {
+            endpoint: format!("tcp://127.0.0.1:{pp}"),
+            replay_endpoint: Some(format!("tcp://127.0.0.1:{rp}")),
+            topic: "kv@".into(),
+        };
+        let (_h, mut rx) = spawn(spec, "test".into()).unwrap();
+        expect_replayed(&mut rx, &engine, &[0, 2]);
+        assert!(matches!(
+            next(&mut rx, &engine),
+            Delivery::Replay { complete: false }
+        ));
     }
 
     #[test]
