@@ -103,116 +103,141 @@ pub(crate) trait Holder: Copy {
     }
 }
 
-/// Holder lists up to this long stay inline; longer ones also keep a [`SlotBits`].
+/// Holder lists up to this long stay inline; longer ones move out and keep [`SlotBits`].
 const INLINE: usize = 4;
 
 /// A long holder list as bits over slots, so a lookup intersects it with its candidates a word
-/// (64 pods) at a time instead of visiting every holder.
+/// (64 pods) at a time instead of visiting every holder. The first word is kept in the map entry
+/// itself: a fleet of up to 64 pods reads no other memory per key.
 #[derive(Debug, Default)]
 struct SlotBits {
-    /// Slots holding the key.
-    held: SmallVec<[u64; 1]>,
-    /// Slots whose entry is [`Holder::lesser`].
-    lesser: SmallVec<[u64; 1]>,
+    /// Slots 0..64 holding the key, and which of them are [`Holder::lesser`].
+    held0: u64,
+    lesser0: u64,
     /// The least [`Holder::expiry`] of the list: below it every entry counts.
     min_expiry: u64,
+    /// The words for slots from 64 on, `[held, lesser]` each, allocated once such a slot holds.
+    more: Option<Box<Vec<[u64; 2]>>>,
 }
 
-fn set_bit(words: &mut SmallVec<[u64; 1]>, slot: Slot, on: bool) {
-    let (w, b) = (slot as usize / 64, slot % 64);
-    if w >= words.len() {
-        if !on {
+impl SlotBits {
+    fn set(&mut self, slot: Slot, held: bool, lesser: bool) {
+        let (w, bit) = (slot as usize / 64, 1u64 << (slot % 64));
+        let put = |word: &mut u64, on: bool| {
+            if on {
+                *word |= bit;
+            } else {
+                *word &= !bit;
+            }
+        };
+        if w == 0 {
+            put(&mut self.held0, held);
+            put(&mut self.lesser0, lesser);
             return;
         }
-        words.resize(w + 1, 0);
-    }
-    if on {
-        words[w] |= 1 << b;
-    } else {
-        words[w] &= !(1 << b);
+        if !held && self.more.as_ref().is_none_or(|m| m.len() < w) {
+            return;
+        }
+        let more = self.more.get_or_insert_with(Box::default);
+        if more.len() < w {
+            more.resize(w, [0, 0]);
+        }
+        put(&mut more[w - 1][0], held);
+        put(&mut more[w - 1][1], lesser);
     }
 }
 
-/// A key's holders: the list, plus its bits once the list outgrows [`INLINE`].
-struct Held<H> {
-    list: SmallVec<[H; INLINE]>,
-    bits: Option<Box<SlotBits>>,
+/// A key's holders: a short list inline, or a long one with its bits.
+enum Held<H> {
+    Few(SmallVec<[H; INLINE]>),
+    Many { list: Vec<H>, bits: SlotBits },
 }
 
 impl<H> Default for Held<H> {
     fn default() -> Self {
-        Self {
-            list: SmallVec::new(),
-            bits: None,
-        }
+        Held::Few(SmallVec::new())
     }
 }
 
 impl<H: Holder> Held<H> {
+    fn list(&self) -> &[H] {
+        match self {
+            Held::Few(l) => l,
+            Held::Many { list, .. } => list,
+        }
+    }
+
     fn position(&self, slot: Slot) -> Option<usize> {
-        self.list.iter().position(|h| h.slot() == slot)
+        self.list().iter().position(|h| h.slot() == slot)
     }
 
     fn push(&mut self, h: H) {
-        self.list.push(h);
-        match &mut self.bits {
-            Some(b) => {
-                set_bit(&mut b.held, h.slot(), true);
-                set_bit(&mut b.lesser, h.slot(), h.lesser());
-                b.min_expiry = b.min_expiry.min(h.expiry());
-            }
-            None if self.list.len() > INLINE => {
-                let mut b = SlotBits {
+        match self {
+            Held::Few(l) if l.len() < INLINE => l.push(h),
+            Held::Few(l) => {
+                let mut list = Vec::with_capacity(2 * INLINE);
+                list.extend_from_slice(l);
+                list.push(h);
+                let mut bits = SlotBits {
                     min_expiry: u64::MAX,
                     ..SlotBits::default()
                 };
-                for h in &self.list {
-                    set_bit(&mut b.held, h.slot(), true);
-                    set_bit(&mut b.lesser, h.slot(), h.lesser());
-                    b.min_expiry = b.min_expiry.min(h.expiry());
+                for h in &list {
+                    bits.set(h.slot(), true, h.lesser());
+                    bits.min_expiry = bits.min_expiry.min(h.expiry());
                 }
-                self.bits = Some(Box::new(b));
+                *self = Held::Many { list, bits };
             }
-            None => {}
+            Held::Many { list, bits } => {
+                list.push(h);
+                bits.set(h.slot(), true, h.lesser());
+                bits.min_expiry = bits.min_expiry.min(h.expiry());
+            }
         }
     }
 
     /// Applies `update` to entry `i`; drops it when `update` returns false.
     fn update(&mut self, i: usize, update: impl FnOnce(&mut H) -> bool) {
-        let old = self.list[i];
-        let keep = update(&mut self.list[i]);
-        let new = self.list[i];
-        if !keep {
-            self.list.swap_remove(i);
-        }
-        let Some(b) = &mut self.bits else {
-            return;
-        };
-        if keep {
-            set_bit(&mut b.lesser, new.slot(), new.lesser());
-        } else {
-            set_bit(&mut b.held, old.slot(), false);
-            set_bit(&mut b.lesser, old.slot(), false);
-        }
-        if old.expiry() == b.min_expiry || (keep && new.expiry() < b.min_expiry) {
-            b.min_expiry = self.list.iter().map(H::expiry).min().unwrap_or(u64::MAX);
+        match self {
+            Held::Few(l) => {
+                if !update(&mut l[i]) {
+                    l.swap_remove(i);
+                }
+            }
+            Held::Many { list, bits } => {
+                let old = list[i];
+                let keep = update(&mut list[i]);
+                let new = list[i];
+                if keep {
+                    bits.set(new.slot(), true, new.lesser());
+                } else {
+                    list.swap_remove(i);
+                    bits.set(old.slot(), false, false);
+                }
+                if old.expiry() == bits.min_expiry || (keep && new.expiry() < bits.min_expiry) {
+                    bits.min_expiry = list.iter().map(H::expiry).min().unwrap_or(u64::MAX);
+                }
+            }
         }
     }
 
     /// Into `cur`, the `alive` slots whose entry counts at `now_ms`; into `lesser`, those of
     /// them counting at the lesser weight. Both come in zeroed, as long as `alive`.
+    #[inline(always)]
     fn intersect(&self, alive: &[u64], now_ms: u64, cur: &mut [u64], lesser: &mut [u64]) {
-        match &self.bits {
-            Some(b) if b.min_expiry > now_ms => {
-                for (w, (&a, &h)) in alive.iter().zip(&b.held).enumerate() {
-                    cur[w] = a & h;
-                }
-                for (w, (&a, &l)) in alive.iter().zip(&b.lesser).enumerate() {
-                    lesser[w] = a & l;
+        match self {
+            Held::Many { bits: b, .. } if b.min_expiry > now_ms => {
+                cur[0] = alive[0] & b.held0;
+                lesser[0] = alive[0] & b.lesser0;
+                if let Some(more) = &b.more {
+                    for (w, &[h, l]) in more.iter().enumerate().take(alive.len() - 1) {
+                        cur[w + 1] = alive[w + 1] & h;
+                        lesser[w + 1] = alive[w + 1] & l;
+                    }
                 }
             }
             _ => {
-                for h in &self.list {
+                for h in self.list() {
                     let (w, bit) = (h.slot() as usize / 64, 1u64 << (h.slot() % 64));
                     if alive.get(w).is_some_and(|&a| a & bit != 0) && h.expiry() > now_ms {
                         cur[w] |= bit;
@@ -244,7 +269,7 @@ impl<H> Default for Holders<H> {
 impl<H: Holder> Holders<H> {
     /// Every holder of `key`.
     pub(crate) fn of(&self, key: &BlockKey) -> &[H] {
-        self.map.get(key).map_or(&[], |h| h.list.as_slice())
+        self.map.get(key).map_or(&[], |h| h.list())
     }
 
     /// Makes room for `additional` more keys without growing the map on the way.
@@ -310,11 +335,11 @@ impl<H: Holder> Holders<H> {
             return;
         };
         if let Some(i) = held.position(slot) {
-            let before = held.list.len();
+            let before = held.list().len();
             held.update(i, update);
-            self.entries -= before - held.list.len();
+            self.entries -= before - held.list().len();
         }
-        if held.list.is_empty() {
+        if held.list().is_empty() {
             self.map.remove(key);
         }
     }
@@ -335,17 +360,34 @@ impl<H: Holder> Holders<H> {
         keys: &[BlockKey],
         cands: &[Slot],
         now_ms: u64,
-        mut fallback: impl FnMut(Slot, &BlockKey) -> Option<f64>,
+        fallback: impl FnMut(Slot, &BlockKey) -> Option<f64>,
     ) -> Vec<Tally> {
         let n = cands.iter().max().map_or(0, |&m| m as usize + 1);
+        // Up to 64 slots (most fleets) the bitsets are one register-held word.
+        if n <= 64 {
+            self.walk_in::<[u64; 1]>(keys, cands, n, now_ms, fallback)
+        } else {
+            self.walk_in::<SmallVec<[u64; 4]>>(keys, cands, n, now_ms, fallback)
+        }
+    }
+
+    /// [`Self::walk`] with bitsets of storage `B` for `n` slots.
+    #[inline(always)]
+    fn walk_in<B: Words>(
+        &self,
+        keys: &[BlockKey],
+        cands: &[Slot],
+        n: usize,
+        now_ms: u64,
+        mut fallback: impl FnMut(Slot, &BlockKey) -> Option<f64>,
+    ) -> Vec<Tally> {
         let mut tally = vec![Tally::default(); n];
         let words = n.div_ceil(64);
-        let mut alive: SmallVec<[u64; 4]> = smallvec![0; words];
+        let mut alive = B::zeroed(words);
         for &s in cands {
-            alive[s as usize / 64] |= 1 << (s % 64);
+            alive.as_mut()[s as usize / 64] |= 1 << (s % 64);
         }
-        let mut cur: SmallVec<[u64; 4]> = smallvec![0; words];
-        let mut lesser: SmallVec<[u64; 4]> = smallvec![0; words];
+        let (mut cur, mut lesser) = (B::zeroed(words), B::zeroed(words));
         // Keys are looked up a few at a time, so that their probes overlap instead of each
         // waiting for the one before.
         const AHEAD: usize = 8;
@@ -354,14 +396,15 @@ impl<H: Holder> Holders<H> {
                 std::array::from_fn(|j| chunk.get(j).and_then(|k| self.map.get(k)));
             for (j, key) in chunk.iter().enumerate() {
                 let i = c * AHEAD + j;
-                if alive.iter().all(|&w| w == 0) {
+                if alive.as_ref().iter().all(|&w| w == 0) {
                     break 'walk;
                 }
-                cur.fill(0);
-                lesser.fill(0);
+                cur.as_mut().fill(0);
+                lesser.as_mut().fill(0);
                 if let Some(held) = found[j] {
-                    held.intersect(&alive, now_ms, &mut cur, &mut lesser);
+                    held.intersect(alive.as_ref(), now_ms, cur.as_mut(), lesser.as_mut());
                 }
+                let (alive, cur, lesser) = (alive.as_mut(), cur.as_mut(), lesser.as_ref());
                 for w in 0..words {
                     for s in ones(alive[w] & !cur[w], w) {
                         let t = &mut tally[s as usize];
@@ -381,12 +424,30 @@ impl<H: Holder> Holders<H> {
                 }
             }
         }
-        for (w, &a) in alive.iter().enumerate() {
+        for (w, &a) in alive.as_ref().iter().enumerate() {
             for s in ones(a, w) {
                 tally[s as usize].len = keys.len();
             }
         }
         tally
+    }
+}
+
+/// Storage for a walk's bitsets: one fixed word, or as many as the slots need.
+trait Words: AsRef<[u64]> + AsMut<[u64]> {
+    /// `words` zero words (a fixed size ignores it: the caller checked it fits).
+    fn zeroed(words: usize) -> Self;
+}
+
+impl Words for [u64; 1] {
+    fn zeroed(_: usize) -> Self {
+        [0]
+    }
+}
+
+impl Words for SmallVec<[u64; 4]> {
+    fn zeroed(words: usize) -> Self {
+        smallvec![0; words]
     }
 }
 
@@ -627,7 +688,7 @@ mod tests {
         let all: Vec<Slot> = (0..70).collect();
         let (mut t, ids) = table(70, &[&all, &all]);
         assert!(
-            t.holders.map[&BlockKey(0)].bits.is_some(),
+            matches!(t.holders.map[&BlockKey(0)], Held::Many { .. }),
             "long lists keep bits"
         );
         t.holders.update(&BlockKey(1), 65, |e| e.expiry = 10);
