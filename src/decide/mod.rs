@@ -21,7 +21,7 @@ use thiserror::Error;
 use tokio::time::Instant;
 use tracing::debug;
 
-use crate::blocks::BlockScheme;
+use crate::blocks::{BlockKey, BlockScheme};
 use crate::config::Config;
 use crate::index::KvIndex;
 use crate::keys::{Keyer, Keys};
@@ -67,6 +67,14 @@ pub struct Decision {
     pub model: Option<String>,
     /// Load accounting held until the request ends (`None` when only planned).
     pub guard: Option<InflightGuard>,
+}
+
+/// A decision's index record, left for after the reply ([`Decider::decide_reply_first`]).
+#[derive(Debug)]
+pub struct PendingRecord {
+    pod: PodId,
+    keys: Vec<BlockKey>,
+    now_ms: u64,
 }
 
 /// No decision could be made; the edge (ext_proc, Pick, explain) turns this into its status.
@@ -187,13 +195,28 @@ impl Decider {
 
     /// Decides where a request goes and commits it (index, session, in-flight load).
     pub async fn decide(&self, req: DecideRequest<'_>) -> Result<Decision, DecideError> {
+        let (decision, pending) = self.decide_reply_first(req).await?;
+        if let Some(p) = pending {
+            self.record(p).await;
+        }
+        Ok(decision)
+    }
+
+    /// [`Self::decide`] without the index record, which is returned for [`Self::record`]: the
+    /// ext_proc stream sends its answer first, so a long prompt's record (an LRU move and a
+    /// holder update per block, or a Redis round trip) is not on the request's path. Load,
+    /// session and prompt ends are committed before this returns.
+    pub async fn decide_reply_first(
+        &self,
+        req: DecideRequest<'_>,
+    ) -> Result<(Decision, Option<PendingRecord>), DecideError> {
         let started = Instant::now();
         let result = match self.prepare(req).await {
             Ok(p) => Ok(self.commit(p).await),
             Err(e) => Err(e),
         };
-        self.finish(started, &result);
-        if let Ok(d) = &result {
+        self.finish(started, result.as_ref().err());
+        if let Ok((d, _)) = &result {
             self.metrics
                 .decisions
                 .get_or_create(&DecisionLabels {
@@ -208,6 +231,14 @@ impl Decider {
         result
     }
 
+    /// Teaches the index a decision's keys on its pod; a failure is counted and logged.
+    pub async fn record(&self, p: PendingRecord) {
+        if let Err(e) = self.index.record(&p.pod, &p.keys, p.now_ms).await {
+            debug!(error = %e, "index record failed");
+            self.metrics.errors.inc(ErrorKind::Index);
+        }
+    }
+
     /// The decision [`Decider::decide`] would make now, recording nothing.
     pub async fn plan(&self, req: DecideRequest<'_>) -> Result<Decision, DecideError> {
         let started = Instant::now();
@@ -216,25 +247,25 @@ impl Decider {
             model: p.model,
             guard: None,
         });
-        self.finish(started, &result);
+        self.finish(started, result.as_ref().err());
         result
     }
 
-    fn finish(&self, started: Instant, result: &Result<Decision, DecideError>) {
+    fn finish(&self, started: Instant, error: Option<&DecideError>) {
         self.metrics
             .duration
             .observe(started.elapsed().as_secs_f64());
-        if let Err(e) = result {
+        if let Some(e) = error {
             self.metrics.errors.inc(e.kind());
         }
     }
 
-    async fn commit(&self, p: Prepared) -> Decision {
+    async fn commit(&self, p: Prepared) -> (Decision, Option<PendingRecord>) {
         let rate = self.stages.prefill_tokens_per_sec();
         let pods = &p.pods;
         let now = p.now;
         let stores = Stores {
-            index: Some(self.index.as_ref()),
+            index: None,
             sessions: Some(&self.sessions),
             ends: Some(&self.ends),
         };
@@ -242,15 +273,17 @@ impl Decider {
             pods[i].begin_request(tokens, now, rate)
         })
         .await;
-        if let Some(e) = c.index_error {
-            debug!(error = %e, "index record failed");
-            self.metrics.errors.inc(ErrorKind::Index);
-        }
-        Decision {
+        let pending = (!p.plan.keys.keys.is_empty()).then(|| PendingRecord {
+            pod: p.plan.ranked[0].pod.clone(),
+            keys: p.plan.keys.keys.clone(),
+            now_ms: p.now_ms,
+        });
+        let decision = Decision {
             plan: p.plan,
             model: p.model,
             guard: Some(c.guard),
-        }
+        };
+        (decision, pending)
     }
 
     async fn prepare(&self, req: DecideRequest<'_>) -> Result<Prepared, DecideError> {
@@ -614,6 +647,29 @@ pub(crate) mod tests {
         assert!(b.guard.is_some());
         assert!(d.index().stats().entries > 0);
         assert_eq!(d.sessions.len(), 1);
+    }
+
+    #[tokio::test]
+    async fn reply_first_commits_all_but_the_index_which_waits_for_record() {
+        let (d, reg) = decider(2, |_| {}).await;
+        let body = prompt("abc ", "x");
+        let h = vec![("x-session-id".to_string(), "s1".to_string())];
+        let (a, pending) = d.decide_reply_first(req(&body, &h)).await.unwrap();
+        assert!(a.guard.is_some());
+        assert_eq!(d.sessions.len(), 1);
+        let charged: i64 = reg
+            .snapshot()
+            .pods()
+            .iter()
+            .map(|p| p.inflight_counts().0)
+            .sum();
+        assert_eq!(charged, 1, "the load is charged before the reply");
+        assert_eq!(d.index().stats().entries, 0, "the index waits");
+        d.record(pending.expect("a prompt with keys")).await;
+        assert!(d.index().stats().entries > 0);
+        let next = d.plan(req(&body, &[])).await.unwrap();
+        assert_eq!(next.plan.endpoints[0], a.plan.endpoints[0]);
+        assert!(next.plan.ranked[0].matched_blocks > 0.0);
     }
 
     #[tokio::test]

@@ -135,7 +135,7 @@ pub struct Plan {
     #[serde(skip)]
     pub scorer_errors: Vec<ScoreError>,
     #[serde(skip)]
-    keys: Keys,
+    pub(super) keys: Keys,
     #[serde(skip)]
     session: Option<SessionKey>,
 }

@@ -400,14 +400,14 @@ impl ExtProc {
         st.decided = true;
         let has_body = body.is_some();
         // Boxed: the decision's state lives only while it runs, not in every open stream's task.
-        let result = Box::pin(self.decider.decide(DecideRequest {
+        let result = Box::pin(self.decider.decide_reply_first(DecideRequest {
             path: &st.path,
             headers: &st.headers,
             body: body.as_deref(),
             subset: st.subset.as_deref(),
         }))
         .await;
-        let decision = match result {
+        let (decision, pending) = match result {
             Ok(d) => d,
             Err(e) => {
                 // The decision path counted the error.
@@ -418,7 +418,7 @@ impl ExtProc {
         let destination = decision.plan.destination();
         st.guard = decision.guard;
         let set_header = self.destination_header;
-        match (st.mode, has_body) {
+        let sent = match (st.mode, has_body) {
             // Body-less request: the headers reply carries the decision in every mode.
             (_, false) => {
                 send(
@@ -447,7 +447,12 @@ impl ExtProc {
             (BodyMode::Buffered | BodyMode::Streamed, true) => {
                 send(tx, reply::request_body_decision(&destination, set_header)).await
             }
+        };
+        // Envoy has its answer; the request is on its way while the index learns its keys.
+        if let (true, Some(p)) = (sent, pending) {
+            self.decider.record(p).await;
         }
+        sent
     }
 }
 
