@@ -117,6 +117,7 @@ struct SlotBits {
     /// The least [`Holder::expiry`] of the list: below it every entry counts.
     min_expiry: u64,
     /// The words for slots from 64 on, `[held, lesser]` each, allocated once such a slot holds.
+    #[allow(clippy::box_collection)] // one pointer in every long entry, not a Vec's three words
     more: Option<Box<Vec<[u64; 2]>>>,
 }
 
