@@ -117,7 +117,8 @@ struct SlotBits {
     /// The least [`Holder::expiry`] of the list: below it every entry counts.
     min_expiry: u64,
     /// The words for slots from 64 on, `[held, lesser]` each, allocated once such a slot holds.
-    #[allow(clippy::box_collection)] // one pointer in every long entry, not a Vec's three words
+    // One pointer in every long entry, not a Vec's three words.
+    #[allow(clippy::box_collection)]
     more: Option<Box<Vec<[u64; 2]>>>,
 }
 
