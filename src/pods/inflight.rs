@@ -7,7 +7,8 @@
 //! The settling part is a plain queue with time passed in ([`Settling`]): the live pods run it on
 //! the router's monotonic clock, `kv-bench simulate` on virtual time.
 
-use std::collections::VecDeque;
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, VecDeque};
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -51,29 +52,31 @@ pub fn prefill_time(tokens: u64, prefill_tokens_per_sec: f64) -> Duration {
     }
 }
 
-#[derive(Debug, Clone, Copy)]
-struct Entry<T> {
-    released_at: T,
-    request_pending: bool,
-    tokens: u64,
-    tokens_until: T,
-}
-
 // Bound on settling entries per pod: beyond it the oldest are dropped (they are estimates anyway).
 const MAX_SETTLING: usize = 65_536;
 
 /// Requests whose stream ended unobserved, still counted against their pod: the request until a
 /// scrape that started after its release (or `stale_after`), its uncached tokens until their
 /// estimated prefill ends. Bounded; the oldest entries go first.
+///
+/// Every decision counts every candidate's queue, so counting pops what no longer counts instead
+/// of scanning what does: releases come in time order (a queue), prefill ends in any order (a
+/// min-heap beside a running sum).
 #[derive(Debug)]
 pub struct Settling<T> {
-    entries: VecDeque<Entry<T>>,
+    /// Release times of the requests still counted, oldest first.
+    requests: VecDeque<T>,
+    /// (end of prefill, tokens) of the tokens still counted, soonest end on top.
+    tokens: BinaryHeap<Reverse<(T, u64)>>,
+    tokens_sum: u64,
 }
 
 impl<T> Default for Settling<T> {
     fn default() -> Self {
         Self {
-            entries: VecDeque::new(),
+            requests: VecDeque::new(),
+            tokens: BinaryHeap::new(),
+            tokens_sum: 0,
         }
     }
 }
@@ -81,42 +84,60 @@ impl<T> Default for Settling<T> {
 impl<T: Timestamp> Settling<T> {
     /// A request released at `released_at`, its `tokens` still prefilling until `tokens_until`.
     pub fn push(&mut self, released_at: T, tokens: u64, tokens_until: T) {
-        if self.entries.len() >= MAX_SETTLING {
-            self.entries.pop_front();
+        if self.requests.len() >= MAX_SETTLING {
+            self.requests.pop_front();
         }
-        self.entries.push_back(Entry {
-            released_at,
-            request_pending: true,
-            tokens,
-            tokens_until,
-        });
+        // Guards dropped on other threads may read the clock a little out of order.
+        let released_at = self
+            .requests
+            .back()
+            .map_or(released_at, |&b| b.max(released_at));
+        self.requests.push_back(released_at);
+        if tokens > 0 {
+            if self.tokens.len() >= MAX_SETTLING {
+                self.pop_tokens();
+            }
+            self.tokens.push(Reverse((tokens_until, tokens)));
+            self.tokens_sum += tokens;
+        }
     }
 
     /// Requests and tokens still counted at `now`; forgets entries that no longer count.
     pub fn count(&mut self, now: T, stale_after: Duration) -> (u64, u64) {
-        let request = |e: &Entry<T>| e.request_pending && now.since(e.released_at) < stale_after;
-        self.entries.retain(|e| request(e) || e.tokens_until > now);
-        let (mut requests, mut tokens) = (0, 0);
-        for e in &self.entries {
-            if request(e) {
-                requests += 1;
-            }
-            if e.tokens_until > now {
-                tokens += e.tokens;
-            }
+        while self
+            .requests
+            .front()
+            .is_some_and(|&r| now.since(r) >= stale_after)
+        {
+            self.requests.pop_front();
         }
-        (requests, tokens)
+        self.expire_tokens(now);
+        (self.requests.len() as u64, self.tokens_sum)
     }
 
     /// A scrape sent at `started` succeeded: requests released before then are in its numbers.
     pub fn observed_scrape(&mut self, started: T) {
-        for e in self.entries.iter_mut() {
-            if e.released_at < started {
-                e.request_pending = false;
-            }
+        while self.requests.front().is_some_and(|&r| r < started) {
+            self.requests.pop_front();
         }
-        self.entries
-            .retain(|e| e.request_pending || e.tokens_until > started);
+        self.expire_tokens(started);
+    }
+
+    /// Drops tokens whose prefill ended by `at`.
+    fn expire_tokens(&mut self, at: T) {
+        while self
+            .tokens
+            .peek()
+            .is_some_and(|Reverse((until, _))| *until <= at)
+        {
+            self.pop_tokens();
+        }
+    }
+
+    fn pop_tokens(&mut self) {
+        if let Some(Reverse((_, n))) = self.tokens.pop() {
+            self.tokens_sum -= n;
+        }
     }
 }
 
@@ -274,6 +295,78 @@ mod tests {
         assert_eq!(p.inflight.current(Instant::now(), stale), (1, 0));
         g.complete();
         assert_eq!(p.inflight.current(Instant::now(), stale), (0, 0));
+    }
+
+    /// Milliseconds on a test clock.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+    struct Ms(u64);
+
+    impl Timestamp for Ms {
+        fn since(self, earlier: Self) -> Duration {
+            Duration::from_millis(self.0.saturating_sub(earlier.0))
+        }
+        fn after(self, d: Duration) -> Self {
+            Ms(self.0 + d.as_millis() as u64)
+        }
+    }
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        /// After `dt` ms, a release with `tokens` prefilling for `prefill` ms more.
+        Push { dt: u64, tokens: u64, prefill: u64 },
+        /// After `dt` ms, a count.
+        Count { dt: u64 },
+        /// A scrape that started `back` ms ago succeeded.
+        Scrape { back: u64 },
+    }
+
+    fn op() -> impl proptest::strategy::Strategy<Value = Op> {
+        use proptest::prelude::*;
+        prop_oneof![
+            3 => (0u64..50, prop_oneof![Just(0u64), 1u64..1000], 0u64..3000)
+                .prop_map(|(dt, tokens, prefill)| Op::Push { dt, tokens, prefill }),
+            2 => (0u64..400).prop_map(|dt| Op::Count { dt }),
+            1 => (0u64..300).prop_map(|back| Op::Scrape { back }),
+        ]
+    }
+
+    proptest::proptest! {
+        /// The queue and heap count exactly what a scan of every released request counts.
+        #[test]
+        fn settling_counts_what_a_scan_of_every_entry_counts(
+            ops in proptest::collection::vec(op(), 1..200)
+        ) {
+            let stale = Duration::from_millis(2000);
+            let mut s = Settling::<Ms>::default();
+            // (released_at, request still pending, tokens, tokens_until)
+            let mut all: Vec<(u64, bool, u64, u64)> = Vec::new();
+            let mut now = 0u64;
+            for op in ops {
+                match op {
+                    Op::Push { dt, tokens, prefill } => {
+                        now += dt;
+                        s.push(Ms(now), tokens, Ms(now + prefill));
+                        all.push((now, true, tokens, now + prefill));
+                    }
+                    Op::Count { dt } => {
+                        now += dt;
+                        let requests = all
+                            .iter()
+                            .filter(|e| e.1 && now - e.0 < stale.as_millis() as u64)
+                            .count() as u64;
+                        let tokens: u64 = all.iter().filter(|e| e.3 > now).map(|e| e.2).sum();
+                        proptest::prop_assert_eq!(s.count(Ms(now), stale), (requests, tokens));
+                    }
+                    Op::Scrape { back } => {
+                        let started = now.saturating_sub(back);
+                        s.observed_scrape(Ms(started));
+                        for e in all.iter_mut().filter(|e| e.0 < started) {
+                            e.1 = false;
+                        }
+                    }
+                }
+            }
+        }
     }
 
     #[tokio::test(start_paused = true)]
