@@ -450,6 +450,9 @@ impl ExtProc {
         };
         // Envoy has its answer; the request is on its way while the index learns its keys.
         if let (true, Some(p)) = (sent, pending) {
+            // Let the tasks that write the answer run first: the one woken last sits in this
+            // worker's LIFO slot, which no other worker steals, until this task yields.
+            tokio::task::yield_now().await;
             self.decider.record(p).await;
         }
         sent
