@@ -101,6 +101,19 @@ fn quick_overhead_report_is_well_formed() {
     for g in goals {
         assert!(g["met"].is_boolean() && g["floor"].is_number(), "{g}");
     }
+    // The answer-time pass: every processor at every size, straight over ext_proc.
+    let answers = r["answers"].as_array().expect("answers");
+    assert_eq!(answers.len(), sizes.len() * 3, "{answers:?}");
+    for a in answers {
+        let p50 = f(a, "p50_us").unwrap_or(0.0);
+        assert!(p50 > 0.0 && f(a, "p99_us") >= Some(p50), "{a}");
+        assert!(f(a, "over_noop_p50_us").is_some(), "{a}");
+        assert_eq!(a["requests"], r["requests_per_cell"], "{a}");
+    }
     let rows = md.lines().filter(|l| l.starts_with('|')).count();
-    assert_eq!(rows, cells.len() + 2 + goals.len() + 2, "{md}");
+    assert_eq!(
+        rows,
+        cells.len() + 2 + answers.len() + 2 + goals.len() + 2,
+        "{md}"
+    );
 }

@@ -9,14 +9,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue};
 use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
-use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request as In;
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response as Out;
-use envoy_types::pb::envoy::service::ext_proc::v3::{
-    HttpBody, HttpHeaders, ProcessingRequest, ProtocolConfiguration,
-};
 use serde::Serialize;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
@@ -24,6 +19,7 @@ use tokio_stream::StreamExt;
 use tonic::transport::Channel;
 
 use super::deploy::{local_router_config, Binaries, RouterProc, SimPod};
+use super::extproc_client::{body, headers, message};
 use super::table::{Style, Table};
 
 /// What to send.
@@ -79,49 +75,6 @@ fn rss(pid: u32) -> Result<(u64, u64)> {
             .unwrap_or(0)
     };
     Ok((kb("VmRSS:"), kb("VmHWM:")))
-}
-
-fn headers(extra: &[(&str, String)]) -> In {
-    let mut hs: Vec<(&str, String)> = vec![
-        (":path", "/v1/completions".into()),
-        (":method", "POST".into()),
-        ("content-type", "application/json".into()),
-    ];
-    hs.extend(extra.iter().cloned());
-    In::RequestHeaders(HttpHeaders {
-        headers: Some(HeaderMap {
-            headers: hs
-                .into_iter()
-                .map(|(k, v)| HeaderValue {
-                    key: k.into(),
-                    raw_value: v.into_bytes(),
-                    ..Default::default()
-                })
-                .collect(),
-        }),
-        end_of_stream: false,
-        ..Default::default()
-    })
-}
-
-fn message(request: In, mode: Option<BodySendMode>) -> ProcessingRequest {
-    ProcessingRequest {
-        request: Some(request),
-        protocol_config: mode.map(|m| ProtocolConfiguration {
-            request_body_mode: m as i32,
-            response_body_mode: m as i32,
-            ..Default::default()
-        }),
-        ..Default::default()
-    }
-}
-
-fn body(bytes: Vec<u8>, end_of_stream: bool) -> In {
-    In::RequestBody(HttpBody {
-        body: bytes,
-        end_of_stream,
-        ..Default::default()
-    })
 }
 
 /// One unique-value phase: the i-th request's extra headers and JSON body.

@@ -4,6 +4,7 @@
 pub mod charts;
 pub mod compare;
 pub mod deploy;
+pub mod extproc_client;
 pub mod hostile;
 pub mod idle;
 pub mod noop_extproc;

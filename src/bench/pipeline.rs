@@ -20,6 +20,16 @@ pub(crate) async fn overhead_report(a: &OverheadArgs) -> Result<overhead::Overhe
         overhead::OverheadOptions::full()
     };
     opts.requests = a.requests.unwrap_or(opts.requests);
+    if !a.sizes_kib.is_empty() {
+        opts.sizes = a.sizes_kib.iter().map(|k| k * 1024).collect();
+    }
+    if !a.concurrency.is_empty() {
+        opts.concurrencies = a.concurrency.clone();
+    }
+    anyhow::ensure!(
+        opts.sizes.iter().chain(&opts.concurrencies).all(|&n| n > 0),
+        "--sizes-kib and --concurrency take positive numbers"
+    );
     let bins = Binaries::beside_current_exe()?;
     overhead::run(&bins, a.envoy.as_deref(), &opts).await
 }

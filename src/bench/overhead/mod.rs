@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result};
 use serde::Serialize;
 
+mod answer;
 pub(crate) mod cpu;
 mod fleet;
 mod goals;
@@ -22,6 +23,7 @@ mod load;
 use super::deploy::{self, Binaries};
 use super::report::percentile;
 use super::table::{Style, Table};
+pub use answer::AnswerCell;
 use cpu::{clock_ticks_per_s, envoy_version, CpuSource};
 use fleet::Fleet;
 pub use goals::Goal;
@@ -191,6 +193,8 @@ pub struct OverheadReport {
     pub duration_s: f64,
     /// Every cell.
     pub cells: Vec<Cell>,
+    /// Each processor's answer time without Envoy, per prompt size (c=1).
+    pub answers: Vec<AnswerCell>,
     /// The goals checked on these cells (kv-router against the no-op floor).
     pub goals: Vec<Goal>,
 }
@@ -262,8 +266,10 @@ pub async fn run(
     // Per router: CPU ticks and wall time while the other paths ran.
     let mut idle: BTreeMap<PathKind, (u64, Duration)> = BTreeMap::new();
     let mut cell_no = 0usize;
+    let mut all_bodies = Vec::new();
     for &size in &opts.sizes {
         let bodies = Arc::new(bodies(size));
+        all_bodies.push((size, bodies.to_vec()));
         for &conc in &opts.concurrencies {
             for round in 0..opts.rounds.max(1) {
                 let n = round_share(opts.requests, opts.rounds, round);
@@ -331,6 +337,20 @@ pub async fn run(
             tracing::info!(size, conc, "overhead cell done");
         }
     }
+    let targets = [
+        (PathKind::EnvoyNoopExtProc, fleet.noop.addr),
+        (PathKind::EnvoyKvRouter, fleet.router.grpc),
+        (PathKind::EnvoyKvRouterPrecise, fleet.precise.grpc),
+    ]
+    .map(|(path, addr)| answer::Target { path, addr });
+    let answers = answer::measure(
+        &targets,
+        &all_bodies,
+        opts.requests,
+        opts.rounds,
+        opts.warmup,
+    )
+    .await?;
     let tick_ms = 1000.0 / hz as f64;
     let idle_ms_per_s = |router: PathKind| {
         let (ticks, wall) = idle.get(&router).copied().unwrap_or_default();
@@ -389,6 +409,7 @@ pub async fn run(
         precise_idle_cpu_ms_per_s: idle_ms_per_s(PathKind::EnvoyKvRouterPrecise),
         duration_s: started.elapsed().as_secs_f64(),
         cells,
+        answers,
         goals,
     })
 }
@@ -492,6 +513,10 @@ impl OverheadReport {
             self.machine,
             self.duration_s,
         ));
+        if !self.answers.is_empty() {
+            s.push('\n');
+            s.push_str(&answer::markdown(&self.answers));
+        }
         if !self.goals.is_empty() {
             s.push_str(
                 "\nGoals (docs/microbench.md): kv-router against the no-op ext_proc at the same \
@@ -553,6 +578,7 @@ mod tests {
             precise_idle_cpu_ms_per_s: 0.75,
             duration_s: 3.0,
             cells,
+            answers: vec![],
         }
     }
 

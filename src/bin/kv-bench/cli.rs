@@ -309,6 +309,12 @@ pub(crate) struct OverheadArgs {
     /// A few requests per cell (CI: checks the report, not speed).
     #[arg(long)]
     pub(crate) quick: bool,
+    /// Prompt sizes in KiB (default: 1,8,400); one size alone is what a profile wants.
+    #[arg(long, value_delimiter = ',')]
+    pub(crate) sizes_kib: Vec<usize>,
+    /// Closed-loop concurrencies (default: 1,32).
+    #[arg(long, value_delimiter = ',')]
+    pub(crate) concurrency: Vec<usize>,
     /// Write the report as JSON here.
     #[arg(long)]
     pub(crate) json: Option<PathBuf>,
