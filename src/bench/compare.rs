@@ -42,6 +42,8 @@ pub struct CompareOptions {
     /// kv-router replicas behind Envoy for every router strategy (None: each strategy's
     /// [`Strategy::default_replicas`]). Replicas without the shared index each learn alone.
     pub replicas: Option<usize>,
+    /// Where each router's final `/metrics` goes (`<label>-<replica>.prom`), if anywhere.
+    pub router_metrics: Option<PathBuf>,
 }
 
 impl CompareOptions {
@@ -270,6 +272,9 @@ pub async fn compare(
                 eprintln!("kv-bench: {label}: {line}");
             }
         }
+        if let (Some(s), Some(dir)) = (&stack, &opts.router_metrics) {
+            s.save_metrics(dir, &label).await?;
+        }
         drop(stack);
         let summary =
             Summary::of(&run, Some(opts.pods)).with_oracles(&run, opts.pods, opts.gpu_blocks);
@@ -292,6 +297,17 @@ struct Stack {
 }
 
 impl Stack {
+    /// Writes each replica's `/metrics` to `dir/<label>-<replica>.prom`.
+    async fn save_metrics(&self, dir: &std::path::Path, label: &str) -> Result<()> {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        for (i, r) in self.routers.iter().enumerate() {
+            let path = dir.join(format!("{}-{i}.prom", label.replace(' ', "")));
+            let text = r.metrics().await.context("reading a router's /metrics")?;
+            std::fs::write(&path, text).with_context(|| format!("writing {}", path.display()))?;
+        }
+        Ok(())
+    }
+
     /// Each replica's shared-index counters (lookups by source, fallbacks by reason), one line
     /// per replica; none without Redis. Shows whether a run measured Redis or the fallback.
     async fn redis_counters(&self) -> Vec<String> {
@@ -500,6 +516,7 @@ mod tests {
             model: "m".into(),
             progress: false,
             replicas,
+            router_metrics: None,
         }
     }
 

@@ -55,6 +55,7 @@ pub(crate) async fn compare_section(
         model: a.args.model.clone(),
         progress: true,
         replicas: a.replicas,
+        router_metrics: a.router_metrics.clone(),
     };
     let cmp = if a.endpoints.is_empty() {
         compare::compare(&bins, &opts, workload, concurrency).await?

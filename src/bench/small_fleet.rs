@@ -245,6 +245,7 @@ pub async fn run(bins: &Binaries, opts: &SmallFleetOptions) -> Result<SmallFleet
             model: "sim-model".into(),
             progress: false,
             replicas: None,
+            router_metrics: None,
         };
         let spec = opts.spec(sessions);
         let arrivals = Arrivals::Poisson {

@@ -188,6 +188,10 @@ pub(crate) struct CompareArgs {
     /// Write the three SVG charts into this directory.
     #[arg(long)]
     pub(crate) charts: Option<PathBuf>,
+    /// Write each router's `/metrics` at the end of its strategy's run into this directory
+    /// (`<strategy>-<replica>.prom`): decisions by reason, KV-event lag and counts, errors.
+    #[arg(long)]
+    pub(crate) router_metrics: Option<PathBuf>,
     /// Compare existing deployments instead of starting a fleet: LABEL=URL (repeatable).
     #[arg(long = "endpoint", value_parser = parse_endpoint)]
     pub(crate) endpoints: Vec<(String, String)>,

@@ -63,6 +63,7 @@ async fn real_main(cli: Cli) -> Result<()> {
                 model: a.workload.model.clone(),
                 progress: true,
                 replicas: None,
+                router_metrics: None,
             };
             let spec = a.workload.spec();
             let cmp =
