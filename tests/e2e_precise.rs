@@ -365,6 +365,41 @@ async fn events_make_router_prefer_the_pod_holding_the_prefix() {
     );
 }
 
+/// Token-id prompts (what `kv-bench compare` replays from the Mooncake traces) are keyed from the
+/// ids, as the pod's events key them: the router learns them from events alone.
+#[tokio::test]
+async fn token_id_prompts_are_learned_from_events() {
+    let d = Precise::start(&[&[], &[]], false, |_| {}).await;
+    let b = d.pods[1].name();
+    let ids: Vec<u32> = (0..1000u32).map(|i| 1000 + (i * 7919) % 30_000).collect();
+    let body = json!({"model": "sim-model", "prompt": ids, "max_tokens": 4});
+    let o = post_to(&d.client, &d.pods[1].url(), "/v1/completions", &body, &[]).await;
+    assert_eq!(served_by(&o, &d.diag()), b);
+    let deadline = Instant::now() + POLL;
+    loop {
+        let v: Value = d
+            .client
+            .post(format!("{}/debug/explain", d.router.admin_url()))
+            .json(&json!({"path": "/v1/completions", "body": body}))
+            .send()
+            .await
+            .expect("explain request")
+            .json()
+            .await
+            .expect("explain JSON");
+        // 62 full blocks of 16 tokens (the last token is never served from cache).
+        if matched(&v, &b) >= 60 && first(&v) == b {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the router never learned the token prompt from {b}'s events: {v:#}\n{}",
+            kv_metrics(&d.metrics().await)
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 #[tokio::test]
 async fn eviction_stops_preference() {
     // Pod A's cache holds 80 blocks: a 64-block prefix plus one more such prompt overflow it.
