@@ -44,6 +44,9 @@ pub struct CompareOptions {
     pub replicas: Option<usize>,
     /// Where each router's final `/metrics` goes (`<label>-<replica>.prom`), if anywhere.
     pub router_metrics: Option<PathBuf>,
+    /// Rounds over the strategies, each in an order rotated by one (`#1`, `#2`… in labels when
+    /// more than one): a single run's verdict can be its slot or the machine's noise.
+    pub repeat: usize,
 }
 
 impl CompareOptions {
@@ -206,8 +209,13 @@ pub async fn compare(
         runs: Vec::new(),
     };
     drop(sample);
-    for &strategy in &opts.strategies {
-        let label = opts.label(strategy);
+    let rounds = opts.repeat.max(1);
+    for (round, i) in run_order(opts.strategies.len(), rounds) {
+        let strategy = opts.strategies[i];
+        let label = match rounds {
+            1 => opts.label(strategy),
+            _ => format!("{} #{}", opts.label(strategy), round + 1),
+        };
         let redis = if strategy.needs_redis() {
             match deploy::find_redis_server() {
                 Ok(bin) => Some(bin),
@@ -286,6 +294,14 @@ pub async fn compare(
         });
     }
     Ok(out)
+}
+
+/// (round, strategy index) in run order: every round rotates the strategies by one, so over
+/// `n` rounds each strategy runs once in every slot.
+fn run_order(n: usize, rounds: usize) -> Vec<(usize, usize)> {
+    (0..rounds)
+        .flat_map(|r| (0..n).map(move |k| (r, (k + r) % n)))
+        .collect()
 }
 
 /// One strategy's processes: its kv-router replicas, the Envoy in front of them and, for the
@@ -505,6 +521,26 @@ pub async fn compare_endpoints(
 mod tests {
     use super::*;
 
+    #[test]
+    fn repeated_rounds_rotate_the_order() {
+        assert_eq!(run_order(2, 1), [(0, 0), (0, 1)]);
+        assert_eq!(
+            run_order(3, 3),
+            [
+                (0, 0),
+                (0, 1),
+                (0, 2),
+                (1, 1),
+                (1, 2),
+                (1, 0),
+                (2, 2),
+                (2, 0),
+                (2, 1)
+            ]
+        );
+        assert!(run_order(0, 2).is_empty());
+    }
+
     fn opts(replicas: Option<usize>) -> CompareOptions {
         CompareOptions {
             envoy: None,
@@ -517,6 +553,7 @@ mod tests {
             progress: false,
             replicas,
             router_metrics: None,
+            repeat: 1,
         }
     }
 

@@ -56,6 +56,7 @@ pub(crate) async fn compare_section(
         progress: true,
         replicas: a.replicas,
         router_metrics: a.router_metrics.clone(),
+        repeat: a.repeat as usize,
     };
     let cmp = if a.endpoints.is_empty() {
         compare::compare(&bins, &opts, workload, concurrency).await?

@@ -236,6 +236,60 @@ pub fn table(runs: &[Summary], style: Style) -> String {
     t.render(style)
 }
 
+/// Runs of one strategy under `compare --repeat`: the label without its ` #k` round.
+fn strategy_of(label: &str) -> &str {
+    label.rsplit_once(" #").map_or(label, |(s, _)| s)
+}
+
+/// With repeated runs (`weighted #1`, `weighted #2`, …): per strategy, the median and range of
+/// the figures a verdict rests on. None when no label carries a round.
+pub fn spread_table(runs: &[Summary], style: Style) -> Option<String> {
+    if !runs.iter().any(|s| s.label.contains(" #")) {
+        return None;
+    }
+    let mut order: Vec<&str> = Vec::new();
+    for s in runs {
+        let name = strategy_of(&s.label);
+        if !order.contains(&name) {
+            order.push(name);
+        }
+    }
+    let spread = |v: Vec<f64>, show: &dyn Fn(f64) -> String| {
+        let mut v: Vec<f64> = v.into_iter().filter(|x| x.is_finite()).collect();
+        if v.is_empty() {
+            return "-".to_string();
+        }
+        let med = percentile(&mut v, 50.0);
+        format!("{} ({}–{})", show(med), show(v[0]), show(v[v.len() - 1]))
+    };
+    let mut t = Table::new([
+        "strategy",
+        "runs",
+        "hit / pooled",
+        "hit / infinite",
+        "TTFT p50",
+        "TTFT p99",
+        "errors",
+    ]);
+    for name in order {
+        let of: Vec<&Summary> = runs
+            .iter()
+            .filter(|s| strategy_of(&s.label) == name)
+            .collect();
+        let col = |f: &dyn Fn(&Summary) -> f64| of.iter().map(|s| f(s)).collect::<Vec<f64>>();
+        t.row(vec![
+            name.to_string(),
+            of.len().to_string(),
+            spread(col(&|s| s.vs_pooled()), &pct),
+            spread(col(&|s| s.vs_infinite()), &pct),
+            spread(col(&|s| s.ttft_p50_ms), &ms),
+            spread(col(&|s| s.ttft_p99_ms), &ms),
+            of.iter().map(|s| s.errors).sum::<usize>().to_string(),
+        ]);
+    }
+    Some(t.render(style))
+}
+
 /// JSON document written by `--json`: summaries plus every request record.
 #[derive(Debug, Serialize)]
 pub struct JsonReport<'a> {
@@ -295,6 +349,47 @@ mod tests {
         assert!(t.contains("| prefix hit rate "));
         assert!(t.contains("50.0 %"));
         assert!(t.contains("3/1/0/0"), "{t}");
+    }
+
+    #[test]
+    fn repeated_runs_get_a_median_and_range_per_strategy() {
+        let run = |label: &str, ttft: f64| {
+            let r = RunResult {
+                label: label.into(),
+                workload: "multiturn".into(),
+                description: String::new(),
+                target: String::new(),
+                duration_s: 1.0,
+                sent: Vec::new(),
+                records: vec![rec("a", 100, 50, ttft, false)],
+            };
+            let mut s = Summary::of(&r, Some(2));
+            s.label = label.into();
+            s
+        };
+        let once = [run("weighted", 10.0), run("precise", 20.0)];
+        assert!(
+            spread_table(&once, Style::Markdown).is_none(),
+            "one round: no spread"
+        );
+        let runs = [
+            run("weighted #1", 30.0),
+            run("precise #1", 20.0),
+            run("precise #2", 40.0),
+            run("weighted #2", 10.0),
+            run("weighted #3", 20.0),
+            run("precise #3", 60.0),
+        ];
+        let t = spread_table(&runs, Style::Markdown).unwrap();
+        let rows: Vec<&str> = t
+            .lines()
+            .filter(|l| l.starts_with("| w") || l.starts_with("| p"))
+            .collect();
+        assert_eq!(rows.len(), 2, "{t}");
+        let cells: Vec<&str> = rows[0].split('|').map(str::trim).collect();
+        assert_eq!((cells[1], cells[2]), ("weighted", "3"), "{t}");
+        assert!(rows[0].contains("20.0 ms (10.0 ms–30.0 ms)"), "{t}");
+        assert!(rows[1].contains("40.0 ms (20.0 ms–60.0 ms)"), "{t}");
     }
 
     #[test]

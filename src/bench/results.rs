@@ -81,6 +81,10 @@ pub fn comparison_section(
         cmp.workload, cmp.description, cmp.fleet
     );
     body.push_str(&report::table(&summaries, Style::Markdown));
+    if let Some(spread) = report::spread_table(&summaries, Style::Markdown) {
+        body.push_str("\nMedian (min–max) of each strategy's runs:\n\n");
+        body.push_str(&spread);
+    }
     let note = cmp.skipped_note();
     if !note.is_empty() {
         body.push('\n');

@@ -246,6 +246,7 @@ pub async fn run(bins: &Binaries, opts: &SmallFleetOptions) -> Result<SmallFleet
             progress: false,
             replicas: None,
             router_metrics: None,
+            repeat: 1,
         };
         let spec = opts.spec(sessions);
         let arrivals = Arrivals::Poisson {

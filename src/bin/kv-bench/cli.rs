@@ -192,6 +192,10 @@ pub(crate) struct CompareArgs {
     /// (`<strategy>-<replica>.prom`): decisions by reason, KV-event lag and counts, errors.
     #[arg(long)]
     pub(crate) router_metrics: Option<PathBuf>,
+    /// Run every strategy this many times, each round in an order rotated by one; the table
+    /// gets a column per run (`weighted #2`) and the median and range of each strategy follow.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=20))]
+    pub(crate) repeat: u64,
     /// Compare existing deployments instead of starting a fleet: LABEL=URL (repeatable).
     #[arg(long = "endpoint", value_parser = parse_endpoint)]
     pub(crate) endpoints: Vec<(String, String)>,

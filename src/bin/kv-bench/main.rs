@@ -64,6 +64,7 @@ async fn real_main(cli: Cli) -> Result<()> {
                 progress: true,
                 replicas: None,
                 router_metrics: None,
+                repeat: 1,
             };
             let spec = a.workload.spec();
             let cmp =
