@@ -259,7 +259,14 @@ pub fn spread_table(runs: &[Summary], style: Style) -> Option<String> {
         if v.is_empty() {
             return "-".to_string();
         }
-        let med = percentile(&mut v, 50.0);
+        v.sort_by(f64::total_cmp);
+        let mid = v.len() / 2;
+        // Of an even count, the mean of the middle two.
+        let med = if v.len() % 2 == 0 {
+            (v[mid - 1] + v[mid]) / 2.0
+        } else {
+            v[mid]
+        };
         format!("{} ({}–{})", show(med), show(v[0]), show(v[v.len() - 1]))
     };
     let mut t = Table::new([
@@ -390,6 +397,11 @@ mod tests {
         assert_eq!((cells[1], cells[2]), ("weighted", "3"), "{t}");
         assert!(rows[0].contains("20.0 ms (10.0 ms–30.0 ms)"), "{t}");
         assert!(rows[1].contains("40.0 ms (20.0 ms–60.0 ms)"), "{t}");
+        let even = spread_table(&runs[..4], Style::Markdown).unwrap();
+        assert!(
+            even.contains("30.0 ms (20.0 ms–40.0 ms)"),
+            "two runs: their mean\n{even}"
+        );
     }
 
     #[test]
