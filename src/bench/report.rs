@@ -262,7 +262,7 @@ pub fn spread_table(runs: &[Summary], style: Style) -> Option<String> {
         v.sort_by(f64::total_cmp);
         let mid = v.len() / 2;
         // Of an even count, the mean of the middle two.
-        let med = if v.len() % 2 == 0 {
+        let med = if v.len().is_multiple_of(2) {
             (v[mid - 1] + v[mid]) / 2.0
         } else {
             v[mid]
