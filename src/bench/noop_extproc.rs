@@ -129,7 +129,7 @@ impl NoopServer {
                     let Ok(listener) = tokio::net::TcpListener::from_std(listener) else {
                         return;
                     };
-                    let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+                    let incoming = incoming(listener);
                     // Same decode limit as kv-router's default (64 MiB body + 1 MiB).
                     let server = tonic::transport::Server::builder()
                         .add_service(
@@ -152,6 +152,13 @@ impl NoopServer {
             thread: Some(thread),
         })
     }
+}
+
+/// Accepted connections as kv-router's own server sets them up: TCP_NODELAY on (tonic does it
+/// for an address it binds, not for a listener handed to it). Without it the no-op's small
+/// replies could wait for a delayed ACK, up to 40 ms: a floor slower than it is.
+fn incoming(listener: tokio::net::TcpListener) -> tonic::transport::server::TcpIncoming {
+    tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true))
 }
 
 impl Drop for NoopServer {
@@ -185,6 +192,19 @@ mod tests {
             request: Some(r),
             ..Default::default()
         }
+    }
+
+    #[tokio::test]
+    async fn accepted_connections_do_not_delay_small_replies() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let mut accepted = incoming(listener);
+        let _client = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let server_side = accepted.next().await.unwrap().unwrap();
+        assert!(
+            server_side.nodelay().unwrap(),
+            "Nagle on: replies wait for ACKs"
+        );
     }
 
     #[test]
