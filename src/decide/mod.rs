@@ -106,9 +106,14 @@ impl DecideError {
     }
 }
 
-/// Bodies at least this big are parsed off the async workers (a 64 KiB body parses in well
-/// under a millisecond; bigger ones can take tens of milliseconds).
-const OFFLOAD_BYTES: usize = 64 * 1024;
+/// Bodies at least this big are parsed and keyed off the async workers when keys are text
+/// blocks: a 1 MiB body takes about a millisecond, and handing the worker over costs a 400 KB
+/// body 0.2-0.3 ms of its answer (`kv-bench overhead`'s answer-time pass).
+const OFFLOAD_BYTES: usize = 1 << 20;
+
+/// The same when a model has a tokenizer (precise mode): tokenizing 64 KiB can already take
+/// milliseconds when its prefix is not cached.
+const OFFLOAD_BYTES_TOKENIZED: usize = 64 * 1024;
 
 /// The live decision path: owns the keyer, the stages and the stores, and runs them in order.
 pub struct Decider {
@@ -116,6 +121,8 @@ pub struct Decider {
     keyer: Arc<Keyer>,
     /// Bounds how many big bodies are parsed and keyed at once off the async workers.
     heavy: Arc<tokio::sync::Semaphore>,
+    /// Bodies this big or bigger are parsed and keyed off the async workers.
+    offload_bytes: usize,
     stale_after: Duration,
     session_headers: Vec<String>,
     use_user_field: bool,
@@ -150,8 +157,14 @@ impl Decider {
         metrics: DecisionMetrics,
     ) -> Self {
         let s = &cfg.scorers;
+        let offload_bytes = if tokenizers.is_empty() {
+            OFFLOAD_BYTES
+        } else {
+            OFFLOAD_BYTES_TOKENIZED
+        };
         Self {
             strict: cfg.strict,
+            offload_bytes,
             keyer: Arc::new(Keyer::new(
                 BlockScheme {
                     size_chars: cfg.blocks.size_chars,
@@ -383,9 +396,10 @@ impl Decider {
         })
     }
 
-    /// Parses the body and computes its keys. Bodies of [`OFFLOAD_BYTES`] or more are parsed
-    /// and keyed (tokenized, in precise mode) on the blocking pool, at most one per core at
-    /// a time, so a huge prompt never stalls the async workers (probes, other streams, health).
+    /// Parses the body and computes its keys. Bodies of [`OFFLOAD_BYTES`] or more
+    /// ([`OFFLOAD_BYTES_TOKENIZED`] with tokenizers) are parsed and keyed (tokenized, in precise
+    /// mode) on the blocking pool, at most one per core at a time, so a huge prompt never stalls
+    /// the async workers (probes, other streams, health).
     async fn parse_and_key(
         &self,
         req: &DecideRequest<'_>,
@@ -398,7 +412,7 @@ impl Decider {
             let keys = parsed.as_ref().ok().map(|r| keyer.keys(r));
             (Some(parsed), keys)
         };
-        if body.len() < OFFLOAD_BYTES {
+        if body.len() < self.offload_bytes {
             return work(&self.keyer, req.path, body);
         }
         let Ok(permit) = self.heavy.clone().acquire_owned().await else {
