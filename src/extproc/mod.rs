@@ -8,8 +8,10 @@
 mod budget;
 pub mod reply;
 
+use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use envoy_types::pb::envoy::config::core::v3::{HeaderMap, Metadata};
@@ -19,7 +21,6 @@ use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request a
 use envoy_types::pb::envoy::service::ext_proc::v3::{ProcessingRequest, ProcessingResponse};
 use futures::{Stream, StreamExt};
 use tokio::sync::mpsc;
-use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 use tracing::debug;
 
@@ -134,10 +135,36 @@ impl ExternalProcessor for ExtProc {
         let inbound = request.into_inner();
         let (tx, rx) = mpsc::channel(16);
         let this = self.clone();
-        tokio::spawn(async move { this.run(inbound, tx).await });
-        Ok(Response::new(Box::pin(
-            ReceiverStream::new(rx).map(|reply| Ok(*reply)),
-        )))
+        Ok(Response::new(Box::pin(Driven {
+            run: Some(Box::pin(async move { this.run(inbound, tx).await })),
+            replies: rx,
+        })))
+    }
+}
+
+/// A stream's replies, produced by running the stream's work inside the reply stream itself:
+/// the task that writes the replies also reads the messages and decides, instead of a spawned
+/// task handing each reply over through a wake-up (one task switch per message fewer). Dropping
+/// it (the gateway reset the stream) drops the work and everything it holds.
+struct Driven {
+    run: Option<Pin<Box<dyn Future<Output = ()> + Send>>>,
+    replies: mpsc::Receiver<Box<ProcessingResponse>>,
+}
+
+impl Stream for Driven {
+    type Item = Result<ProcessingResponse, Status>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        // The work first (it may queue replies), then a queued reply; the work waiting on a
+        // full queue resumes at the next poll, after a reply was taken.
+        if let Some(run) = self.run.as_mut() {
+            if run.as_mut().poll(cx).is_ready() {
+                self.run = None;
+            }
+        }
+        self.replies
+            .poll_recv(cx)
+            .map(|reply| reply.map(|r| Ok(*r)))
     }
 }
 
