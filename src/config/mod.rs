@@ -300,7 +300,7 @@ impl Default for IndexConfig {
     fn default() -> Self {
         Self {
             backend: IndexBackend::Memory,
-            ttl_ms: 600_000,
+            ttl_ms: 3_600_000,
             default_capacity_blocks: 31_250,
             capacity_factor: 1.0,
             redis: RedisConfig::default(),
@@ -467,6 +467,9 @@ pub struct GateConfig {
     /// goes to the least busy holder of that prefix, warming a second pod when one holds it,
     /// instead of to the prefix's first holder (whose later turns would all pile up there).
     pub spread_new_conversations: bool,
+    /// Without sessions, a new conversation placed on a pod counts against it as one live
+    /// conversation, halving every this many milliseconds.
+    pub spread_half_life_ms: u64,
 }
 
 impl Default for GateConfig {
@@ -480,6 +483,7 @@ impl Default for GateConfig {
             hot_abs: 4.0,
             hot_rel: 1.5,
             spread_new_conversations: true,
+            spread_half_life_ms: 300_000,
         }
     }
 }
@@ -648,6 +652,9 @@ impl Config {
         }
         if !(self.gate.hot_abs >= 0.0 && self.gate.hot_abs.is_finite()) {
             bad("gate.hot_abs", "must be a finite number >= 0");
+        }
+        if self.gate.spread_half_life_ms == 0 {
+            bad("gate.spread_half_life_ms", "must be positive");
         }
         if !(self.gate.hot_rel >= 1.0 && self.gate.hot_rel.is_finite()) {
             bad("gate.hot_rel", "must be a finite number >= 1");

@@ -1,79 +1,54 @@
 //! New conversations versus continuations. A request whose matched prefix is only a prefix
 //! shared with other conversations (a system prompt) is not a continuation: placing it commits
-//! that conversation's later turns to the pod, so the picker spreads it by load instead of
-//! sending it to the prefix's first holder.
+//! that conversation's later turns to the pod, so the picker spreads it by what each pod is
+//! already committed to instead of sending it to the prefix's first holder.
 //!
-//! A new conversation is a request with a session id (header or `user`) that is pinned to no
-//! pod, whose match does not extend an earlier *complete* prompt (the router remembers where
-//! recent prompts ended: the key of their last full block), so a session that merely expired
-//! mid-conversation still counts as a continuation. Requests without a session id are never
-//! called new: on the Mooncake traces a conversation's next turn often diverges inside the
-//! previous prompt's last block (its tokens are re-cut), so prompt ends alone mistook most
-//! continuations for new conversations (`kv-bench simulate --trace conversation`: weighted fell
-//! from 0.80 to 0.66 of the infinite oracle).
+//! Two signals, both kept here in bounded memory (block keys and pod ids, no text):
+//! - **Sessions.** A request naming a session pinned to no pod is new unless its match extends
+//!   an earlier *complete* prompt (the key of each routed prompt's last full block is kept), so a
+//!   session that merely expired mid-conversation still counts as a continuation.
+//! - **Branch points, for requests without a session.** Where a routed prompt leaves the longest
+//!   prefix any pod held, the router notes which block came next. A match that ends where at
+//!   least [`SHARED_BRANCHES`] other prompts already went on differently ends on a prefix many
+//!   conversations share. A conversation's next turn leaves its own history at a point no other
+//!   prompt left (on the Mooncake traces inside the previous prompt's re-cut last block), so it
+//!   stays a continuation. Prompt ends alone cannot tell this: those re-cut blocks made most
+//!   continuations look new (`kv-bench simulate --trace conversation`: weighted fell from 0.80
+//!   to 0.66 of the infinite oracle when that was tried).
+//!
+//! Without sessions nothing says how many conversations live on a pod, so the new
+//! conversations placed on each pod are counted with a half-life ([`Conversations::placed`]).
 
 use std::num::NonZeroUsize;
 
+use ahash::AHashMap;
 use lru::LruCache;
 use parking_lot::Mutex;
 
 use crate::blocks::BlockKey;
+use crate::keys::Keys;
+use crate::pods::PodId;
 
-/// Prompt ends remembered (8 bytes of key plus LRU links each: about 4 MiB at this size).
+/// Prompt ends remembered, and as many branch points (about 4 MiB and 6 MiB at this size: a
+/// key and LRU links each, plus up to [`SUCCESSORS`] next keys per branch point).
 pub const PROMPT_ENDS: usize = 65_536;
+
+/// Next blocks remembered per branch point: enough to tell [`SHARED_BRANCHES`] others apart
+/// from the request's own.
+const SUCCESSORS: usize = 4;
+
+/// Other prompts that must have gone on differently from where a match ends for that prefix to
+/// count as shared: two, so two conversations that happen to share a prefix stay together until
+/// a third shows the prefix is common ground.
+pub const SHARED_BRANCHES: usize = 2;
 
 /// How far back from the end of the best match an earlier prompt's end is looked for: in
 /// precise mode a pod also holds the blocks of the answer it generated, so the match of a
 /// conversation's next turn runs past the previous prompt by up to the answer's length.
 pub const ENDS_LOOKBACK: usize = 128;
 
-/// Where recent prompts ended (bounded LRU of block keys; no prompt text).
-pub struct PromptEnds {
-    ends: Mutex<LruCache<BlockKey, ()>>,
-}
-
-impl Default for PromptEnds {
-    fn default() -> Self {
-        Self::new(PROMPT_ENDS)
-    }
-}
-
-impl PromptEnds {
-    /// Remembers at most `capacity` ends.
-    pub fn new(capacity: usize) -> Self {
-        Self {
-            ends: Mutex::new(LruCache::new(
-                NonZeroUsize::new(capacity.max(1)).expect("max(1)"),
-            )),
-        }
-    }
-
-    /// Remembers that a prompt with these keys was routed.
-    pub fn record(&self, keys: &[BlockKey]) {
-        if let Some(last) = keys.last() {
-            self.ends.lock().put(*last, ());
-        }
-    }
-
-    /// Whether the first `matched` keys reach past the end of an earlier prompt (at most
-    /// [`ENDS_LOOKBACK`] blocks before the match ends): the request continues that prompt.
-    pub fn continues(&self, keys: &[BlockKey], matched: usize) -> bool {
-        let end = matched.min(keys.len());
-        let from = end.saturating_sub(ENDS_LOOKBACK);
-        let ends = self.ends.lock();
-        keys[from..end].iter().rev().any(|k| ends.contains(k))
-    }
-
-    /// Ends remembered.
-    pub fn len(&self) -> usize {
-        self.ends.lock().len()
-    }
-
-    /// Nothing remembered.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-}
+/// Placement counts below this are forgotten (a pod that left stops costing memory).
+const PLACED_FLOOR: f64 = 1e-3;
 
 /// The request's session as the decision sees it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -86,20 +61,184 @@ pub enum SessionSeen {
     Pinned,
 }
 
-/// Whether a request starts a new conversation on a prefix other conversations share: it names
-/// a session pinned to no candidate, some candidate holds part of its prompt, and that part
-/// does not extend any earlier prompt this router routed.
-pub fn is_new_conversation(
-    ends: &PromptEnds,
-    keys: &[BlockKey],
-    matched: &[f64],
-    session: SessionSeen,
-) -> bool {
-    let best = matched.iter().copied().fold(0.0, f64::max);
-    if session != SessionSeen::Unpinned || best < 1.0 {
-        return false;
+/// Blocks seen right after a branch point (distinct, at most [`SUCCESSORS`]).
+#[derive(Debug, Clone, Copy)]
+struct Successors {
+    keys: [BlockKey; SUCCESSORS],
+    len: u8,
+}
+
+impl Default for Successors {
+    fn default() -> Self {
+        Self {
+            keys: [BlockKey(0); SUCCESSORS],
+            len: 0,
+        }
     }
-    !ends.continues(keys, best as usize)
+}
+
+impl Successors {
+    fn add(&mut self, key: BlockKey) {
+        let n = usize::from(self.len);
+        if n < SUCCESSORS && !self.keys[..n].contains(&key) {
+            self.keys[n] = key;
+            self.len += 1;
+        }
+    }
+
+    /// Successors other than `own`.
+    fn others(&self, own: Option<BlockKey>) -> usize {
+        self.keys[..usize::from(self.len)]
+            .iter()
+            .filter(|k| Some(**k) != own)
+            .count()
+    }
+}
+
+/// A count that halves every `half_life_ms`.
+#[derive(Debug, Clone, Copy)]
+struct Decaying {
+    value: f64,
+    at_ms: u64,
+}
+
+impl Decaying {
+    fn at(&self, now_ms: u64, half_life_ms: u64) -> f64 {
+        let dt = now_ms.saturating_sub(self.at_ms) as f64;
+        self.value * (-dt / half_life_ms.max(1) as f64 * std::f64::consts::LN_2).exp()
+    }
+}
+
+struct Inner {
+    ends: LruCache<BlockKey, ()>,
+    branches: LruCache<BlockKey, Successors>,
+    placed: AHashMap<PodId, Decaying>,
+}
+
+/// What the router remembers about conversations: where recent prompts ended, where they
+/// branched off shared prefixes, and how many new conversations each pod recently took.
+pub struct Conversations {
+    inner: Mutex<Inner>,
+    half_life_ms: u64,
+}
+
+impl Conversations {
+    /// At most `capacity` prompt ends and as many branch points; placements count with a
+    /// half-life of `half_life_ms`.
+    pub fn new(capacity: usize, half_life_ms: u64) -> Self {
+        let cap = NonZeroUsize::new(capacity.max(1)).expect("max(1)");
+        Self {
+            inner: Mutex::new(Inner {
+                ends: LruCache::new(cap),
+                branches: LruCache::new(cap),
+                placed: AHashMap::new(),
+            }),
+            half_life_ms,
+        }
+    }
+
+    /// Whether a request starts a new conversation on a prefix other conversations share:
+    /// some candidate holds part of its prompt (`matched`, per candidate) but not all of it,
+    /// and either it names a session pinned nowhere whose match extends no earlier prompt, or
+    /// it names none, its match ends at a branch point of [`SHARED_BRANCHES`] others, and the
+    /// shared part is shorter than the rest of the prompt. Without a session the request may
+    /// be a one-off question on a shared document as well as a conversation's first turn; a
+    /// short shared prefix is cheap to warm anywhere either way, a long one stays with its
+    /// holders (whose load the hot gate watches).
+    pub fn is_new(&self, keys: &Keys, matched: &[f64], session: SessionSeen) -> bool {
+        let k = &keys.keys;
+        let best = best_match(matched, k.len());
+        if best == 0 || best >= k.len() {
+            return false;
+        }
+        let inner = self.inner.lock();
+        match session {
+            SessionSeen::Pinned => false,
+            SessionSeen::Unpinned => !continues(&inner.ends, k, best),
+            SessionSeen::None => {
+                let shared = (best * keys.tokens_per_block) as u64;
+                shared < keys.prompt_tokens.saturating_sub(shared)
+                    && inner
+                        .branches
+                        .peek(&k[best - 1])
+                        .is_some_and(|s| s.others(Some(k[best])) >= SHARED_BRANCHES)
+            }
+        }
+    }
+
+    /// Remembers a routed prompt: its end, the block after its best match (`best`, the most
+    /// blocks any candidate held), and, when it started a new conversation, that `new_on` took
+    /// one more.
+    pub fn record(&self, keys: &[BlockKey], best: f64, new_on: Option<&PodId>, now_ms: u64) {
+        let best = best_match(&[best], keys.len());
+        let mut inner = self.inner.lock();
+        if let Some(last) = keys.last() {
+            inner.ends.put(*last, ());
+        }
+        if best > 0 && best < keys.len() {
+            let next = keys[best];
+            match inner.branches.get_mut(&keys[best - 1]) {
+                Some(s) => s.add(next),
+                None => {
+                    let mut s = Successors::default();
+                    s.add(next);
+                    inner.branches.put(keys[best - 1], s);
+                }
+            }
+        }
+        if let Some(pod) = new_on {
+            let half_life = self.half_life_ms;
+            inner
+                .placed
+                .retain(|_, d| d.at(now_ms, half_life) >= PLACED_FLOOR);
+            let d = inner.placed.entry(pod.clone()).or_insert(Decaying {
+                value: 0.0,
+                at_ms: now_ms,
+            });
+            *d = Decaying {
+                value: d.at(now_ms, half_life) + 1.0,
+                at_ms: now_ms.max(d.at_ms),
+            };
+        }
+    }
+
+    /// New conversations placed on each pod, each counting one at first and half as much every
+    /// half-life after.
+    pub fn placed(&self, pods: &[PodId], now_ms: u64) -> Vec<f64> {
+        let inner = self.inner.lock();
+        pods.iter()
+            .map(|p| {
+                inner
+                    .placed
+                    .get(p)
+                    .map_or(0.0, |d| d.at(now_ms, self.half_life_ms))
+            })
+            .collect()
+    }
+
+    /// Whether the first `matched` keys reach past the end of an earlier prompt (at most
+    /// [`ENDS_LOOKBACK`] blocks before the match ends): the request continues that prompt.
+    pub fn continues(&self, keys: &[BlockKey], matched: usize) -> bool {
+        continues(&self.inner.lock().ends, keys, matched)
+    }
+
+    /// Prompt ends, branch points and pods with placements remembered.
+    pub fn sizes(&self) -> (usize, usize, usize) {
+        let inner = self.inner.lock();
+        (inner.ends.len(), inner.branches.len(), inner.placed.len())
+    }
+}
+
+/// The longest match over the candidates, in whole blocks, at most `len`.
+fn best_match(matched: &[f64], len: usize) -> usize {
+    let best = matched.iter().copied().fold(0.0, f64::max);
+    (best.max(0.0) as usize).min(len)
+}
+
+fn continues(ends: &LruCache<BlockKey, ()>, keys: &[BlockKey], matched: usize) -> bool {
+    let end = matched.min(keys.len());
+    let from = end.saturating_sub(ENDS_LOOKBACK);
+    keys[from..end].iter().rev().any(|k| ends.contains(k))
 }
 
 #[cfg(test)]
@@ -110,56 +249,113 @@ mod tests {
         range.map(BlockKey).collect()
     }
 
-    #[test]
-    fn a_second_conversation_on_a_shared_prefix_is_new_and_a_next_turn_is_not() {
-        let ends = PromptEnds::new(16);
-        // Conversation A: system prompt blocks 0..10, own text 100..103.
-        let a1: Vec<BlockKey> = keys(0..10).into_iter().chain(keys(100..103)).collect();
-        ends.record(&a1);
-        // Conversation B shares the system prompt only: its best match is the 10 shared blocks.
-        let b1: Vec<BlockKey> = keys(0..10).into_iter().chain(keys(200..203)).collect();
-        let matched = [10.0, 0.0];
-        let unpinned = SessionSeen::Unpinned;
-        assert!(is_new_conversation(&ends, &b1, &matched, unpinned));
-        // A's next turn extends A's whole first prompt (a session that expired, say).
-        let a2: Vec<BlockKey> = a1.iter().copied().chain(keys(300..305)).collect();
-        assert!(!is_new_conversation(&ends, &a2, &[13.0, 0.0], unpinned));
-        // Precise mode: the pod also holds A's answer, the match runs past A's prompt end.
-        assert!(!is_new_conversation(&ends, &a2, &[16.0, 0.0], unpinned));
-        // A pinned session is a continuation whatever the index says, a request without a
-        // session is never new, and no match is not new.
-        assert!(!is_new_conversation(
-            &ends,
-            &b1,
-            &matched,
-            SessionSeen::Pinned
-        ));
-        assert!(!is_new_conversation(
-            &ends,
-            &b1,
-            &matched,
-            SessionSeen::None
-        ));
-        assert!(!is_new_conversation(&ends, &b1, &[0.0, 0.0], unpinned));
+    fn chain(parts: &[std::ops::Range<u64>]) -> Vec<BlockKey> {
+        parts.iter().flat_map(|r| keys(r.clone())).collect()
+    }
+
+    /// A prompt of exactly these 16-token blocks.
+    fn k(keys: &[BlockKey]) -> Keys {
+        Keys {
+            keys: keys.to_vec(),
+            tokens_per_block: 16,
+            prompt_tokens: 16 * keys.len() as u64,
+            ..Keys::default()
+        }
     }
 
     #[test]
-    fn ends_are_bounded_and_the_lookback_is_bounded() {
-        let ends = PromptEnds::new(4);
+    fn a_second_conversation_on_a_shared_prefix_is_new_and_a_next_turn_is_not() {
+        let c = Conversations::new(16, 60_000);
+        // Conversation A: system prompt blocks 0..10, own text 100..103.
+        let a1 = chain(&[0..10, 100..103]);
+        c.record(&a1, 0.0, None, 0);
+        // Conversation B shares the system prompt only: its best match is the 10 shared blocks.
+        let b1 = chain(&[0..10, 200..203]);
+        let matched = [10.0, 0.0];
+        let unpinned = SessionSeen::Unpinned;
+        assert!(c.is_new(&k(&b1), &matched, unpinned));
+        // A's next turn extends A's whole first prompt (a session that expired, say).
+        let a2 = chain(&[0..10, 100..103, 300..305]);
+        assert!(!c.is_new(&k(&a2), &[13.0, 0.0], unpinned));
+        // Precise mode: the pod also holds A's answer, the match runs past A's prompt end.
+        assert!(!c.is_new(&k(&a2), &[16.0, 0.0], unpinned));
+        // A pinned session is a continuation whatever the index says, no match is not new, and
+        // neither is a prompt matched whole.
+        assert!(!c.is_new(&k(&b1), &matched, SessionSeen::Pinned));
+        assert!(!c.is_new(&k(&b1), &[0.0, 0.0], unpinned));
+        assert!(!c.is_new(&k(&b1), &[13.0, 0.0], unpinned));
+    }
+
+    #[test]
+    fn without_a_session_a_prefix_is_shared_once_two_others_branched_off_it() {
+        let c = Conversations::new(16, 60_000);
+        let none = SessionSeen::None;
+        // Conversations start on the system prompt 0..4, each routed after the first matched
+        // the 4 shared blocks somewhere; each has 10 blocks of its own.
+        let first = chain(&[0..4, 100..110]);
+        c.record(&first, 0.0, None, 0);
+        let second = chain(&[0..4, 200..210]);
+        assert!(!c.is_new(&k(&second), &[4.0], none), "one other branch: not yet");
+        c.record(&second, 4.0, None, 0);
+        let third = chain(&[0..4, 300..310]);
+        assert!(!c.is_new(&k(&third), &[4.0], none), "the first never branched");
+        c.record(&third, 4.0, None, 0);
+        let fourth = chain(&[0..4, 400..410]);
+        assert!(c.is_new(&k(&fourth), &[4.0], none), "two others went on from here");
+        c.record(&fourth, 4.0, None, 0);
+        // Another prompt that goes on like the third: only the others count, still two.
+        assert!(c.is_new(&k(&chain(&[0..4, 300..311])), &[4.0], none));
+        assert!(!c.is_new(&k(&fourth), &[4.0], SessionSeen::Pinned));
+        // The second conversation's next turn leaves its own history where nobody else did.
+        let second_next = chain(&[0..4, 200..209, 500..520]);
+        assert!(!c.is_new(&k(&second_next), &[13.0], none));
+        // A shared prefix as long as the rest of the prompt (a document and a question) is not
+        // spread without a session: it may be a one-off, and warming it elsewhere costs more
+        // than the question.
+        let question = chain(&[0..4, 600..604]);
+        assert!(!c.is_new(&k(&question), &[4.0], none));
+        assert!(c.is_new(&k(&question), &[4.0], SessionSeen::Unpinned));
+    }
+
+    #[test]
+    fn placements_halve_every_half_life_and_fade_out() {
+        let c = Conversations::new(16, 1000);
+        let (a, b) = (PodId::new("a:1"), PodId::new("b:1"));
+        let k = keys(0..3);
+        c.record(&k, 1.0, Some(&a), 0);
+        c.record(&k, 1.0, Some(&a), 0);
+        c.record(&k, 1.0, Some(&b), 1000);
+        let p = c.placed(&[a.clone(), b.clone()], 1000);
+        assert!((p[0] - 1.0).abs() < 1e-9 && (p[1] - 1.0).abs() < 1e-9, "{p:?}");
+        // Much later a's entry has faded below the floor and is dropped on the next record.
+        c.record(&k, 1.0, Some(&b), 30_000);
+        assert_eq!(c.sizes().2, 1);
+        assert!(c.placed(&[a], 30_000)[0] < 1e-6);
+    }
+
+    #[test]
+    fn memory_is_bounded_and_the_lookback_is_bounded() {
+        let c = Conversations::new(4, 1000);
         for i in 0..100u64 {
-            ends.record(&[BlockKey(i)]);
+            c.record(&[BlockKey(i), BlockKey(i + 1000)], 1.0, None, 0);
         }
-        assert_eq!(ends.len(), 4, "LRU-bounded");
-        assert!(ends.continues(&[BlockKey(99)], 1));
-        assert!(!ends.continues(&[BlockKey(3)], 1), "evicted");
+        let (ends, branches, _) = c.sizes();
+        assert_eq!((ends, branches), (4, 4), "LRU-bounded");
+        let mut s = Successors::default();
+        for k in 0..10 {
+            s.add(BlockKey(k % 7));
+        }
+        assert_eq!(s.others(None), SUCCESSORS, "distinct, at most four");
+        assert!(c.continues(&[BlockKey(1099)], 1));
+        assert!(!c.continues(&[BlockKey(1003)], 1), "evicted");
         let long = keys(0..1000);
-        ends.record(&long[..10]);
+        c.record(&long[..10], 0.0, None, 0);
         assert!(
-            !ends.continues(&long, 1000),
+            !c.continues(&long, 1000),
             "an end further back than the lookback is not searched"
         );
-        assert!(ends.continues(&long, 10 + ENDS_LOOKBACK - 1));
-        assert!(!ends.continues(&long, 0), "empty match");
-        assert!(!ends.continues(&[], 5), "match past the keys is clamped");
+        assert!(c.continues(&long, 10 + ENDS_LOOKBACK - 1));
+        assert!(!c.continues(&long, 0), "empty match");
+        assert!(!c.continues(&[], 5), "match past the keys is clamped");
     }
 }

@@ -32,7 +32,7 @@ use crate::telemetry::ErrorKind;
 use crate::tokenize::TokenizerRegistry;
 use metrics::DecisionLabels;
 
-pub use conversation::{is_new_conversation, PromptEnds, SessionSeen};
+pub use conversation::{Conversations, SessionSeen, PROMPT_ENDS};
 pub use metrics::DecisionMetrics;
 pub use plan::{commit, plan, Body, Committed, Plan, PlanInput, ScoredPod, Stages, Stores};
 
@@ -129,7 +129,7 @@ pub struct Decider {
     registry: Arc<PodRegistry>,
     index: Arc<dyn KvIndex>,
     sessions: Arc<SessionStore>,
-    ends: PromptEnds,
+    conversations: Conversations,
     stages: Stages,
     metrics: DecisionMetrics,
     epoch: Instant,
@@ -182,7 +182,7 @@ impl Decider {
             registry,
             index,
             sessions,
-            ends: PromptEnds::default(),
+            conversations: Conversations::new(PROMPT_ENDS, cfg.gate.spread_half_life_ms),
             stages: Stages::new(cfg),
             metrics,
             epoch: Instant::now(),
@@ -280,7 +280,7 @@ impl Decider {
         let stores = Stores {
             index: None,
             sessions: Some(&self.sessions),
-            ends: Some(&self.ends),
+            conversations: Some(&self.conversations),
         };
         let c = commit(&p.plan, stores, p.now_ms, |i, tokens| {
             pods[i].begin_request(tokens, now, rate)
@@ -348,9 +348,11 @@ impl Decider {
             (Some(_), Some(pod)) if pods.iter().any(|p| p.id() == pod) => SessionSeen::Pinned,
             (Some(_), _) => SessionSeen::Unpinned,
         };
-        let new_conversation = is_new_conversation(&self.ends, &keys.keys, &matched, seen);
+        let new_conversation = self.conversations.is_new(&keys, &matched, seen);
         let conversations = if new_conversation {
-            self.sessions.conversations(&ids, now_ms)
+            let placed = self.conversations.placed(&ids, now_ms);
+            let pinned = self.sessions.conversations(&ids, now_ms);
+            pinned.iter().zip(placed).map(|(s, p)| s.max(p)).collect()
         } else {
             vec![0.0; ids.len()]
         };
@@ -636,12 +638,18 @@ pub(crate) mod tests {
             .unwrap();
         assert_eq!(s3.plan.endpoints[0], s2.plan.endpoints[0]);
         assert_eq!(s3.plan.reason, Reason::Spread);
-        // Without a session id the same request follows the prefix (never called new).
+        // Without a session id a request on this prefix may be a one-off question on a shared
+        // document: it follows the prefix while the prefix is the longer part of its prompt...
         let anon = d
             .decide(req(&prompt(sys, &own("anon")), &[]))
             .await
             .unwrap();
         assert_eq!(anon.plan.reason, Reason::Scored);
+        // ...and is spread once its own text is the longer part (two conversations, s2 and
+        // s3, went on from the prefix already, so the prefix is shared).
+        let long = format!("{} ", own("anon2").repeat(4));
+        let anon2 = d.decide(req(&prompt(sys, &long), &[])).await.unwrap();
+        assert_eq!(anon2.plan.reason, Reason::Spread);
     }
 
     #[tokio::test]

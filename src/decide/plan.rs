@@ -4,9 +4,7 @@
 use rand::Rng;
 use serde::Serialize;
 
-#[cfg(doc)]
-use super::conversation::is_new_conversation;
-use super::conversation::PromptEnds;
+use super::conversation::Conversations;
 use crate::config::{Config, Policy};
 use crate::index::{IndexError, KvIndex};
 use crate::keys::Keys;
@@ -92,7 +90,7 @@ pub struct PlanInput {
     pub session: Option<SessionKey>,
     /// Round-robin position (the caller counts decisions).
     pub turn: u64,
-    /// The request starts a new conversation on a shared prefix ([`is_new_conversation`]).
+    /// The request starts a new conversation on a shared prefix ([`Conversations::is_new`]).
     pub new_conversation: bool,
 }
 
@@ -138,6 +136,12 @@ pub struct Plan {
     pub(super) keys: Keys,
     #[serde(skip)]
     session: Option<SessionKey>,
+    /// The longest match over the candidates (blocks).
+    #[serde(skip)]
+    best_match: f64,
+    /// The request started a new conversation.
+    #[serde(skip)]
+    new_conversation: bool,
 }
 
 impl Plan {
@@ -224,6 +228,11 @@ pub fn plan(stages: &Stages, input: PlanInput, rng: &mut impl Rng) -> Plan {
         .map(|s| s.pod.clone())
         .collect();
     let primary = ranking.order[0];
+    let best_match = input
+        .candidates
+        .iter()
+        .map(|c| c.matched_blocks)
+        .fold(0.0, f64::max);
     let cached = (input.candidates[primary].matched_blocks * keys.tokens_per_block as f64) as u64;
     Plan {
         endpoints,
@@ -239,6 +248,8 @@ pub fn plan(stages: &Stages, input: PlanInput, rng: &mut impl Rng) -> Plan {
         scorer_errors,
         keys,
         session,
+        best_match,
+        new_conversation,
     }
 }
 
@@ -259,8 +270,8 @@ pub struct Stores<'a> {
     pub index: Option<&'a dyn KvIndex>,
     /// Sessions: the request's session is pinned to the primary.
     pub sessions: Option<&'a SessionStore>,
-    /// Prompt ends: the prompt's last block ends a conversation turn.
-    pub ends: Option<&'a PromptEnds>,
+    /// Conversations: where the prompt ended and branched, and a new one's pod.
+    pub conversations: Option<&'a Conversations>,
 }
 
 /// Records a plan at `now_ms` (the index's time base) in `stores`, and
@@ -274,13 +285,14 @@ pub async fn commit<G>(
     let Stores {
         index,
         sessions,
-        ends,
+        conversations,
     } = stores;
     let guard = charge(plan.primary, plan.uncached_tokens);
-    if let Some(ends) = ends {
-        ends.record(&plan.keys.keys);
-    }
     let primary = &plan.ranked[0].pod;
+    if let Some(c) = conversations {
+        let new_on = plan.new_conversation.then_some(primary);
+        c.record(&plan.keys.keys, plan.best_match, new_on, now_ms);
+    }
     let index_error = match index {
         Some(index) if !plan.keys.keys.is_empty() => {
             index.record(primary, &plan.keys.keys, now_ms).await.err()

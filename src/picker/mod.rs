@@ -266,18 +266,24 @@ impl Picker {
 
 /// What placing a new conversation on each candidate commits it to: the larger of the requests
 /// the pod carries (its own count or this router's in-flight one, often the same requests) and
-/// the live conversations pinned to it; at least one on the sole holder of the shared prefix
-/// (the conversation that warmed it lives there, even between its turns or when another replica
-/// routed it); plus one for a pod that would first have to prefill the shared prefix once two
-/// pods already hold it. So the second conversation on a shared system prompt warms a second
-/// pod, and further ones go to the least committed holder until every holder carries one more
-/// than a pod that does not hold it.
+/// the live conversations on it (sessions pinned there, or recent new conversations placed there
+/// when requests name no session). When the shared prefix is at least as long as the rest of the
+/// prompt, so that warming another pod would cost more than the conversation's own text: at
+/// least one on the sole holder of the prefix (the conversation that warmed it lives there, even
+/// between its turns or when another replica routed it), and one more on a pod that would first
+/// have to prefill the prefix once two pods already hold it. So the second conversation on a
+/// long system prompt warms a second pod, and further ones go to the least committed holder
+/// until every holder carries one more than a pod that does not hold it. A short shared prefix
+/// (a few hundred tokens before a long document) is cheap to warm anywhere: conversations then
+/// spread over every pod by what each carries, so each pod's cache turns over at the same pace.
 fn commitments(input: &ScoreInput) -> Vec<f64> {
     let best = input
         .candidates
         .iter()
         .map(|c| c.matched_blocks)
         .fold(0.0, f64::max);
+    let shared_tokens = best * input.tokens_per_block;
+    let costly_to_warm = shared_tokens >= input.prompt_tokens - shared_tokens;
     // A holder has at least half the best match: most of the shared prefix is warm there.
     let holds = |m: f64| best > 0.0 && m >= best / 2.0;
     let holders = input
@@ -293,10 +299,10 @@ fn commitments(input: &ScoreInput) -> Vec<f64> {
             let mut committed = (l.waiting + l.running)
                 .max(l.inflight_requests)
                 .max(c.conversations);
-            if holders == 1 && holds(c.matched_blocks) {
+            if costly_to_warm && holders == 1 && holds(c.matched_blocks) {
                 committed = committed.max(1.0);
             }
-            if holders >= 2 && !holds(c.matched_blocks) {
+            if costly_to_warm && holders >= 2 && !holds(c.matched_blocks) {
                 committed += 1.0;
             }
             committed

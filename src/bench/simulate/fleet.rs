@@ -7,7 +7,9 @@ use std::time::Duration;
 
 use futures::FutureExt;
 use kv_router::config::Config;
-use kv_router::decide::{commit, plan, Body, PlanInput, Stages, Stores};
+use kv_router::decide::{
+    commit, plan, Body, Conversations, PlanInput, SessionSeen, Stages, Stores, PROMPT_ENDS,
+};
 use kv_router::events::KvEventBatch;
 use kv_router::index::{build_index, index_capacity, ApplyStats};
 use kv_router::keys::Keys;
@@ -211,6 +213,7 @@ pub(super) fn simulate(
         done: 0,
         makespan_us: 0,
     };
+    let conversations = Conversations::new(PROMPT_ENDS, cfg.gate.spread_half_life_ms);
     let mut per_pod = vec![0usize; pods];
     let mut all_saturated = 0usize;
     let mut applied = ApplyStats::default();
@@ -299,6 +302,13 @@ pub(super) fn simulate(
             }
             _ => vec![0.0; pods],
         };
+        // Traces name no sessions: new conversations are told by where prompts branch.
+        let new_conversation = conversations.is_new(&keys, &matched, SessionSeen::None);
+        let placed = if new_conversation {
+            conversations.placed(&ids, now_ms)
+        } else {
+            vec![0.0; pods]
+        };
         let learners: Vec<_> = views.iter().map(|v| v.ttft).collect();
         let models = fleet_models(&learners, stages.ttft_prior());
         let candidates = (0..pods)
@@ -307,7 +317,7 @@ pub(super) fn simulate(
                 matched_blocks: matched[p],
                 load: views[p].load(SimTime(t), stale_after),
                 session_pod: false,
-                conversations: 0.0,
+                conversations: placed[p],
                 model: models[p],
             })
             .collect();
@@ -317,9 +327,7 @@ pub(super) fn simulate(
             candidates,
             session: None,
             turn: i as u64,
-            // Traces name no sessions, so no request is a new conversation
-            // (`decide::is_new_conversation`) and prompt ends need not be recorded.
-            new_conversation: false,
+            new_conversation,
         };
         let plan = plan(&stages, input, &mut rng);
         if plan.reason == Reason::AllSaturated {
@@ -330,7 +338,7 @@ pub(super) fn simulate(
         let stores = Stores {
             index: index.as_deref(),
             sessions: None,
-            ends: None,
+            conversations: Some(&conversations),
         };
         ready(commit(&plan, stores, now_ms, |p, tokens| {
             views[p].routed(SimTime(t), tokens, prefill_tps)
