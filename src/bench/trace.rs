@@ -96,11 +96,6 @@ impl Trace {
         })
     }
 
-    /// The first `n` requests (all if `n` is larger).
-    pub fn head(&self, n: usize) -> Self {
-        self.window(0, n)
-    }
-
     /// Requests `skip..skip + n` (clamped), timestamps re-based so the first is at 0.
     pub fn window(&self, skip: usize, n: usize) -> Self {
         let from = skip.min(self.records.len());
@@ -319,7 +314,7 @@ mod tests {
         assert_eq!(w.records[1].hash_ids, [9]);
         assert_eq!(w.offset, 1);
         assert!(t.window(7, 2).records.is_empty());
-        assert_eq!(t.head(2).records.len(), 2);
+        assert_eq!(t.window(0, 2).records.len(), 2);
     }
 
     #[test]

@@ -128,16 +128,16 @@ pub fn run(opts: &SimulateOptions) -> Result<SimulateReport> {
     let started = Instant::now();
     let path = trace::find_trace(&opts.trace)?;
     let trace = Trace::load(&path).with_context(|| format!("loading {}", path.display()))?;
-    let trace = match opts.requests {
-        Some(n) => trace.head(n),
-        None => trace,
+    let trace = match (opts.skip, opts.requests) {
+        (0, None) => trace,
+        (skip, n) => trace.window(skip, n.unwrap_or(usize::MAX)),
     };
     let mut report = run_trace(&trace, opts)?;
     report.wall_s = started.elapsed().as_secs_f64();
     Ok(report)
 }
 
-/// Simulates `trace` (already cut) with `opts` (its `trace` and `requests` are not read).
+/// Simulates `trace` (already cut) with `opts` (its `trace`, `skip` and `requests` are not read).
 pub fn run_trace(trace: &Trace, opts: &SimulateOptions) -> Result<SimulateReport> {
     let started = Instant::now();
     opts.validate()?;

@@ -87,7 +87,9 @@ impl Default for CapacityOptions {
 pub struct SimulateOptions {
     /// Trace: `conversation`, `synthetic` or a JSONL path (see [`trace::find_trace`]).
     pub trace: String,
-    /// Only the first N requests.
+    /// Requests of the trace skipped before the first one simulated.
+    pub skip: usize,
+    /// Only N requests (after `skip`).
     pub requests: Option<usize>,
     /// Arrival times are trace times / this.
     pub speedup: f64,
@@ -152,6 +154,7 @@ impl Default for SimulateOptions {
     fn default() -> Self {
         Self {
             trace: "conversation".into(),
+            skip: 0,
             requests: None,
             speedup: 1.0,
             output_scale: 1.0,

@@ -563,7 +563,10 @@ pub(crate) struct SimulateArgs {
     /// Fleet size of the strategy comparison.
     #[arg(long, default_value_t = 64)]
     pub(crate) pods: usize,
-    /// Simulate only the first N requests.
+    /// Skip the first N requests of the trace (another window; arrival times re-based).
+    #[arg(long, default_value_t = 0)]
+    pub(crate) skip: usize,
+    /// Simulate only N requests (the first N after --skip).
     #[arg(long)]
     pub(crate) requests: Option<usize>,
     /// Arrival times = trace times / this.
@@ -647,6 +650,7 @@ impl SimulateArgs {
         let finite = |v: f64| if v.is_finite() { v.max(0.0) } else { 0.0 };
         let opts = SimulateOptions {
             trace: self.trace.clone(),
+            skip: self.skip,
             requests: self.requests,
             speedup: self.speedup,
             output_scale: finite(self.output_scale),
