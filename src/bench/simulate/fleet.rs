@@ -55,6 +55,8 @@ pub(super) struct RunOutcome {
     pub(super) prompt_tokens: u64,
     pub(super) cached_tokens: u64,
     pub(super) per_pod: Vec<usize>,
+    /// Prompt tokens each pod computed (not served from its cache).
+    pub(super) prefilled: Vec<u64>,
     pub(super) all_saturated: usize,
     pub(super) makespan_us: u64,
     pub(super) kv_events: Option<ApplyStats>,
@@ -80,6 +82,7 @@ pub(super) struct Fleet<'a> {
     pub(super) e2e_us: Vec<u64>,
     pub(super) prompt_tokens: u64,
     pub(super) cached_tokens: u64,
+    pub(super) prefilled: Vec<u64>,
     pub(super) done: usize,
     pub(super) makespan_us: u64,
 }
@@ -99,6 +102,8 @@ impl Fleet<'_> {
                     self.e2e_us[i] = at - self.prep.at_us[i];
                     self.prompt_tokens += u64::from(usage.prompt_tokens);
                     self.cached_tokens += u64::from(usage.cached_tokens);
+                    self.prefilled[p] +=
+                        u64::from(usage.prompt_tokens.saturating_sub(usage.cached_tokens));
                     self.done += 1;
                     self.makespan_us = self.makespan_us.max(at);
                 }
@@ -210,6 +215,7 @@ pub(super) fn simulate(
         e2e_us: vec![u64::MAX; n],
         prompt_tokens: 0,
         cached_tokens: 0,
+        prefilled: vec![0; pods],
         done: 0,
         makespan_us: 0,
     };
@@ -360,6 +366,7 @@ pub(super) fn simulate(
         prompt_tokens: fleet.prompt_tokens,
         cached_tokens: fleet.cached_tokens,
         per_pod,
+        prefilled: fleet.prefilled,
         all_saturated,
         makespan_us: fleet.makespan_us,
         kv_events: fleet.publish.then_some(applied),

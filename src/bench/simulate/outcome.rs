@@ -49,6 +49,9 @@ pub struct StrategyResult {
     pub e2e_p99_ms: f64,
     /// Busiest pod's share of requests × pods (1 = even).
     pub hotspot: f64,
+    /// Busiest pod's share of the prompt tokens computed (not served from a cache) × pods: the
+    /// prefill work, which a cache hit spares (1 = even).
+    pub work_hotspot: f64,
     /// Requests routed to each pod.
     pub per_pod: Vec<usize>,
     /// Decisions where every pod was gated (saturated or hot).
@@ -82,6 +85,8 @@ impl StrategyResult {
             out.cached_tokens as f64 / out.prompt_tokens as f64
         };
         let busiest = out.per_pod.iter().copied().max().unwrap_or(0);
+        let work: u64 = out.prefilled.iter().sum();
+        let busiest_work = out.prefilled.iter().copied().max().unwrap_or(0);
         let makespan_s = out.makespan_us as f64 / 1e6;
         let ttft_cdf_ms = (0..=100)
             .map(|p| percentile(&mut ttft, f64::from(p)))
@@ -101,6 +106,7 @@ impl StrategyResult {
             e2e_p50_ms: percentile(&mut e2e, 50.0),
             e2e_p99_ms: percentile(&mut e2e, 99.0),
             hotspot: busiest as f64 / requests.max(1) as f64 * pods as f64,
+            work_hotspot: busiest_work as f64 / work.max(1) as f64 * pods as f64,
             per_pod: out.per_pod,
             all_saturated: out.all_saturated,
             makespan_s,
