@@ -5,7 +5,7 @@ use async_trait::async_trait;
 use lru::LruCache;
 use parking_lot::RwLock;
 
-use super::table::{Holder, Slot, Table, Weights};
+use super::table::{Holder, Slot, Table, Weights, RECORD_CHUNK};
 use super::{IndexError, IndexStats, KvIndex};
 use crate::blocks::BlockKey;
 use crate::pods::PodId;
@@ -78,22 +78,27 @@ impl KvIndex for MemoryIndex {
 
     async fn record(&self, pod: &PodId, keys: &[BlockKey], now_ms: u64) -> Result<(), IndexError> {
         let expiry = now_ms.saturating_add(self.ttl_ms);
-        let mut inner = self.inner.write();
-        let Table { pods, holders } = &mut *inner;
-        let slot = pods.get_or_insert_with(pod, || self.new_pod());
-        let lru = pods.state_mut(slot);
         // Insert in reverse so the prompt's first blocks are the most recently used: under
-        // pressure a pod keeps the shared head of its prompts, as a real prefix cache does.
-        for &key in keys.iter().rev() {
-            if let Some(e) = lru.get_mut(&key) {
-                *e = expiry;
-                holders.update(&key, slot, |h| h.expiry = expiry);
-                continue;
+        // pressure a pod keeps the shared head of its prompts, as a real prefix cache does. The
+        // lock is taken per chunk, so a lookup never waits for a whole long prompt (a 400 KB
+        // prompt's 4096 keys took ~160 us); one caught between two chunks sees the prompt's
+        // tail without its head, which its prefix walk cannot match yet.
+        for chunk in keys.rchunks(RECORD_CHUNK) {
+            let mut inner = self.inner.write();
+            let Table { pods, holders } = &mut *inner;
+            let slot = pods.get_or_insert_with(pod, || self.new_pod());
+            let lru = pods.state_mut(slot);
+            for &key in chunk.iter().rev() {
+                if let Some(e) = lru.get_mut(&key) {
+                    *e = expiry;
+                    holders.update(&key, slot, |h| h.expiry = expiry);
+                    continue;
+                }
+                if let Some((old, _)) = lru.push(key, expiry) {
+                    holders.remove(&old, slot);
+                }
+                holders.insert(key, Entry { slot, expiry });
             }
-            if let Some((old, _)) = lru.push(key, expiry) {
-                holders.remove(&old, slot);
-            }
-            holders.insert(key, Entry { slot, expiry });
         }
         Ok(())
     }

@@ -14,7 +14,7 @@ use lru::LruCache;
 use parking_lot::RwLock;
 use smallvec::SmallVec;
 
-use super::table::{Holder, Holders, Slot, Table, Weights};
+use super::table::{Holder, Holders, Slot, Table, Weights, RECORD_CHUNK};
 use super::{ApplyStats, IndexError, IndexStats, KvIndex};
 use crate::blocks::BlockKey;
 use crate::events::KvEventBatch;
@@ -323,13 +323,17 @@ impl KvIndex for EventIndex {
 
     async fn record(&self, pod: &PodId, keys: &[BlockKey], now_ms: u64) -> Result<(), IndexError> {
         let expiry = now_ms.saturating_add(self.cfg.speculative_ttl_ms);
-        let mut inner = self.inner.write();
-        let slot = inner
-            .pods
-            .get_or_insert_with(pod, || PodState::new(pod, self.cfg.speculative_capacity));
-        let state = inner.pods.state_mut(slot);
-        for &key in keys.iter().rev() {
-            state.speculative.put(key, expiry);
+        // A chunk per hold of the write lock, so lookups and event batches never wait for a
+        // whole long prompt (as in `MemoryIndex::record`).
+        for chunk in keys.rchunks(RECORD_CHUNK) {
+            let mut inner = self.inner.write();
+            let slot = inner
+                .pods
+                .get_or_insert_with(pod, || PodState::new(pod, self.cfg.speculative_capacity));
+            let state = inner.pods.state_mut(slot);
+            for &key in chunk.iter().rev() {
+                state.speculative.put(key, expiry);
+            }
         }
         Ok(())
     }
