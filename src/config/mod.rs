@@ -162,7 +162,7 @@ impl Default for KvEventsConfig {
             topic: String::new(),
             data_parallel_size: 1,
             block_tokens: 16,
-            speculative_ttl_ms: 2_000,
+            speculative_ttl_ms: 30_000,
             gpu_weight: 1.0,
             cpu_weight: 0.8,
         }

@@ -295,13 +295,22 @@ mod tests {
         let first = chain(&[0..4, 100..110]);
         c.record(&first, 0.0, None, 0);
         let second = chain(&[0..4, 200..210]);
-        assert!(!c.is_new(&k(&second), &[4.0], none), "one other branch: not yet");
+        assert!(
+            !c.is_new(&k(&second), &[4.0], none),
+            "one other branch: not yet"
+        );
         c.record(&second, 4.0, None, 0);
         let third = chain(&[0..4, 300..310]);
-        assert!(!c.is_new(&k(&third), &[4.0], none), "the first never branched");
+        assert!(
+            !c.is_new(&k(&third), &[4.0], none),
+            "the first never branched"
+        );
         c.record(&third, 4.0, None, 0);
         let fourth = chain(&[0..4, 400..410]);
-        assert!(c.is_new(&k(&fourth), &[4.0], none), "two others went on from here");
+        assert!(
+            c.is_new(&k(&fourth), &[4.0], none),
+            "two others went on from here"
+        );
         c.record(&fourth, 4.0, None, 0);
         // Another prompt that goes on like the third: only the others count, still two.
         assert!(c.is_new(&k(&chain(&[0..4, 300..311])), &[4.0], none));
@@ -326,7 +335,10 @@ mod tests {
         c.record(&k, 1.0, Some(&a), 0);
         c.record(&k, 1.0, Some(&b), 1000);
         let p = c.placed(&[a.clone(), b.clone()], 1000);
-        assert!((p[0] - 1.0).abs() < 1e-9 && (p[1] - 1.0).abs() < 1e-9, "{p:?}");
+        assert!(
+            (p[0] - 1.0).abs() < 1e-9 && (p[1] - 1.0).abs() < 1e-9,
+            "{p:?}"
+        );
         // Much later a's entry has faded below the floor and is dropped on the next record.
         c.record(&k, 1.0, Some(&b), 30_000);
         assert_eq!(c.sizes().2, 1);

@@ -274,7 +274,6 @@ impl Decider {
     }
 
     async fn commit(&self, p: Prepared) -> (Decision, Option<PendingRecord>) {
-        let rate = self.stages.prefill_tokens_per_sec();
         let pods = &p.pods;
         let now = p.now;
         let stores = Stores {
@@ -282,7 +281,7 @@ impl Decider {
             sessions: Some(&self.sessions),
             conversations: Some(&self.conversations),
         };
-        let c = commit(&p.plan, stores, p.now_ms, |i, tokens| {
+        let c = commit(&p.plan, stores, p.now_ms, |i, tokens, rate| {
             pods[i].begin_request(tokens, now, rate)
         })
         .await;

@@ -275,19 +275,24 @@ pub struct Stores<'a> {
 }
 
 /// Records a plan at `now_ms` (the index's time base) in `stores`, and
-/// `charge(primary, uncached_tokens)` charges the primary's load.
+/// `charge(primary, uncached_tokens, tokens_per_sec)` charges the primary's load, its tokens
+/// counted for as long as the primary's learned prefill speed takes to compute them.
 pub async fn commit<G>(
     plan: &Plan,
     stores: Stores<'_>,
     now_ms: u64,
-    charge: impl FnOnce(usize, u64) -> G,
+    charge: impl FnOnce(usize, u64, f64) -> G,
 ) -> Committed<G> {
     let Stores {
         index,
         sessions,
         conversations,
     } = stores;
-    let guard = charge(plan.primary, plan.uncached_tokens);
+    let guard = charge(
+        plan.primary,
+        plan.uncached_tokens,
+        plan.ranked[0].predicted.tokens_per_sec,
+    );
     let primary = &plan.ranked[0].pod;
     if let Some(c) = conversations {
         let new_on = plan.new_conversation.then_some(primary);

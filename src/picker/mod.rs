@@ -8,7 +8,6 @@ use rand::seq::SliceRandom;
 use rand::Rng;
 use serde::{Serialize, Serializer};
 
-
 use crate::config::{GateConfig, Policy, TtftConfig};
 use crate::pods::PodLoad;
 use crate::scoring::{Candidate, ScoreInput};
@@ -161,12 +160,18 @@ impl Picker {
     ) -> Ranking {
         let n = input.candidates.len();
         let loads: Vec<&PodLoad> = input.candidates.iter().map(|c| &c.load).collect();
+        let predictions = input.predictions();
         let hot = self.hot(&loads);
-        let saturated: Vec<bool> = input
-            .candidates
-            .iter()
-            .zip(&hot)
-            .map(|(c, hot)| *hot || self.saturated(&c.load))
+        let full: Vec<bool> = loads.iter().map(|l| self.saturated(l)).collect();
+        // A hot pod stays eligible while it would still answer first: its queue is shorter than
+        // what any cooler pod would have to compute (a long prefix cached only there). Spilling
+        // it would cost the request that prefill and the fleet a second copy.
+        let coolest = (0..n)
+            .filter(|&i| !hot[i] && !full[i])
+            .map(|i| predictions[i].ttft_ms)
+            .fold(f64::INFINITY, f64::min);
+        let saturated: Vec<bool> = (0..n)
+            .map(|i| full[i] || (hot[i] && predictions[i].ttft_ms >= coolest))
             .collect();
         let mut order: Vec<usize> = (0..n).collect();
         // Shuffle first, then a stable sort: exact ties end up in random order.
@@ -207,8 +212,7 @@ impl Picker {
             }
             Policy::PredictedTtft => {
                 // The request's wait plus the prefill work it leaves the pod with.
-                let ttft: Vec<f64> = input
-                    .predictions()
+                let ttft: Vec<f64> = predictions
                     .iter()
                     .map(|p| p.ttft_ms + self.ties.work_weight * p.prefill_ms)
                     .collect();
@@ -223,18 +227,21 @@ impl Picker {
                     let tied = |i: usize| ttft[i] <= band;
                     let weighted = self.weighted_totals(scores, n);
                     order.sort_by(|&a, &b| {
-                        gate(a).cmp(&gate(b)).then(tied(b).cmp(&tied(a))).then_with(|| {
-                            if tied(a) && tied(b) {
-                                // Near-equal predictions: the weighted score (cache affinity,
-                                // the session's pod, load and KV usage) decides, and equal
-                                // scores stay in random order. Falling back to the prediction
-                                // would hand every cold request to the pod learned a hair
-                                // faster, which is the pod that has served the most.
-                                weighted[b].total_cmp(&weighted[a])
-                            } else {
-                                ttft[a].total_cmp(&ttft[b])
-                            }
-                        })
+                        gate(a)
+                            .cmp(&gate(b))
+                            .then(tied(b).cmp(&tied(a)))
+                            .then_with(|| {
+                                if tied(a) && tied(b) {
+                                    // Near-equal predictions: the weighted score (cache affinity,
+                                    // the session's pod, load and KV usage) decides, and equal
+                                    // scores stay in random order. Falling back to the prediction
+                                    // would hand every cold request to the pod learned a hair
+                                    // faster, which is the pod that has served the most.
+                                    weighted[b].total_cmp(&weighted[a])
+                                } else {
+                                    ttft[a].total_cmp(&ttft[b])
+                                }
+                            })
                     });
                 }
                 (ttft.iter().map(|t| -t).collect(), reason)
@@ -564,11 +571,33 @@ mod tests {
         inp.candidates[0].matched_blocks = 1.0;
         inp.candidates[0].load.inflight_tokens = 100.0;
         assert_eq!(ttft_first(&inp).0, 0);
-        // A hot pod is gated whatever its prediction.
+        // A hot pod (ten requests running, the others idle) that holds the prompt and has
+        // nothing queued would still answer first: it stays eligible...
         inp.candidates[0].matched_blocks = 80.0;
         inp.candidates[0].load.inflight_tokens = 0.0;
         inp.candidates[0].load.running = 10.0;
+        assert_eq!(ttft_first(&inp).0, 0);
+        // ...and is gated once its queue costs more than a cold pod's prefill.
+        inp.candidates[0].load.waiting = 3.0;
         assert_ne!(ttft_first(&inp).0, 0);
+    }
+
+    #[test]
+    fn a_hot_pod_that_would_answer_first_is_not_spilled() {
+        // Weighted: pod 0 holds a long prompt's 80 of 100 blocks and runs five requests more
+        // than the idlest. Spilling it sends 1280 more tokens to prefill on a cold pod.
+        let p = Picker::new(Policy::Weighted, vec![3.0, 2.0], GateConfig::default());
+        let mut inp = ttft_input();
+        inp.candidates[0].load.running = 5.0;
+        let scores = vec![vec![0.8, 0.0, 0.0], vec![0.84, 1.0, 1.0]];
+        let first = |inp: &ScoreInput| {
+            p.rank(inp, &scores, &[0.0; 3], 0, &mut StdRng::seed_from_u64(3))
+                .order[0]
+        };
+        assert_eq!(first(&inp), 0);
+        // Its own queue (router-side tokens still prefilling there) makes it the slower one.
+        inp.candidates[0].load.inflight_tokens = 3000.0;
+        assert_ne!(first(&inp), 0);
     }
 
     #[test]
@@ -610,7 +639,13 @@ mod tests {
         inp.candidates[0].conversations = 1.0;
         inp.candidates[1].conversations = 2.0;
         let first = |inp: &ScoreInput| {
-            let r = p.rank(inp, &[vec![0.0; 2]], &[0.0; 2], 0, &mut StdRng::seed_from_u64(1));
+            let r = p.rank(
+                inp,
+                &[vec![0.0; 2]],
+                &[0.0; 2],
+                0,
+                &mut StdRng::seed_from_u64(1),
+            );
             assert_eq!(r.reason, Reason::Spread);
             r.order[0]
         };

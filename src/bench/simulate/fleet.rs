@@ -190,7 +190,6 @@ pub(super) fn simulate(
     let stale_after = Duration::from_millis(cfg.pods.stale_after_ms);
     let scrape_us = opts.scrape_interval_ms.max(1) * 1000;
     let sweep_every = (1000 / opts.scrape_interval_ms.max(1)).max(1);
-    let prefill_tps = stages.prefill_tokens_per_sec();
     let max_blocks = cfg.blocks.max_blocks;
     let n = prep.at_us.len();
     let mut fleet = Fleet {
@@ -346,8 +345,8 @@ pub(super) fn simulate(
             sessions: None,
             conversations: Some(&conversations),
         };
-        ready(commit(&plan, stores, now_ms, |p, tokens| {
-            views[p].routed(SimTime(t), tokens, prefill_tps)
+        ready(commit(&plan, stores, now_ms, |p, tokens, rate| {
+            views[p].routed(SimTime(t), tokens, rate)
         }));
         fleet.engines[p].submit(t, i as u64, submission(prep, i));
         fleet.settle(p, t);

@@ -337,3 +337,62 @@ fn precise_sees_what_the_routers_own_record_misses() {
     o.divergence.bypass = 1.5;
     assert!(run_trace(&t, &o).is_err(), "a share above 1 is refused");
 }
+
+/// `conversations` chats of `turns` turns without session ids, Mooncake style: every prompt
+/// starts with the same 512-token system prompt (trace block 0), then the conversation's own
+/// history, whose last partial block is re-cut (a new id) when the next turn extends it. New
+/// conversations arrive every `gap_ms`; a conversation's turns come `turn_gap_ms` apart.
+fn conversation_trace(conversations: u64, turns: u64, gap_ms: u64, turn_gap_ms: u64) -> Trace {
+    let mut records = Vec::new();
+    let mut next_id = 1;
+    for c in 0..conversations {
+        let mut history: Vec<u64> = vec![0];
+        for t in 0..turns {
+            // The partial last block of the previous turn is cut again with the new text.
+            if t > 0 {
+                history.pop();
+            }
+            for _ in 0..4 {
+                history.push(next_id);
+                next_id += 1;
+            }
+            records.push(TraceRecord {
+                timestamp: c * gap_ms + t * turn_gap_ms,
+                input_length: (512 * (history.len() - 1) + 200) as u32,
+                output_length: 20,
+                hash_ids: history.clone(),
+            });
+        }
+    }
+    records.sort_by_key(|r| r.timestamp);
+    Trace {
+        name: "conversations".into(),
+        offset: 0,
+        records,
+    }
+}
+
+#[test]
+fn conversations_without_sessions_spread_over_the_fleet_and_keep_their_history() {
+    // 48 conversations of 3 turns on 8 pods with room for about seven conversations each: the
+    // first holders of the system prompt cannot keep them all. Before, every new conversation
+    // went to a pod holding the system prompt (its prefix score) and the hot gate never saw
+    // the one or two requests that made the difference: the first pods took nearly everything
+    // and evicted the histories the next turns needed.
+    let t = conversation_trace(48, 3, 300, 4_000);
+    let mut o = opts(8);
+    o.engine.num_gpu_blocks = 2_400;
+    o.strategies = vec![
+        Strategy::Weighted,
+        Strategy::PredictedTtft,
+        Strategy::Precise,
+    ];
+    let r = run_trace(&t, &o).unwrap();
+    for s in &r.strategies {
+        let mean = t.records.len() as f64 / 8.0;
+        let busiest = *s.per_pod.iter().max().unwrap() as f64;
+        assert!(busiest <= 1.6 * mean, "{:?}: {:?}", s.strategy, s.per_pod);
+        let vs_pooled = s.vs_pooled.unwrap();
+        assert!(vs_pooled > 0.9, "{:?}: {vs_pooled} of pooled", s.strategy);
+    }
+}

@@ -134,7 +134,13 @@ impl<'a> Apply<'a> {
             if std::mem::take(tier(block, gpu)) {
                 note(&mut self.touched, block);
                 for key in &block.keys {
-                    release(self.holders, key, self.slot, gpu);
+                    release(
+                        self.holders,
+                        &mut self.state.speculative,
+                        key,
+                        self.slot,
+                        gpu,
+                    );
                 }
             }
             if !block.gpu && !block.cpu {
@@ -155,7 +161,13 @@ impl<'a> Apply<'a> {
             if !std::mem::replace(tier(block, gpu), true) {
                 note(&mut self.touched, block);
                 for &key in &block.keys {
-                    hold(self.holders, key, self.slot, gpu);
+                    hold(
+                        self.holders,
+                        &mut self.state.speculative,
+                        key,
+                        self.slot,
+                        gpu,
+                    );
                 }
             }
             self.stats.stored += 1;
@@ -211,7 +223,13 @@ impl<'a> Apply<'a> {
                     if !std::mem::replace(tier(block, gpu), true) {
                         note(&mut self.touched, block);
                         for &key in &block.keys {
-                            hold(self.holders, key, self.slot, gpu);
+                            hold(
+                                self.holders,
+                                &mut self.state.speculative,
+                                key,
+                                self.slot,
+                                gpu,
+                            );
                         }
                     }
                 }
@@ -220,7 +238,13 @@ impl<'a> Apply<'a> {
                         t.extend(keys.iter().map(|&k| (chain.root, k)));
                     }
                     for &key in &keys {
-                        hold(self.holders, key, self.slot, gpu);
+                        hold(
+                            self.holders,
+                            &mut self.state.speculative,
+                            key,
+                            self.slot,
+                            gpu,
+                        );
                     }
                     v.insert(EngineBlock {
                         keys,

@@ -1,8 +1,9 @@
 //! Precise index fed by vLLM KV events. Dual keys: the router computes its own chained block
 //! keys from each `BlockStored`'s `token_ids` (seeded by model or LoRA name and cache salt, at the
 //! router's block size), and keeps engine hash → router keys so `BlockRemoved`, which names
-//! engine hashes only, resolves. A short-TTL speculative side holds each decision's keys until
-//! the pod's own events arrive. How each event kind changes the state: [`apply`].
+//! engine hashes only, resolves. A speculative side holds each decision's keys until the pod
+//! reports on them (stored, or evicted) or `speculative_ttl_ms` passes: long enough to cover a
+//! request's queueing and prefill under load. How each event kind changes the state: [`apply`].
 
 mod apply;
 #[cfg(test)]
@@ -99,7 +100,7 @@ pub struct EventIndexConfig {
     pub gpu_weight: f64,
     /// Weight of a CPU-resident (offloaded) block.
     pub cpu_weight: f64,
-    /// Speculative entries live this long unless events confirm them.
+    /// Speculative entries live this long unless the pod reports on their keys first.
     pub speculative_ttl_ms: u64,
     /// Speculative entries kept per pod.
     pub speculative_capacity: usize,
@@ -114,7 +115,7 @@ impl Default for EventIndexConfig {
             max_blocks: 4096,
             gpu_weight: 1.0,
             cpu_weight: 0.8,
-            speculative_ttl_ms: 2_000,
+            speculative_ttl_ms: 30_000,
             speculative_capacity: 65_536,
             max_engine_blocks_per_pod: 4_000_000,
         }
@@ -152,8 +153,16 @@ impl EventIndex {
     }
 }
 
-/// Adds one tier's hold of `key` by `slot`.
-fn hold(holders: &mut Holders<KeyHolder>, key: BlockKey, slot: Slot, gpu: bool) {
+/// Adds one tier's hold of `key` by `slot`. The pod's own report settles the key, so a
+/// decision's speculative guess about it goes.
+fn hold(
+    holders: &mut Holders<KeyHolder>,
+    speculative: &mut LruCache<BlockKey, u64>,
+    key: BlockKey,
+    slot: Slot,
+    gpu: bool,
+) {
+    speculative.pop(&key);
     holders.upsert(
         key,
         slot,
@@ -172,8 +181,16 @@ fn hold(holders: &mut Holders<KeyHolder>, key: BlockKey, slot: Slot, gpu: bool) 
     );
 }
 
-/// Drops one tier's hold of `key` by `slot`; the entry goes with its last hold.
-fn release(holders: &mut Holders<KeyHolder>, key: &BlockKey, slot: Slot, gpu: bool) {
+/// Drops one tier's hold of `key` by `slot`; the entry goes with its last hold. A speculative
+/// guess about the key goes too: the pod reported an eviction after it.
+fn release(
+    holders: &mut Holders<KeyHolder>,
+    speculative: &mut LruCache<BlockKey, u64>,
+    key: &BlockKey,
+    slot: Slot,
+    gpu: bool,
+) {
+    speculative.pop(key);
     holders.update_or_remove(key, slot, |h| {
         if gpu {
             h.gpu = h.gpu.saturating_sub(1);
@@ -193,7 +210,12 @@ fn purge(
     rank: Option<u32>,
     touched: &mut Option<Touched>,
 ) {
-    state.blocks.retain(|(r, _), b| {
+    let PodState {
+        blocks,
+        speculative,
+        ..
+    } = state;
+    blocks.retain(|(r, _), b| {
         if rank.is_some_and(|x| x != *r) {
             return true;
         }
@@ -202,10 +224,10 @@ fn purge(
         }
         for key in &b.keys {
             if b.gpu {
-                release(holders, key, slot, true);
+                release(holders, speculative, key, slot, true);
             }
             if b.cpu {
-                release(holders, key, slot, false);
+                release(holders, speculative, key, slot, false);
             }
         }
         false

@@ -210,7 +210,10 @@ async fn ranks_are_separate_and_router_block_size_may_differ() {
 
 #[tokio::test]
 async fn speculative_entries_expire_unless_confirmed() {
-    let idx = EventIndex::new(EventIndexConfig::default());
+    let idx = EventIndex::new(EventIndexConfig {
+        speculative_ttl_ms: 2_000,
+        ..EventIndexConfig::default()
+    });
     let a = pod("10.0.0.5:8000");
     let k = keys(MODEL, None, 0..64, 16);
     idx.record(&a, &k, 1000).await.unwrap();
@@ -234,6 +237,38 @@ async fn speculative_entries_expire_unless_confirmed() {
         vec![2.0],
         "confirmed blocks stay"
     );
+}
+
+#[tokio::test]
+async fn a_guess_lasts_until_the_pod_reports_on_its_blocks() {
+    use crate::index::contract::{doc_keys, remove, store, MODEL as DOC_MODEL};
+    let idx = EventIndex::new(EventIndexConfig::default());
+    let a = pod("10.0.0.5:8000");
+    let k = doc_keys(7, 4, 16);
+    let at = |t| {
+        let (idx, a, k) = (&idx, a.clone(), k.clone());
+        async move { idx.lookup(&k, &[a], t).await.unwrap() }
+    };
+    // Queued for 20 s before its prefill: the decision's guess still stands (it lived 2 s).
+    idx.record(&a, &k, 0).await.unwrap();
+    assert_eq!(at(20_000).await, vec![4.0]);
+    // The pod stored the blocks, then evicted the third: the guess does not outlive the report.
+    idx.apply_events(&a, 0, DOC_MODEL, &store(7, 0..4, 16))
+        .await
+        .unwrap();
+    idx.apply_events(&a, 0, DOC_MODEL, &remove(7, 2))
+        .await
+        .unwrap();
+    assert_eq!(at(20_000).await, vec![2.0]);
+    // A guess about blocks the pod never reports on ends with its TTL.
+    let b = pod("10.0.0.6:8000");
+    idx.record(&b, &k, 0).await.unwrap();
+    let on_b = |t| {
+        let (idx, b, k) = (&idx, b.clone(), k.clone());
+        async move { idx.lookup(&k, &[b], t).await.unwrap() }
+    };
+    assert_eq!(on_b(29_999).await, vec![4.0]);
+    assert_eq!(on_b(30_000).await, vec![0.0]);
 }
 
 #[tokio::test]

@@ -197,14 +197,23 @@ for i = 1, #popped, 2 do out[#out + 1] = popped[i] end
 return out
 "#;
 
-/// Sets what a pod's events say about keys under one root. KEYS: evented keys.
-/// ARGV: pod, then per key `g`, `c` or `-` (not held).
+/// Sets what a pod's events say about keys under one root. KEYS: per key its evented then its
+/// recorded name. ARGV: pod, then per key `g` (a GPU copy), `c` (offloaded only) or `-` (not
+/// held); upper case (`G`, `C`, `X`) also drops the pod's recorded entry of the key: the pod
+/// reported on it, so a decision's speculative guess is settled.
 pub(super) const EVENTS: &str = r#"
-for i, k in ipairs(KEYS) do
+local n = #KEYS / 2
+for i = 1, n do
   local t = ARGV[i + 1]
-  if t == '-' then redis.call('HDEL', k, ARGV[1]) else redis.call('HSET', k, ARGV[1], t) end
+  local l = string.lower(t)
+  if l == 'x' or l == '-' then
+    redis.call('HDEL', KEYS[2 * i - 1], ARGV[1])
+  else
+    redis.call('HSET', KEYS[2 * i - 1], ARGV[1], l)
+  end
+  if t ~= l then redis.call('HDEL', KEYS[2 * i], ARGV[1]) end
 end
-return #KEYS
+return n
 "#;
 
 /// The scripts, loaded once per process (`invoke_async` loads them again after a restart).

@@ -132,7 +132,7 @@ async fn concurrent(shared: &Shared, ops: Vec<WriteOp>) {
                     } => record(shared, con, pod, *root, keys, *expiry)
                         .await
                         .map(|ev| (i, ev)),
-                    WriteOp::Events { pod, changes } => events(shared, con, pod, changes)
+                    WriteOp::Events { pod, changes } => events(shared, con, pod, changes, true)
                         .await
                         .map(|()| (i, Vec::new())),
                     WriteOp::Session { key, pod, ttl_ms } => {
@@ -253,12 +253,15 @@ async fn record(
     Ok(popped.iter().filter_map(|m| parse_member(m)).collect())
 }
 
-/// Writes event changes: one script per prefix root, and the pod's membership set.
+/// Writes event changes: one script per prefix root, and the pod's membership set. With
+/// `settle`, every changed key also loses the pod's recorded entry (in precise mode, a
+/// decision's speculative guess), as `EventIndex` drops it once the pod reports on the key.
 async fn events(
     shared: &Shared,
     con: Handle,
     pod: &PodId,
     changes: &[Change],
+    settle: bool,
 ) -> Result<(), IndexError> {
     // Changes arrive sorted by root: one script per run of equal roots.
     let by_root = changes.chunk_by(|a, b| a.0 == b.0);
@@ -267,22 +270,26 @@ async fn events(
         let mut inv = shared.scripts.events.prepare_invoke();
         for (root, k, _) in v {
             inv.key(shared.schema.evented(*root, *k));
+            inv.key(shared.schema.recorded(*root, *k));
         }
         inv.arg(pod.as_str());
         for (_, _, tier) in v {
-            inv.arg(match tier {
-                Some(true) => "g",
-                Some(false) => "c",
-                None => "-",
+            inv.arg(match (tier, settle) {
+                (Some(true), false) => "g",
+                (Some(false), false) => "c",
+                (None, false) => "-",
+                (Some(true), true) => "G",
+                (Some(false), true) => "C",
+                (None, true) => "X",
             });
         }
         async move { inv.invoke_async::<i64>(&mut con).await }
     });
     let (held, gone): (Vec<_>, Vec<_>) = changes.iter().partition(|c| c.2.is_some());
     let set = shared.schema.events(pod);
-    let membership = |cmd: &str, v: &[&Change]| {
+    let membership = |cmd: &str, set: &str, v: &[&Change]| {
         let mut c = redis::cmd(cmd);
-        c.arg(&set);
+        c.arg(set);
         for (root, key, _) in v {
             c.arg(shared.schema.member(*root, *key));
         }
@@ -290,10 +297,15 @@ async fn events(
     };
     let mut sets = Vec::new();
     if !held.is_empty() {
-        sets.push(membership("SADD", &held));
+        sets.push(membership("SADD", &set, &held));
     }
     if !gone.is_empty() {
-        sets.push(membership("SREM", &gone));
+        sets.push(membership("SREM", &set, &gone));
+    }
+    if settle && !changes.is_empty() {
+        // The settled guesses leave the pod's recency set, as they leave its local LRU.
+        let all: Vec<&Change> = changes.iter().collect();
+        sets.push(membership("ZREM", &shared.schema.lru(pod), &all));
     }
     let set_sends = sets.iter().map(|c| {
         let mut con = con.clone();
@@ -331,7 +343,7 @@ async fn resync(
             .map(|(r, k)| (r, k, None)),
     );
     changes.sort_unstable_by_key(|&(r, k, _)| (r, k.0));
-    events(shared, con, pod, &changes).await
+    events(shared, con, pod, &changes, false).await
 }
 
 /// Deletes `pod`'s recorded entries of (root, key)s.
