@@ -88,6 +88,13 @@ struct Planned {
 /// match the trace's arrival rate compressed by `--speedup` (a fleet of faster GPUs).
 const TRACE_SIM: &str = "--sim-arg=--prefill-us-per-token=20 --sim-arg=--decode-ms-per-token=2";
 
+/// The trace replays load the fleet to saturation, where a few long prompts decide the hit ratio
+/// and a millisecond decides where they go: one run of a strategy spans several points of the
+/// pooled oracle. Three rounds in rotated order, and the router strategies with the baselines
+/// that bound them (random and prefix-only are in the cheaper workloads below).
+const TRACE_RUNS: &str =
+    "--repeat 3 --strategies round-robin,least-loaded,weighted,predicted-ttft,precise,redis";
+
 fn plan(quick: bool) -> Vec<Planned> {
     let p = |title, slug, args: String| Planned { title, slug, args };
     if quick {
@@ -107,9 +114,9 @@ fn plan(quick: bool) -> Vec<Planned> {
     }
     vec![
         p("Mooncake conversation trace", "trace-conversation",
-          format!("compare --workload trace --trace conversation --trace-requests 600 --speedup 8 --output-scale 0.25 --pods 8 --gpu-blocks 32768 {TRACE_SIM}")),
+          format!("compare --workload trace --trace conversation --trace-requests 600 --speedup 8 --output-scale 0.25 --pods 8 --gpu-blocks 32768 {TRACE_SIM} {TRACE_RUNS}")),
         p("Mooncake synthetic trace", "trace-synthetic",
-          format!("compare --workload trace --trace synthetic --trace-skip 2000 --trace-requests 600 --speedup 6 --output-scale 0.25 --pods 8 --gpu-blocks 32768 {TRACE_SIM}")),
+          format!("compare --workload trace --trace synthetic --trace-skip 2000 --trace-requests 600 --speedup 6 --output-scale 0.25 --pods 8 --gpu-blocks 32768 {TRACE_SIM} {TRACE_RUNS}")),
         p("Multi-turn chat", "multiturn",
           "compare --workload multiturn --sessions 32 --turns 6 --pods 8 --gpu-blocks 4096".into()),
         p("Shared prefix", "shared-prefix",
