@@ -157,7 +157,8 @@ fn run(spec: SubscriptionSpec, tx: mpsc::Sender<Delivery>, stop: Arc<AtomicBool>
 }
 
 /// Largest KV-event message accepted (ZMQ_MAXMSGSIZE: libzmq drops the connection of a peer
-/// that sends more); vLLM's batches are a few KiB.
+/// that sends more). vLLM publishes one batch per engine step, and a step prefills at most
+/// `max_num_batched_tokens` (8192 by default): about 40 KiB of token ids.
 pub(crate) const MAX_MESSAGE_BYTES: i64 = 1 << 20;
 /// Messages queued per subscription before libzmq drops new ones (the sequence gap is then
 /// replayed or purged); with [`MAX_MESSAGE_BYTES`] this bounds a hostile publisher to 1 GiB.

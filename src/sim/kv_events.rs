@@ -1,7 +1,10 @@
 //! vLLM 0.33-compatible KV-event publisher for the simulator.
 //!
 //! * PUB socket: one 3-frame message `[topic, seq (8 bytes BE, from 0), msgpack batch]` per
-//!   engine step that changed the cache. Binds when the endpoint contains `*` or `::` or is
+//!   engine step that changed the cache, or several: vLLM prefills a long prompt in chunks of
+//!   its per-step token budget (`max_num_batched_tokens`, 8192 by default) and publishes each
+//!   chunk's blocks in that step's batch, while this engine prefills a prompt at once, so a
+//!   step's events are cut into batches of at most [`STEP_BLOCKS`] blocks ([`split_steps`]). Binds when the endpoint contains `*` or `::` or is
 //!   `ipc://`, otherwise connects (vLLM's rule), so a router can bind one SUB for many pods.
 //! * Replay ROUTER (optional, always binds): keeps the last `buffer_steps` batches; a DEALER
 //!   request `["", seq8]` gets `["", topic, seq8, payload]` for every buffered batch with
@@ -18,10 +21,114 @@ use bytes::Bytes;
 use tokio::sync::{mpsc, oneshot};
 use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
 
-use kv_router::events::{encode_batch, KvEventBatch};
+use kv_router::events::{encode_batch, KvEvent, KvEventBatch};
 
 use super::cache::CacheEvent;
 use super::translate::{Hashes, Translator};
+
+/// Blocks per published batch: vLLM's default per-step budget of 8192 tokens in 16-token blocks.
+/// A whole 128k-token prompt in one message (about 600 KiB of token ids) is more than a real
+/// engine ever sends at once, and more than a router that bounds messages accepts.
+pub const STEP_BLOCKS: usize = 512;
+
+/// Cuts one engine step's events into batches of at most `max_blocks` blocks each (stored or
+/// removed; a cleared cache counts one), in order, as vLLM's chunked prefill would have
+/// published them over several steps. A long `BlockStored` continues in the next batch with
+/// the last block of the previous part as its parent.
+pub fn split_steps(events: Vec<KvEvent>, max_blocks: usize) -> Vec<Vec<KvEvent>> {
+    let max = max_blocks.max(1);
+    let mut out: Vec<Vec<KvEvent>> = vec![Vec::new()];
+    let mut room = max;
+    let push = |out: &mut Vec<Vec<KvEvent>>, room: &mut usize, e: KvEvent, n: usize| {
+        if *room < n.max(1) && !out.last().is_some_and(Vec::is_empty) {
+            out.push(Vec::new());
+            *room = max;
+        }
+        *room = room.saturating_sub(n.max(1));
+        out.last_mut().expect("one batch at least").push(e);
+    };
+    for e in events {
+        match e {
+            KvEvent::BlockStored {
+                block_hashes,
+                parent_block_hash,
+                token_ids,
+                block_size,
+                lora_id,
+                medium,
+                lora_name,
+                extra_keys,
+                group_idx,
+                kv_cache_spec_kind,
+                kv_cache_spec_sliding_window,
+            } if block_hashes.len() > room => {
+                let bs = block_size as usize;
+                let mut parent = parent_block_hash;
+                let mut start = 0;
+                while start < block_hashes.len() {
+                    if room == 0 {
+                        out.push(Vec::new());
+                        room = max;
+                    }
+                    let end = (start + room).min(block_hashes.len());
+                    let tokens = token_ids
+                        .get(start * bs..(end * bs).min(token_ids.len()))
+                        .unwrap_or_default()
+                        .to_vec();
+                    let part = KvEvent::BlockStored {
+                        block_hashes: block_hashes[start..end].to_vec(),
+                        parent_block_hash: parent.take(),
+                        token_ids: tokens,
+                        block_size,
+                        lora_id,
+                        medium: medium.clone(),
+                        lora_name: lora_name.clone(),
+                        extra_keys: extra_keys
+                            .as_ref()
+                            .map(|x| x.get(start..end.min(x.len())).unwrap_or_default().to_vec()),
+                        group_idx,
+                        kv_cache_spec_kind: kv_cache_spec_kind.clone(),
+                        kv_cache_spec_sliding_window,
+                    };
+                    push(&mut out, &mut room, part, end - start);
+                    parent = Some(block_hashes[end - 1].clone());
+                    start = end;
+                }
+            }
+            KvEvent::BlockRemoved {
+                block_hashes,
+                medium,
+                group_idx,
+            } if block_hashes.len() > room => {
+                let mut start = 0;
+                while start < block_hashes.len() {
+                    if room == 0 {
+                        out.push(Vec::new());
+                        room = max;
+                    }
+                    let end = (start + room).min(block_hashes.len());
+                    let part = KvEvent::BlockRemoved {
+                        block_hashes: block_hashes[start..end].to_vec(),
+                        medium: medium.clone(),
+                        group_idx,
+                    };
+                    push(&mut out, &mut room, part, end - start);
+                    start = end;
+                }
+            }
+            e => {
+                let n = match &e {
+                    KvEvent::BlockStored { block_hashes, .. }
+                    | KvEvent::BlockRemoved { block_hashes, .. } => block_hashes.len(),
+                    KvEvent::AllBlocksCleared => 1,
+                };
+                push(&mut out, &mut room, e, n);
+            }
+        }
+    }
+    out.retain(|b| !b.is_empty());
+    out
+}
 
 /// Publisher settings (from the `--kv-events-*` flags).
 #[derive(Debug, Clone, PartialEq)]
@@ -219,32 +326,14 @@ impl Publisher {
                 step = rx.recv() => {
                     let Some(step) = step else { return };
                     let events = self.translator.translate(step);
-                    if events.is_empty() {
-                        continue;
-                    }
-                    let batch = KvEventBatch {
-                        ts: wall_clock(),
-                        events,
-                        data_parallel_rank: Some(self.rank),
-                    };
-                    let payload = Bytes::from(encode_batch(&batch));
-                    let seq = self.seq;
-                    self.seq += 1;
-                    if let Some(p) = publisher.as_mut() {
-                        let msg = message(vec![
-                            self.topic.clone(),
-                            Bytes::copy_from_slice(&seq.to_be_bytes()),
-                            payload.clone(),
-                        ]);
-                        if let Err(e) = p.send(msg).await {
-                            tracing::warn!(error = %e, "KV-event publish failed");
-                        }
-                    }
-                    if self.buffer_steps > 0 {
-                        if self.buffer.len() == self.buffer_steps {
-                            self.buffer.pop_front();
-                        }
-                        self.buffer.push_back((seq, payload));
+                    let ts = wall_clock();
+                    for events in split_steps(events, STEP_BLOCKS) {
+                        let batch = KvEventBatch {
+                            ts,
+                            events,
+                            data_parallel_rank: Some(self.rank),
+                        };
+                        self.publish(&mut publisher, Bytes::from(encode_batch(&batch))).await;
                     }
                 }
                 sock = async { pending.as_mut().expect("guarded").await }, if pending.is_some() => {
@@ -263,6 +352,28 @@ impl Publisher {
                     }
                 }
             }
+        }
+    }
+
+    /// Sends one batch with the next sequence number and keeps it for replay.
+    async fn publish(&mut self, publisher: &mut Option<zeromq::PubSocket>, payload: Bytes) {
+        let seq = self.seq;
+        self.seq += 1;
+        if let Some(p) = publisher.as_mut() {
+            let msg = message(vec![
+                self.topic.clone(),
+                Bytes::copy_from_slice(&seq.to_be_bytes()),
+                payload.clone(),
+            ]);
+            if let Err(e) = p.send(msg).await {
+                tracing::warn!(error = %e, "KV-event publish failed");
+            }
+        }
+        if self.buffer_steps > 0 {
+            if self.buffer.len() == self.buffer_steps {
+                self.buffer.pop_front();
+            }
+            self.buffer.push_back((seq, payload));
         }
     }
 
@@ -313,7 +424,79 @@ impl Publisher {
 
 #[cfg(test)]
 mod tests {
+    use kv_router::events::BlockHash;
+
     use super::*;
+
+    fn stored(from: u64, n: u64, parent: Option<u64>) -> KvEvent {
+        KvEvent::BlockStored {
+            block_hashes: (from..from + n).map(BlockHash::Int).collect(),
+            parent_block_hash: parent.map(BlockHash::Int),
+            token_ids: (0..(n * 2) as u32).collect(),
+            block_size: 2,
+            lora_id: None,
+            medium: Some("GPU".into()),
+            lora_name: None,
+            extra_keys: Some((0..n).map(|i| (i % 2 == 0).then(Vec::new)).collect()),
+            group_idx: None,
+            kv_cache_spec_kind: None,
+            kv_cache_spec_sliding_window: None,
+        }
+    }
+
+    #[test]
+    fn a_long_step_is_cut_into_chained_batches_and_short_ones_stay_whole() {
+        let removed = |n: u64| KvEvent::BlockRemoved {
+            block_hashes: (100..100 + n).map(BlockHash::Int).collect(),
+            medium: None,
+            group_idx: None,
+        };
+        // Small events share a batch, in order.
+        let small = vec![stored(1, 2, None), removed(3), KvEvent::AllBlocksCleared];
+        assert_eq!(split_steps(small.clone(), 8), vec![small]);
+        // 2 + 7 stored blocks and 9 removed ones, at most 4 per batch.
+        let steps = split_steps(vec![removed(2), stored(10, 7, Some(9)), removed(9)], 4);
+        let sizes: Vec<Vec<usize>> = steps
+            .iter()
+            .map(|b| {
+                b.iter()
+                    .map(|e| match e {
+                        KvEvent::BlockStored { block_hashes, .. }
+                        | KvEvent::BlockRemoved { block_hashes, .. } => block_hashes.len(),
+                        KvEvent::AllBlocksCleared => 0,
+                    })
+                    .collect()
+            })
+            .collect();
+        assert_eq!(sizes, vec![vec![2, 2], vec![4], vec![1, 3], vec![4], vec![2]]);
+        // The stored parts chain: each part's parent is the previous part's last block, and
+        // each carries its own blocks' tokens and extra keys.
+        let parts: Vec<&KvEvent> = steps
+            .iter()
+            .flatten()
+            .filter(|e| matches!(e, KvEvent::BlockStored { .. }))
+            .collect();
+        let parents: Vec<Option<u64>> = parts
+            .iter()
+            .map(|e| match e {
+                KvEvent::BlockStored {
+                    parent_block_hash, ..
+                } => parent_block_hash.as_ref().map(BlockHash::as_u64),
+                _ => unreachable!(),
+            })
+            .collect();
+        assert_eq!(parents, vec![Some(9), Some(11), Some(15)]);
+        let KvEvent::BlockStored {
+            token_ids,
+            extra_keys,
+            ..
+        } = parts[2]
+        else {
+            unreachable!()
+        };
+        assert_eq!(token_ids, &vec![12, 13]);
+        assert_eq!(extra_keys.as_ref().map(Vec::len), Some(1));
+    }
 
     #[test]
     fn bind_rule_and_rank_offsets() {
