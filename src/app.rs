@@ -21,7 +21,8 @@ use crate::ingest::{self, IngestMetrics};
 use crate::pick_api::proto::picker_server::PickerServer;
 use crate::pick_api::PickService;
 use crate::pods::{
-    DnsSource, EngineResolver, PodId, PodMetrics, PodRegistry, PodSource, Prober, StaticSource,
+    prefill_models, DnsSource, EngineResolver, PodId, PodMetrics, PodRegistry, PodSource, Prober,
+    StaticSource,
 };
 use crate::scoring::SessionStore;
 use crate::supervise::Supervisor;
@@ -423,8 +424,10 @@ async fn maintenance(
         tick.tick().await;
         let index = decider.index();
         let now = Instant::now();
-        for pod in pods.snapshot().pods() {
-            gauges.pods.observe(pod, now, stale_after);
+        let snapshot = pods.snapshot();
+        let models = prefill_models(snapshot.pods(), decider.ttft_prior());
+        for (pod, model) in snapshot.pods().iter().zip(&models) {
+            gauges.pods.observe(pod, model, now, stale_after);
             let Some((_, sample)) = pod.last_sample() else {
                 continue;
             };

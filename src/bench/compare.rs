@@ -31,6 +31,8 @@ pub struct CompareOptions {
     pub gpu_blocks: usize,
     /// Extra `vllm-sim` arguments for every pod.
     pub sim_args: Vec<String>,
+    /// The first `n` pods prefill `factor` times slower than the others (a mixed fleet).
+    pub slow_pods: (usize, f64),
     /// Strategies, in run order.
     pub strategies: Vec<Strategy>,
     /// Per-request timeout.
@@ -133,8 +135,34 @@ fn spawn_event_pod(bins: &Binaries, i: usize, opts: &CompareOptions) -> Result<E
         "--model".to_string(),
         opts.model.clone(),
     ];
-    args.extend(opts.sim_args.iter().cloned());
+    args.extend(pod_sim_args(&opts.sim_args, i, opts.slow_pods));
     EventPod::spawn(&bins.vllm_sim, &format!("pod-{i}"), &args)
+}
+
+/// vllm-sim's prefill cost when `--prefill-us-per-token` is not given.
+const SIM_PREFILL_US_PER_TOKEN: f64 = 100.0;
+
+/// Pod `i`'s extra vllm-sim arguments: `sim_args`, with the prefill cost multiplied by
+/// `slow.1` on the first `slow.0` pods.
+fn pod_sim_args(sim_args: &[String], i: usize, slow: (usize, f64)) -> Vec<String> {
+    if i >= slow.0 {
+        return sim_args.to_vec();
+    }
+    const FLAG: &str = "--prefill-us-per-token";
+    let mut base = SIM_PREFILL_US_PER_TOKEN;
+    let mut out = Vec::with_capacity(sim_args.len() + 1);
+    let mut args = sim_args.iter();
+    while let Some(a) = args.next() {
+        if let Some(v) = a.strip_prefix(FLAG).and_then(|r| r.strip_prefix('=')) {
+            base = v.parse().unwrap_or(base);
+        } else if a == FLAG {
+            base = args.next().and_then(|v| v.parse().ok()).unwrap_or(base);
+        } else {
+            out.push(a.clone());
+        }
+    }
+    out.push(format!("{FLAG}={}", base * slow.1));
+    out
 }
 
 /// One strategy's outcome.
@@ -547,6 +575,7 @@ mod tests {
             pods: 4,
             gpu_blocks: 64,
             sim_args: Vec::new(),
+            slow_pods: (0, 1.0),
             strategies: Strategy::ALL.to_vec(),
             request_timeout: Duration::from_secs(1),
             model: "m".into(),
@@ -555,6 +584,26 @@ mod tests {
             router_metrics: None,
             repeat: 1,
         }
+    }
+
+    #[test]
+    fn slow_pods_prefill_slower_whatever_the_base_cost() {
+        let a = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        let base = a(&["--decode-ms-per-token=2", "--prefill-us-per-token=20"]);
+        assert_eq!(pod_sim_args(&base, 1, (1, 4.0)), base, "pod 1 is not slow");
+        assert_eq!(
+            pod_sim_args(&base, 0, (1, 4.0)),
+            a(&["--decode-ms-per-token=2", "--prefill-us-per-token=80"])
+        );
+        assert_eq!(
+            pod_sim_args(&a(&["--prefill-us-per-token", "50"]), 0, (2, 2.0)),
+            a(&["--prefill-us-per-token=100"])
+        );
+        assert_eq!(
+            pod_sim_args(&[], 0, (1, 3.0)),
+            a(&["--prefill-us-per-token=300"]),
+            "vllm-sim's default cost"
+        );
     }
 
     #[test]

@@ -50,6 +50,7 @@ pub(crate) async fn compare_section(
         pods: a.pods.unwrap_or(8),
         gpu_blocks: a.gpu_blocks.unwrap_or(4096),
         sim_args: a.sim_args.clone(),
+        slow_pods: (a.slow_pods, a.slow_factor),
         strategies: a.strategies.clone(),
         request_timeout: Duration::from_secs(a.timeout_s),
         model: a.args.model.clone(),

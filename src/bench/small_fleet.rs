@@ -240,6 +240,7 @@ pub async fn run(bins: &Binaries, opts: &SmallFleetOptions) -> Result<SmallFleet
             pods,
             gpu_blocks: 4096,
             sim_args: opts.sim_args.clone(),
+            slow_pods: (0, 1.0),
             strategies,
             request_timeout: Duration::from_secs(120),
             model: "sim-model".into(),

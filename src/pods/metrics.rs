@@ -9,7 +9,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 use tokio::time::Instant;
 
-use super::{Pod, PodId};
+use super::{Pod, PodId, TtftModel};
 use crate::telemetry::PodLabels;
 
 type FloatGauge = Gauge<f64, AtomicU64>;
@@ -23,6 +23,7 @@ pub struct PodMetrics {
     kv_usage: Family<PodLabels, FloatGauge>,
     inflight_requests: Family<PodLabels, Gauge>,
     inflight_tokens: Family<PodLabels, Gauge>,
+    prefill_speed: Family<PodLabels, FloatGauge>,
 }
 
 impl PodMetrics {
@@ -59,11 +60,16 @@ impl PodMetrics {
             "Uncached prompt tokens this router routed to the pod, still prefilling",
             m.inflight_tokens.clone(),
         );
+        registry.register(
+            "pod_prefill_tokens_per_second",
+            "The pod's prefill speed as this router learned it from the engine's timing (the prior until it reports)",
+            m.prefill_speed.clone(),
+        );
         m
     }
 
-    /// Sets a pod's gauges to its state at `now`.
-    pub fn observe(&self, pod: &Pod, now: Instant, stale_after: Duration) {
+    /// Sets a pod's gauges to its state at `now`; `model` is its learned prefill model.
+    pub fn observe(&self, pod: &Pod, model: &TtftModel, now: Instant, stale_after: Duration) {
         let l = PodLabels {
             pod: pod.id().to_string(),
         };
@@ -80,6 +86,11 @@ impl PodMetrics {
         self.inflight_tokens
             .get_or_create(&l)
             .set(load.inflight_tokens as i64);
+        if model.sec_per_token > 0.0 {
+            self.prefill_speed
+                .get_or_create(&l)
+                .set(1.0 / model.sec_per_token);
+        }
     }
 
     /// Drops the series of a pod that left.
@@ -93,6 +104,7 @@ impl PodMetrics {
         self.kv_usage.remove(&l);
         self.inflight_requests.remove(&l);
         self.inflight_tokens.remove(&l);
+        self.prefill_speed.remove(&l);
     }
 }
 
@@ -122,7 +134,7 @@ mod tests {
                 ..LoadSample::default()
             },
         );
-        m.observe(&pod, now, Duration::from_secs(1));
+        m.observe(&pod, &TtftModel::default(), now, Duration::from_secs(1));
         let mut out = String::new();
         prometheus_client::encoding::text::encode(&mut out, &reg).unwrap();
         assert!(
@@ -130,6 +142,10 @@ mod tests {
             "{out}"
         );
         assert!(out.contains(r#"pod_healthy{pod="127.0.0.1:7"} 1"#), "{out}");
+        assert!(
+            out.contains(r#"pod_prefill_tokens_per_second{pod="127.0.0.1:7"} 10000.0"#),
+            "the prior's speed until the engine reports: {out}"
+        );
         m.forget(pod.id());
         out.clear();
         prometheus_client::encoding::text::encode(&mut out, &reg).unwrap();

@@ -468,7 +468,10 @@ mod tests {
                     .collect()
             })
             .collect();
-        assert_eq!(sizes, vec![vec![2, 2], vec![4], vec![1, 3], vec![4], vec![2]]);
+        assert_eq!(
+            sizes,
+            vec![vec![2, 2], vec![4], vec![1, 3], vec![4], vec![2]]
+        );
         // The stored parts chain: each part's parent is the previous part's last block, and
         // each carries its own blocks' tokens and extra keys.
         let parts: Vec<&KvEvent> = steps

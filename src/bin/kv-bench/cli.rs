@@ -172,6 +172,12 @@ pub(crate) struct CompareArgs {
     /// Extra vllm-sim argument (repeatable), e.g. --sim-arg=--prefill-us-per-token=20.
     #[arg(long = "sim-arg", allow_hyphen_values = true)]
     pub(crate) sim_args: Vec<String>,
+    /// The first N pods prefill --slow-factor times slower (a mixed fleet).
+    #[arg(long, default_value_t = 0)]
+    pub(crate) slow_pods: usize,
+    /// How much slower the --slow-pods prefill.
+    #[arg(long, default_value_t = 4.0, value_parser = positive_factor)]
+    pub(crate) slow_factor: f64,
     /// Strategies to run, comma-separated, in order.
     #[arg(long, value_enum, value_delimiter = ',', default_values_t = Strategy::ALL)]
     pub(crate) strategies: Vec<Strategy>,
@@ -692,5 +698,13 @@ impl SimulateArgs {
         } else {
             opts
         }
+    }
+}
+
+/// A finite factor above zero.
+fn positive_factor(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if v.is_finite() && v > 0.0 => Ok(v),
+        _ => Err(format!("{s:?} is not a positive number")),
     }
 }

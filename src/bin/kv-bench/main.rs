@@ -58,6 +58,7 @@ async fn real_main(cli: Cli) -> Result<()> {
                 pods: a.pods,
                 gpu_blocks: a.gpu_blocks,
                 sim_args: a.sim_args.clone(),
+                slow_pods: (0, 1.0),
                 strategies: vec![Strategy::RoundRobin, Strategy::Weighted],
                 request_timeout: Duration::from_secs(60),
                 model: a.workload.model.clone(),
