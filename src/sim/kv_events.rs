@@ -15,6 +15,7 @@
 //! `sha256_cbor` block hashes).
 
 use std::collections::VecDeque;
+use std::ops::Range;
 
 use anyhow::{bail, Context};
 use bytes::Bytes;
@@ -64,13 +65,7 @@ pub fn split_steps(events: Vec<KvEvent>, max_blocks: usize) -> Vec<Vec<KvEvent>>
             } if block_hashes.len() > room => {
                 let bs = block_size as usize;
                 let mut parent = parent_block_hash;
-                let mut start = 0;
-                while start < block_hashes.len() {
-                    if room == 0 {
-                        out.push(Vec::new());
-                        room = max;
-                    }
-                    let end = (start + room).min(block_hashes.len());
+                for Range { start, end } in cuts(block_hashes.len(), room, max) {
                     let tokens = token_ids
                         .get(start * bs..(end * bs).min(token_ids.len()))
                         .unwrap_or_default()
@@ -92,7 +87,6 @@ pub fn split_steps(events: Vec<KvEvent>, max_blocks: usize) -> Vec<Vec<KvEvent>>
                     };
                     push(&mut out, &mut room, part, end - start);
                     parent = Some(block_hashes[end - 1].clone());
-                    start = end;
                 }
             }
             KvEvent::BlockRemoved {
@@ -100,20 +94,13 @@ pub fn split_steps(events: Vec<KvEvent>, max_blocks: usize) -> Vec<Vec<KvEvent>>
                 medium,
                 group_idx,
             } if block_hashes.len() > room => {
-                let mut start = 0;
-                while start < block_hashes.len() {
-                    if room == 0 {
-                        out.push(Vec::new());
-                        room = max;
-                    }
-                    let end = (start + room).min(block_hashes.len());
+                for Range { start, end } in cuts(block_hashes.len(), room, max) {
                     let part = KvEvent::BlockRemoved {
                         block_hashes: block_hashes[start..end].to_vec(),
                         medium: medium.clone(),
                         group_idx,
                     };
                     push(&mut out, &mut room, part, end - start);
-                    start = end;
                 }
             }
             e => {
@@ -128,6 +115,19 @@ pub fn split_steps(events: Vec<KvEvent>, max_blocks: usize) -> Vec<Vec<KvEvent>>
     }
     out.retain(|b| !b.is_empty());
     out
+}
+
+/// How a run of `len` blocks is cut: the first part fills the current batch's `room` (a whole
+/// batch when it is full), every later part a whole batch of `max`.
+fn cuts(len: usize, room: usize, max: usize) -> Vec<Range<usize>> {
+    let mut parts = Vec::new();
+    let (mut start, mut take) = (0, if room == 0 { max } else { room });
+    while start < len {
+        let end = (start + take).min(len);
+        parts.push(start..end);
+        (start, take) = (end, max);
+    }
+    parts
 }
 
 /// Publisher settings (from the `--kv-events-*` flags).

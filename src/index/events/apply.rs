@@ -3,12 +3,13 @@
 
 use std::collections::hash_map::Entry;
 
+use lru::LruCache;
 use smallvec::SmallVec;
 
 use super::{
     hold, purge, release, Chain, EngineBlock, EventIndexConfig, KeyHolder, PodState, Touched,
 };
-use crate::blocks::{chain_token_block, namespace_seed};
+use crate::blocks::{chain_token_block, namespace_seed, BlockKey};
 use crate::events::{BlockHash, ExtraKey, KvEvent, Medium};
 use crate::index::table::{Holders, Slot};
 use crate::index::ApplyStats;
@@ -158,18 +159,8 @@ impl<'a> Apply<'a> {
                 self.stats.unknown += 1;
                 continue;
             };
-            if !std::mem::replace(tier(block, gpu), true) {
-                note(&mut self.touched, block);
-                for &key in &block.keys {
-                    hold(
-                        self.holders,
-                        &mut self.state.speculative,
-                        key,
-                        self.slot,
-                        gpu,
-                    );
-                }
-            }
+            let (holders, spec) = (&mut *self.holders, &mut self.state.speculative);
+            add_tier(holders, spec, &mut self.touched, self.slot, block, gpu);
             self.stats.stored += 1;
         }
     }
@@ -219,19 +210,15 @@ impl<'a> Apply<'a> {
             match self.state.blocks.entry(k) {
                 Entry::Occupied(mut o) => {
                     // Re-announced block (e.g. a hit reported in full): same content.
-                    let block = o.get_mut();
-                    if !std::mem::replace(tier(block, gpu), true) {
-                        note(&mut self.touched, block);
-                        for &key in &block.keys {
-                            hold(
-                                self.holders,
-                                &mut self.state.speculative,
-                                key,
-                                self.slot,
-                                gpu,
-                            );
-                        }
-                    }
+                    let (holders, spec) = (&mut *self.holders, &mut self.state.speculative);
+                    add_tier(
+                        holders,
+                        spec,
+                        &mut self.touched,
+                        self.slot,
+                        o.get_mut(),
+                        gpu,
+                    );
                 }
                 Entry::Vacant(v) => {
                     if let Some(t) = &mut self.touched {
@@ -260,6 +247,25 @@ impl<'a> Apply<'a> {
 }
 
 /// Notes `block`'s keys as touched, when tracked.
+/// A known block now also held in `gpu`'s tier: its keys gain the pod as a holder in that tier
+/// (no-op when the block already had it).
+fn add_tier(
+    holders: &mut Holders<KeyHolder>,
+    speculative: &mut LruCache<BlockKey, u64>,
+    touched: &mut Option<Touched>,
+    slot: Slot,
+    block: &mut EngineBlock,
+    gpu: bool,
+) {
+    if std::mem::replace(tier(block, gpu), true) {
+        return;
+    }
+    note(touched, block);
+    for &key in &block.keys {
+        hold(holders, speculative, key, slot, gpu);
+    }
+}
+
 fn note(touched: &mut Option<Touched>, block: &EngineBlock) {
     if let Some(t) = touched {
         t.extend(block.keys.iter().map(|&k| (block.end.root, k)));
