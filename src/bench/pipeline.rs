@@ -75,7 +75,31 @@ pub(crate) async fn compare_section(
         )
         .await?
     };
+    if let Some(path) = &a.records {
+        write_records(path, &cmp)?;
+    }
     results::comparison_section(title, slug, command, &cmp, started.elapsed().as_secs_f64())
+}
+
+/// Every request of every run of `cmp` as JSON lines (`compare --records`).
+fn write_records(path: &std::path::Path, cmp: &compare::Comparison) -> Result<()> {
+    use std::io::Write;
+    let file =
+        std::fs::File::create(path).with_context(|| format!("creating {}", path.display()))?;
+    let mut out = std::io::BufWriter::new(file);
+    for run in &cmp.runs {
+        for (i, r) in run.run.iter().flat_map(|x| x.records.iter()).enumerate() {
+            let line = serde_json::json!({
+                "run": run.label, "request": i, "session": r.session, "turn": r.turn,
+                "pod": r.pod, "prompt_tokens": r.prompt_tokens,
+                "cached_tokens": r.cached_tokens, "ttft_ms": r.ttft_ms, "error": r.error,
+            });
+            writeln!(out, "{line}")?;
+        }
+    }
+    out.flush()?;
+    eprintln!("kv-bench: wrote {}", path.display());
+    Ok(())
 }
 
 /// One benchmark of the report: heading, chart file prefix, the command (without `kv-bench`).

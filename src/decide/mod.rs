@@ -384,6 +384,7 @@ impl Decider {
             new_conversation,
         };
         let plan = plan(&self.stages, input, &mut rand::rng());
+        log_decision(&plan);
         for e in &plan.scorer_errors {
             debug!(error = %e, "scorer failed; its scores count as 0");
             self.metrics.errors.inc(ErrorKind::Scorer);
@@ -488,6 +489,35 @@ fn in_subset(pod: &PodId, subset: &[String]) -> bool {
             || s.trim_start_matches('[').trim_end_matches(']')
                 == ip.trim_start_matches('[').trim_end_matches(']')
     })
+}
+
+/// One debug line per decision: why, where, and how that compares with the pod holding the
+/// longest match (block counts and pod addresses only: never prompt text).
+fn log_decision(plan: &Plan) {
+    if !tracing::enabled!(tracing::Level::DEBUG) {
+        return;
+    }
+    let (Some(chosen), Some(holder)) = (
+        plan.ranked.first(),
+        plan.ranked
+            .iter()
+            .max_by(|a, b| a.matched_blocks.total_cmp(&b.matched_blocks)),
+    ) else {
+        return;
+    };
+    debug!(
+        reason = plan.reason.as_str(),
+        blocks = plan.total_blocks,
+        new_conversation = plan.new_conversation,
+        pod = %chosen.pod,
+        matched = chosen.matched_blocks,
+        ttft_ms = chosen.predicted.ttft_ms,
+        holder = %holder.pod,
+        holder_matched = holder.matched_blocks,
+        holder_saturated = holder.saturated,
+        holder_ttft_ms = holder.predicted.ttft_ms,
+        "decision"
+    );
 }
 
 #[cfg(test)]

@@ -141,7 +141,7 @@ pub struct Plan {
     best_match: f64,
     /// The request started a new conversation.
     #[serde(skip)]
-    new_conversation: bool,
+    pub(super) new_conversation: bool,
 }
 
 impl Plan {

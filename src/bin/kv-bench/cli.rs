@@ -198,6 +198,11 @@ pub(crate) struct CompareArgs {
     /// (`<strategy>-<replica>.prom`): decisions by reason, KV-event lag and counts, errors.
     #[arg(long)]
     pub(crate) router_metrics: Option<PathBuf>,
+    /// Write every request of every run here, one JSON object per line (run label, request
+    /// number in send order, serving pod, prompt and cached tokens, TTFT): which requests
+    /// made two runs differ.
+    #[arg(long)]
+    pub(crate) records: Option<PathBuf>,
     /// Run every strategy this many times, each round in an order rotated by one; the table
     /// gets a column per run (`weighted #2`) and the median and range of each strategy follow.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=20))]
