@@ -105,14 +105,18 @@ impl Picker {
         self
     }
 
-    /// Whether a pod counts as saturated.
-    pub fn saturated(&self, load: &PodLoad) -> bool {
+    /// Saturated whatever the request: its load is unknown (stale) or its KV cache is full.
+    fn unusable(&self, load: &PodLoad) -> bool {
+        let g = &self.gate;
+        g.enabled && ((g.stale_is_saturated && !load.fresh) || load.kv_usage >= g.max_kv_usage)
+    }
+
+    /// Saturated by queued work (waiting requests, this router's uncached tokens in flight):
+    /// a request whose long prefix only this pod holds may still be served sooner there.
+    fn queued_full(&self, load: &PodLoad) -> bool {
         let g = &self.gate;
         g.enabled
-            && ((g.stale_is_saturated && !load.fresh)
-                || load.waiting >= g.max_waiting
-                || load.kv_usage >= g.max_kv_usage
-                || load.inflight_tokens >= g.max_inflight_tokens)
+            && (load.waiting >= g.max_waiting || load.inflight_tokens >= g.max_inflight_tokens)
     }
 
     /// Which candidates carry clearly more requests than the least loaded one (SGLang-style
@@ -162,16 +166,28 @@ impl Picker {
         let loads: Vec<&PodLoad> = input.candidates.iter().map(|c| &c.load).collect();
         let predictions = input.predictions();
         let hot = self.hot(&loads);
-        let full: Vec<bool> = loads.iter().map(|l| self.saturated(l)).collect();
-        // A hot pod stays eligible while it would still answer first: its queue is shorter than
-        // what any cooler pod would have to compute (a long prefix cached only there). Spilling
-        // it would cost the request that prefill and the fleet a second copy.
+        let unusable: Vec<bool> = loads.iter().map(|l| self.unusable(l)).collect();
+        let busy_gate: Vec<bool> = (0..n)
+            .map(|i| hot[i] || self.queued_full(loads[i]))
+            .collect();
+        // A hot or queue-saturated pod stays eligible while it is still the cheaper place: its
+        // predicted TTFT plus the prefill it would do, against the same on the best pod that is
+        // neither. Moving a long prefix cached only there costs the fleet a second prefill of it
+        // (a conversation's history, for all its later turns too), not just this request's wait.
+        // predicted-ttft prices that work in its own ranking; counting it here as well kept hot
+        // holders past where its ranking leaves them (simulate, conversation window: 0.90 -> 0.80
+        // of pooled), so it compares TTFTs alone.
+        let work = match self.policy {
+            Policy::PredictedTtft => 0.0,
+            _ => 1.0,
+        };
+        let cost = |i: usize| predictions[i].ttft_ms + work * predictions[i].prefill_ms;
         let coolest = (0..n)
-            .filter(|&i| !hot[i] && !full[i])
-            .map(|i| predictions[i].ttft_ms)
+            .filter(|&i| !busy_gate[i] && !unusable[i])
+            .map(cost)
             .fold(f64::INFINITY, f64::min);
         let saturated: Vec<bool> = (0..n)
-            .map(|i| full[i] || (hot[i] && predictions[i].ttft_ms >= coolest))
+            .map(|i| unusable[i] || (busy_gate[i] && (coolest.is_infinite() || cost(i) >= coolest)))
             .collect();
         let mut order: Vec<usize> = (0..n).collect();
         // Shuffle first, then a stable sort: exact ties end up in random order.
@@ -597,6 +613,35 @@ mod tests {
         assert_eq!(first(&inp), 0);
         // Its own queue (router-side tokens still prefilling there) makes it the slower one.
         inp.candidates[0].load.inflight_tokens = 3000.0;
+        assert_ne!(first(&inp), 0);
+    }
+
+    #[test]
+    fn a_busy_holder_of_a_long_history_keeps_it_while_moving_it_costs_more() {
+        // Weighted: a 100k-token turn whose first 96k tokens only pod 0 holds. Elsewhere it
+        // would prefill 10 s at the prior's 10k tokens/s, and leave that work on the new pod.
+        let p = Picker::new(Policy::Weighted, vec![3.0, 2.0], GateConfig::default());
+        let mut inp = input(3);
+        inp.prompt_tokens = 100_000.0;
+        inp.candidates[0].matched_blocks = 6000.0;
+        let scores = vec![vec![0.96, 0.0, 0.0], vec![0.0, 1.0, 1.0]];
+        let first = |inp: &ScoreInput| {
+            p.rank(inp, &scores, &[0.0; 3], 0, &mut StdRng::seed_from_u64(3))
+                .order[0]
+        };
+        // Saturated by this router's tokens in flight (70k: 7 s of queue): it still answers
+        // before a cold pod would (before, the saturation gate spilled it regardless).
+        inp.candidates[0].load.inflight_tokens = 70_000.0;
+        assert_eq!(first(&inp), 0);
+        // Hot, and 7 waiting requests of 2 s each: 14.4 s against a cold pod's 10 s, but the
+        // cold pod would also compute 96k tokens more (before, the slower TTFT alone spilled it).
+        inp.candidates[0].load.inflight_tokens = 0.0;
+        inp.candidates[0].load.running = 5.0;
+        inp.candidates[0].load.waiting = 7.0;
+        inp.candidates[0].model.mean_prefill_s = 2.0;
+        assert_eq!(first(&inp), 0);
+        // At 4 s each the queue outweighs both: the turn moves.
+        inp.candidates[0].model.mean_prefill_s = 4.0;
         assert_ne!(first(&inp), 0);
     }
 
