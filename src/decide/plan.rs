@@ -173,7 +173,6 @@ pub fn plan(stages: &Stages, input: PlanInput, rng: &mut impl Rng) -> Plan {
         prompt_tokens: keys.prompt_tokens.min(stages.max_prompt_tokens) as f64,
         tokens_per_block: keys.tokens_per_block as f64,
     };
-    let predictions = input.predictions();
     let busy: Vec<f64> = input
         .candidates
         .iter()
@@ -219,7 +218,7 @@ pub fn plan(stages: &Stages, input: PlanInput, rng: &mut impl Rng) -> Plan {
                 .collect(),
             matched_blocks: input.candidates[i].matched_blocks,
             saturated: ranking.saturated[i],
-            predicted: predictions[i],
+            predicted: ranking.predictions[i],
         })
         .collect();
     let endpoints = ranked

@@ -10,7 +10,7 @@ use serde::{Serialize, Serializer};
 
 use crate::config::{GateConfig, Policy, TtftConfig};
 use crate::pods::PodLoad;
-use crate::scoring::{Candidate, ScoreInput};
+use crate::scoring::{Candidate, Prediction, ScoreInput};
 
 /// Why the primary pod was chosen (closed set; the `reason` label of decisions).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -77,6 +77,8 @@ pub(crate) struct Ranking {
     pub saturated: Vec<bool>,
     /// Why: [`Reason::Scored`], [`Reason::AllSaturated`] or [`Reason::Policy`].
     pub reason: Reason,
+    /// Each candidate's predicted TTFT, as the gate and `predicted-ttft` read it.
+    pub predictions: Vec<Prediction>,
 }
 
 /// Combines scorer outputs into a ranking. Holds no state: round robin's position is an input.
@@ -282,6 +284,7 @@ impl Picker {
             totals,
             saturated,
             reason,
+            predictions,
         }
     }
 }
