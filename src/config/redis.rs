@@ -48,6 +48,11 @@ pub struct RedisConfig {
     pub lookup_budget_ms: u64,
     /// Writes (decision records, forgets, sweeps) slower than this are abandoned and counted.
     pub write_budget_ms: u64,
+    /// Added to both budgets per block: a lookup gets this per block it reads, a write twice
+    /// this per block it writes. Redis spends 2-3 µs per block read on a busy machine, so a
+    /// 1,500-block prompt (seconds of prefill) may wait 20 ms for its answer instead of being
+    /// cut off by a budget sized for short prompts.
+    pub budget_us_per_block: u64,
     /// Writes waiting for Redis at most; more are dropped and counted (the request path never
     /// waits for a write).
     pub write_queue: usize,
@@ -77,6 +82,7 @@ impl Default for RedisConfig {
             pool_size: 2,
             lookup_budget_ms: 5,
             write_budget_ms: 50,
+            budget_us_per_block: 10,
             write_queue: 10_000,
             retry_after_ms: 1_000,
             match_cache_ms: 50,
@@ -109,6 +115,7 @@ impl std::fmt::Debug for RedisConfig {
             .field("pool_size", &self.pool_size)
             .field("lookup_budget_ms", &self.lookup_budget_ms)
             .field("write_budget_ms", &self.write_budget_ms)
+            .field("budget_us_per_block", &self.budget_us_per_block)
             .field("write_queue", &self.write_queue)
             .field("retry_after_ms", &self.retry_after_ms)
             .field("match_cache_ms", &self.match_cache_ms)
@@ -183,6 +190,9 @@ impl RedisConfig {
         if !(1..=10_000).contains(&self.write_budget_ms) {
             p.push(("write_budget_ms", "must be in 1..=10000"));
         }
+        if self.budget_us_per_block > 1_000 {
+            p.push(("budget_us_per_block", "must be at most 1000"));
+        }
         if !(1..=1_000_000).contains(&self.write_queue) {
             p.push(("write_queue", "must be in 1..=1000000"));
         }
@@ -244,6 +254,7 @@ mod tests {
             key_prefix: "a{b}".into(),
             pool_size: 0,
             lookup_budget_ms: 0,
+            budget_us_per_block: 1_001,
             ..RedisConfig::default()
         };
         let keys: Vec<_> = c.problems().into_iter().map(|(k, _)| k).collect();
@@ -254,7 +265,8 @@ mod tests {
                 "password",
                 "key_prefix",
                 "pool_size",
-                "lookup_budget_ms"
+                "lookup_budget_ms",
+                "budget_us_per_block"
             ]
         );
         assert!(RedisConfig::default().problems().is_empty());

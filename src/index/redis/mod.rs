@@ -11,6 +11,8 @@
 #[cfg(all(test, feature = "bench"))]
 mod cluster_tests;
 mod conn;
+#[cfg(all(test, feature = "bench"))]
+mod long_prompt_tests;
 mod metrics;
 #[cfg(all(test, feature = "bench"))]
 mod prop_tests;
@@ -112,6 +114,8 @@ pub(crate) struct Shared {
     default_capacity: usize,
     lookup_budget: Duration,
     write_budget: Duration,
+    /// Added to the lookup budget per block read, twice to the write budget per block written.
+    per_block: Duration,
     retry_after: Duration,
     pause: Mutex<Pause>,
     match_cache_ms: u64,
@@ -155,6 +159,16 @@ impl Shared {
 
     fn wrote_everywhere(&self) {
         self.global_generation.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// How long a lookup of `blocks` blocks may take before it falls back.
+    fn lookup_budget_for(&self, blocks: usize) -> Duration {
+        self.lookup_budget + self.per_block * blocks.min(u32::MAX as usize) as u32
+    }
+
+    /// How long a write of `blocks` blocks may take before it is abandoned.
+    pub(super) fn write_budget_for(&self, blocks: usize) -> Duration {
+        self.write_budget + self.per_block * 2 * blocks.min(u32::MAX as usize / 2) as u32
     }
 
     fn paused(&self) -> bool {
@@ -279,6 +293,7 @@ impl RedisIndex {
             default_capacity: tuning.default_capacity.max(1),
             lookup_budget: Duration::from_millis(cfg.lookup_budget_ms),
             write_budget: Duration::from_millis(cfg.write_budget_ms),
+            per_block: Duration::from_micros(cfg.budget_us_per_block),
             retry_after: Duration::from_millis(cfg.retry_after_ms),
             pause: Mutex::new(Pause::default()),
             match_cache_ms: cfg.match_cache_ms,
@@ -401,9 +416,10 @@ impl KvIndex for RedisIndex {
             return self.local.index().lookup(keys, pods, now_ms).await;
         }
         let started = Instant::now();
-        let answer = tokio::time::timeout(sh.lookup_budget, sh.remote_lookup(keys, pods, wall))
+        let budget = sh.lookup_budget_for(keys.len());
+        let answer = tokio::time::timeout(budget, sh.remote_lookup(keys, pods, wall))
             .await
-            .unwrap_or(Err(IndexError::Timeout(sh.lookup_budget)));
+            .unwrap_or(Err(IndexError::Timeout(budget)));
         sh.metrics
             .lookup_seconds
             .observe(started.elapsed().as_secs_f64());

@@ -160,11 +160,14 @@ return out
 "#;
 
 /// Records entries of one pod under one root. KEYS: recorded keys. ARGV: pod, expiry (unix ms).
+/// A key's TTL only grows: `GT` first (one call for a key that already has a TTL, the common
+/// case of a conversation re-recording its history), `NX` only when that did nothing.
 pub(super) const RECORD: &str = r#"
 for _, k in ipairs(KEYS) do
   redis.call('HSET', k, ARGV[1], ARGV[2])
-  redis.call('PEXPIREAT', k, ARGV[2], 'NX')
-  redis.call('PEXPIREAT', k, ARGV[2], 'GT')
+  if redis.call('PEXPIREAT', k, ARGV[2], 'GT') == 0 then
+    redis.call('PEXPIREAT', k, ARGV[2], 'NX')
+  end
 end
 return #KEYS
 "#;
@@ -175,7 +178,10 @@ return #KEYS
 pub(super) const TOUCH: &str = r#"
 local n = #ARGV - 1
 local seq = redis.call('HINCRBY', KEYS[2], 'seq', n)
-for i = 2, #ARGV do redis.call('ZADD', KEYS[1], seq - (i - 2), ARGV[i]) end
+-- One variadic ZADD (callers send at most a few hundred members): half the time of one call each.
+local zargs = {}
+for i = 2, #ARGV do zargs[2 * i - 3] = seq - (i - 2); zargs[2 * i - 2] = ARGV[i] end
+if n > 0 then redis.call('ZADD', KEYS[1], unpack(zargs)) end
 local cap = tonumber(redis.call('HGET', KEYS[2], 'cap') or ARGV[1])
 local over = redis.call('ZCARD', KEYS[1]) - cap
 if over <= 0 then return {} end

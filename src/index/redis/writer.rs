@@ -23,6 +23,9 @@ use crate::pods::PodId;
 const BATCH: usize = 256;
 /// Members popped per round trip when a pod is forgotten.
 const FORGET_CHUNK: usize = 1_000;
+/// Blocks per script when a record is written: Redis runs one script at a time, so a 4096-block
+/// prompt written in one script held every other replica's lookup back for ~15 ms.
+const RECORD_CHUNK: usize = 512;
 
 /// What a pod's events say about one (root, key): held on GPU, offloaded only, or not.
 pub(super) type Change = (u64, BlockKey, Option<bool>);
@@ -49,6 +52,17 @@ pub(super) enum WriteOp {
     Forget { pod: PodId, recorded_only: bool },
     /// Answer once everything queued before is written.
     Flush(oneshot::Sender<()>),
+}
+
+impl WriteOp {
+    /// Blocks the operation writes (what its write budget grows with).
+    fn blocks(&self) -> usize {
+        match self {
+            WriteOp::Record { keys, .. } => keys.len(),
+            WriteOp::Events { changes, .. } => changes.len(),
+            _ => 0,
+        }
+    }
 }
 
 /// Drains the queue until every sender is gone. Restarted by the owner if it panics, so the
@@ -119,56 +133,62 @@ where
 /// except entries a later operation of the same group recorded again.
 async fn concurrent(shared: &Shared, ops: Vec<WriteOp>) {
     let n = ops.len() as u64;
-    budgeted(shared, n, shared.write_budget, |con| async move {
-        let sends = ops.iter().enumerate().map(|(i, op)| {
-            let con = con.clone();
-            async move {
-                match op {
-                    WriteOp::Record {
-                        pod,
-                        root,
-                        keys,
-                        expiry,
-                    } => record(shared, con, pod, *root, keys, *expiry)
-                        .await
-                        .map(|ev| (i, ev)),
-                    WriteOp::Events { pod, changes } => events(shared, con, pod, changes, true)
-                        .await
-                        .map(|()| (i, Vec::new())),
-                    WriteOp::Session { key, pod, ttl_ms } => {
-                        let mut con = con;
-                        redis::cmd("SET")
-                            .arg(shared.schema.session(*key))
-                            .arg(pod.as_str())
-                            .arg("PX")
-                            .arg(*ttl_ms)
-                            .query_async::<()>(&mut con)
+    let blocks = ops.iter().map(WriteOp::blocks).sum();
+    budgeted(
+        shared,
+        n,
+        shared.write_budget_for(blocks),
+        |con| async move {
+            let sends = ops.iter().enumerate().map(|(i, op)| {
+                let con = con.clone();
+                async move {
+                    match op {
+                        WriteOp::Record {
+                            pod,
+                            root,
+                            keys,
+                            expiry,
+                        } => record(shared, con, pod, *root, keys, *expiry)
                             .await
-                            .map_err(|e| to_index_error(&e))
-                            .map(|()| (i, Vec::new()))
+                            .map(|ev| (i, ev)),
+                        WriteOp::Events { pod, changes } => events(shared, con, pod, changes, true)
+                            .await
+                            .map(|()| (i, Vec::new())),
+                        WriteOp::Session { key, pod, ttl_ms } => {
+                            let mut con = con;
+                            redis::cmd("SET")
+                                .arg(shared.schema.session(*key))
+                                .arg(pod.as_str())
+                                .arg("PX")
+                                .arg(*ttl_ms)
+                                .query_async::<()>(&mut con)
+                                .await
+                                .map_err(|e| to_index_error(&e))
+                                .map(|()| (i, Vec::new()))
+                        }
+                        _ => Ok((i, Vec::new())),
                     }
-                    _ => Ok((i, Vec::new())),
+                }
+            });
+            let mut evicted = Vec::new();
+            for r in join_all(sends).await {
+                let (i, ev) = r?;
+                let WriteOp::Record { pod, .. } = &ops[i] else {
+                    continue;
+                };
+                for (root, key) in ev {
+                    let again = ops[i + 1..].iter().any(|later| match later {
+                        WriteOp::Record { pod: p, keys, .. } => p == pod && keys.contains(&key),
+                        _ => false,
+                    });
+                    if !again {
+                        evicted.push((pod.clone(), root, key));
+                    }
                 }
             }
-        });
-        let mut evicted = Vec::new();
-        for r in join_all(sends).await {
-            let (i, ev) = r?;
-            let WriteOp::Record { pod, .. } = &ops[i] else {
-                continue;
-            };
-            for (root, key) in ev {
-                let again = ops[i + 1..].iter().any(|later| match later {
-                    WriteOp::Record { pod: p, keys, .. } => p == pod && keys.contains(&key),
-                    _ => false,
-                });
-                if !again {
-                    evicted.push((pod.clone(), root, key));
-                }
-            }
-        }
-        delete_recorded(shared, &con, &evicted).await
-    })
+            delete_recorded(shared, &con, &evicted).await
+        },
+    )
     .await;
 }
 
@@ -221,7 +241,9 @@ async fn single(shared: &Shared, op: WriteOp) {
 }
 
 /// Writes one record: the entries (on the prefix's shard) and the pod's recency (on the pod's),
-/// concurrently. Returns what the pod's capacity evicted.
+/// in scripts of at most [`RECORD_CHUNK`] blocks so other clients' lookups run in between.
+/// Recency is written tail chunk first, so the prompt's head ends up most recent. Returns what
+/// the pod's capacity evicted.
 async fn record(
     shared: &Shared,
     con: Handle,
@@ -230,25 +252,34 @@ async fn record(
     keys: &[BlockKey],
     expiry: u64,
 ) -> Result<Vec<(u64, BlockKey)>, IndexError> {
-    let mut entries = shared.scripts.record.prepare_invoke();
-    for &k in keys {
-        entries.key(shared.schema.recorded(root, k));
+    let entries = keys.chunks(RECORD_CHUNK).map(|chunk| {
+        let mut con = con.clone();
+        let mut inv = shared.scripts.record.prepare_invoke();
+        for &k in chunk {
+            inv.key(shared.schema.recorded(root, k));
+        }
+        inv.arg(pod.as_str()).arg(expiry);
+        async move { inv.invoke_async::<i64>(&mut con).await }
+    });
+    let recency = async {
+        let mut con = con.clone();
+        let mut popped: Vec<Vec<u8>> = Vec::new();
+        for chunk in keys.rchunks(RECORD_CHUNK) {
+            let mut inv = shared.scripts.touch.prepare_invoke();
+            inv.key(shared.schema.lru(pod))
+                .key(shared.schema.meta(pod))
+                .arg(shared.default_capacity);
+            for &k in chunk {
+                inv.arg(shared.schema.member(root, k));
+            }
+            popped.extend(inv.invoke_async::<Vec<Vec<u8>>>(&mut con).await?);
+        }
+        Ok::<_, redis::RedisError>(popped)
+    };
+    let (a, b) = tokio::join!(join_all(entries), recency);
+    for r in a {
+        r.map_err(|e| to_index_error(&e))?;
     }
-    entries.arg(pod.as_str()).arg(expiry);
-    let mut recency = shared.scripts.touch.prepare_invoke();
-    recency
-        .key(shared.schema.lru(pod))
-        .key(shared.schema.meta(pod))
-        .arg(shared.default_capacity);
-    for &k in keys {
-        recency.arg(shared.schema.member(root, k));
-    }
-    let (mut c1, mut c2) = (con.clone(), con);
-    let (a, b) = tokio::join!(
-        entries.invoke_async::<i64>(&mut c1),
-        recency.invoke_async::<Vec<Vec<u8>>>(&mut c2)
-    );
-    a.map_err(|e| to_index_error(&e))?;
     let popped = b.map_err(|e| to_index_error(&e))?;
     Ok(popped.iter().filter_map(|m| parse_member(m)).collect())
 }
