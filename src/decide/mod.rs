@@ -12,6 +12,7 @@
 mod conversation;
 mod metrics;
 mod plan;
+mod unrecorded;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -31,6 +32,7 @@ use crate::scoring::{Candidate, SessionKey, SessionStore};
 use crate::telemetry::ErrorKind;
 use crate::tokenize::TokenizerRegistry;
 use metrics::DecisionLabels;
+use unrecorded::Unrecorded;
 
 pub use conversation::{Conversations, SessionSeen, PROMPT_ENDS};
 pub use metrics::DecisionMetrics;
@@ -70,11 +72,28 @@ pub struct Decision {
 }
 
 /// A decision's index record, left for after the reply ([`Decider::decide_reply_first`]).
-#[derive(Debug)]
+/// Until it is recorded or dropped, the decider's lookups count it as if it were in the index.
 pub struct PendingRecord {
     pod: PodId,
-    keys: Vec<BlockKey>,
+    keys: Arc<[BlockKey]>,
     now_ms: u64,
+    id: u64,
+    unrecorded: Arc<Unrecorded>,
+}
+
+impl std::fmt::Debug for PendingRecord {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PendingRecord")
+            .field("pod", &self.pod)
+            .field("blocks", &self.keys.len())
+            .finish()
+    }
+}
+
+impl Drop for PendingRecord {
+    fn drop(&mut self) {
+        self.unrecorded.landed(self.id);
+    }
 }
 
 /// No decision could be made; the edge (ext_proc, Pick, explain) turns this into its status.
@@ -130,6 +149,8 @@ pub struct Decider {
     index: Arc<dyn KvIndex>,
     sessions: Arc<SessionStore>,
     conversations: Conversations,
+    /// Answered decisions whose index record has not landed yet.
+    unrecorded: Arc<Unrecorded>,
     stages: Stages,
     metrics: DecisionMetrics,
     epoch: Instant,
@@ -143,6 +164,8 @@ struct Prepared {
     pods: Vec<Arc<Pod>>,
     now: Instant,
     now_ms: u64,
+    /// Its entry among the unrecorded decisions, and its keys (decisions to commit only).
+    unrecorded: Option<(u64, Arc<[BlockKey]>)>,
 }
 
 impl Decider {
@@ -183,6 +206,7 @@ impl Decider {
             index,
             sessions,
             conversations: Conversations::new(PROMPT_ENDS, cfg.gate.spread_half_life_ms),
+            unrecorded: Arc::default(),
             stages: Stages::new(cfg),
             metrics,
             epoch: Instant::now(),
@@ -224,7 +248,7 @@ impl Decider {
         req: DecideRequest<'_>,
     ) -> Result<(Decision, Option<PendingRecord>), DecideError> {
         let started = Instant::now();
-        let result = match self.prepare(req).await {
+        let result = match self.prepare(req, true).await {
             Ok(p) => Ok(self.commit(p).await),
             Err(e) => Err(e),
         };
@@ -255,7 +279,7 @@ impl Decider {
     /// The decision [`Decider::decide`] would make now, recording nothing.
     pub async fn plan(&self, req: DecideRequest<'_>) -> Result<Decision, DecideError> {
         let started = Instant::now();
-        let result = self.prepare(req).await.map(|p| Decision {
+        let result = self.prepare(req, false).await.map(|p| Decision {
             plan: p.plan,
             model: p.model,
             guard: None,
@@ -285,10 +309,12 @@ impl Decider {
             pods[i].begin_request(tokens, now, rate)
         })
         .await;
-        let pending = (!p.plan.keys.keys.is_empty()).then(|| PendingRecord {
+        let pending = p.unrecorded.map(|(id, keys)| PendingRecord {
             pod: p.plan.ranked[0].pod.clone(),
-            keys: p.plan.keys.keys.clone(),
+            keys,
             now_ms: p.now_ms,
+            id,
+            unrecorded: self.unrecorded.clone(),
         });
         let decision = Decision {
             plan: p.plan,
@@ -298,7 +324,9 @@ impl Decider {
         (decision, pending)
     }
 
-    async fn prepare(&self, req: DecideRequest<'_>) -> Result<Prepared, DecideError> {
+    /// Parses, looks up and plans; with `commit`, the plan joins the unrecorded decisions in
+    /// the same step that overlaid them, so concurrent decisions see each other.
+    async fn prepare(&self, req: DecideRequest<'_>, commit: bool) -> Result<Prepared, DecideError> {
         let (parsed, keys) = self.parse_and_key(&req).await;
         let parsed: Option<RoutingRequest> = match parsed {
             None => None,
@@ -319,7 +347,17 @@ impl Decider {
         }
         let ids: Vec<PodId> = pods.iter().map(|p| p.id().clone()).collect();
         let now_ms = self.now_ms();
-        let matched = if keys.keys.is_empty() {
+        let session = SessionKey::find(
+            |name| req.header(name),
+            &self.session_headers,
+            parsed.as_ref().and_then(|r| r.user.as_deref()),
+            self.use_user_field,
+        );
+        let session_pod = match session {
+            Some(s) => self.sessions.find(s, now_ms).await,
+            None => None,
+        };
+        let mut matched = if keys.keys.is_empty() {
             vec![0.0; ids.len()]
         } else {
             self.index
@@ -331,16 +369,9 @@ impl Decider {
                     vec![0.0; ids.len()]
                 })
         };
-        let session = SessionKey::find(
-            |name| req.header(name),
-            &self.session_headers,
-            parsed.as_ref().and_then(|r| r.user.as_deref()),
-            self.use_user_field,
-        );
-        let session_pod = match session {
-            Some(s) => self.sessions.find(s, now_ms).await,
-            None => None,
-        };
+        // From here to the plan's end nothing awaits: the unrecorded set is held throughout.
+        let mut unrecorded = self.unrecorded.hold();
+        unrecorded.overlay(&keys.keys, &ids, &mut matched);
         let now = Instant::now();
         let seen = match (&session, &session_pod) {
             (None, _) => SessionSeen::None,
@@ -375,6 +406,8 @@ impl Decider {
             (None, None) => Body::Missing,
             (None, Some(_)) => Body::Unparsable,
         };
+        let shared_keys: Option<Arc<[BlockKey]>> =
+            (commit && !keys.keys.is_empty()).then(|| keys.keys.as_slice().into());
         let input = PlanInput {
             keys,
             body,
@@ -384,6 +417,13 @@ impl Decider {
             new_conversation,
         };
         let plan = plan(&self.stages, input, &mut rand::rng());
+        let unrecorded = match shared_keys {
+            Some(k) => Some((unrecorded.add(plan.ranked[0].pod.clone(), k.clone()), k)),
+            None => {
+                drop(unrecorded);
+                None
+            }
+        };
         log_decision(&plan);
         for e in &plan.scorer_errors {
             debug!(error = %e, "scorer failed; its scores count as 0");
@@ -395,6 +435,7 @@ impl Decider {
             pods,
             now,
             now_ms,
+            unrecorded,
         })
     }
 
@@ -633,6 +674,29 @@ pub(crate) mod tests {
                 .decisions(Reason::Scored, &first.plan.endpoints[0]),
             4
         );
+    }
+
+    /// Two requests on a new prefix decided before the first one's record lands (the reply goes
+    /// first): the second sees the first as if it were in the index and follows it. Before,
+    /// it saw nothing and a burst leaving at once split over cold pods.
+    #[tokio::test]
+    async fn a_decision_answered_but_not_yet_recorded_is_seen_by_the_next() {
+        let (d, _) = decider(4, |_| {}).await;
+        let body = prompt("a burst on a new prefix ", "q");
+        let (a, pending) = d.decide_reply_first(req(&body, &[])).await.unwrap();
+        let pending = pending.expect("keys to record");
+        assert_eq!(d.index().stats().entries, 0, "not recorded yet");
+        let (b, b_pending) = d.decide_reply_first(req(&body, &[])).await.unwrap();
+        assert_eq!(b.plan.endpoints[0], a.plan.endpoints[0]);
+        let total = b.plan.total_blocks as f64;
+        assert!(total > 10.0);
+        assert_eq!(b.plan.ranked[0].matched_blocks, total);
+        assert_eq!(d.unrecorded.len(), 2);
+        drop(b_pending);
+        d.record(pending).await;
+        assert!(d.index().stats().entries > 0);
+        tokio::time::sleep(unrecorded::GRACE + Duration::from_millis(20)).await;
+        assert_eq!(d.unrecorded.len(), 0, "a record, landed or dropped, leaves");
     }
 
     #[tokio::test]
