@@ -178,6 +178,26 @@ pub struct StrategyRun {
     pub skipped: Option<String>,
 }
 
+impl StrategyRun {
+    /// A finished run, summarized (with the oracles when the fleet is known). The bodies it
+    /// sent are dropped once the oracles have replayed them: a Mooncake run's token arrays as
+    /// JSON values are ~300 MB, and keeping every run's grew `make bench` to 5 GB by its last
+    /// rounds, so later runs' clients paid for fresh pages while they timed requests.
+    fn finished(label: String, mut run: RunResult, fleet: Option<(usize, usize)>) -> Self {
+        let mut summary = Summary::of(&run, fleet.map(|(p, _)| p));
+        if let Some((pods, blocks)) = fleet {
+            summary = summary.with_oracles(&run, pods, blocks);
+        }
+        run.sent = Vec::new();
+        Self {
+            label,
+            summary: Some(summary),
+            run: Some(run),
+            skipped: None,
+        }
+    }
+}
+
 /// A whole comparison.
 #[derive(Debug, Serialize)]
 pub struct Comparison {
@@ -312,16 +332,62 @@ pub async fn compare(
             s.save_metrics(dir, &label).await?;
         }
         drop(stack);
-        let summary =
-            Summary::of(&run, Some(opts.pods)).with_oracles(&run, opts.pods, opts.gpu_blocks);
-        out.runs.push(StrategyRun {
-            label,
-            summary: Some(summary),
-            run: Some(run),
-            skipped: None,
-        });
+        let fleet = Some((opts.pods, opts.gpu_blocks));
+        out.runs.push(StrategyRun::finished(label, run, fleet));
     }
     Ok(out)
+}
+
+/// Waits until a precise router has replayed every pod's KV-event buffer and applied it. The
+/// pods live through the whole comparison, so their replay buffers (10,000 batches, as vLLM's)
+/// hold every earlier strategy's runs: a router starting late in `make bench` replayed ~1.2 M
+/// events of them while its own run was being measured, and precise's TTFT grew with its place
+/// in the order (p50 314 → 334 → 354 ms over three rounds of six strategies).
+async fn wait_caught_up(router: &RouterProc, pods: usize, limit: Duration) -> Result<()> {
+    let deadline = tokio::time::Instant::now() + limit;
+    let mut last_applied = None;
+    loop {
+        let text = router
+            .metrics()
+            .await
+            .context("reading a router's /metrics")?;
+        let (done, applied) = catch_up_state(&text);
+        if done >= pods && last_applied == Some(applied) {
+            return Ok(());
+        }
+        last_applied = (done >= pods).then_some(applied);
+        if tokio::time::Instant::now() > deadline {
+            anyhow::bail!(
+                "the precise router replayed {done} of {pods} pods' KV events in {limit:?}"
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// From a router's `/metrics`: pods whose catch-up replay finished (complete or failed), and
+/// the KV events applied so far.
+fn catch_up_state(metrics: &str) -> (usize, f64) {
+    let mut done = std::collections::BTreeSet::new();
+    let mut applied = 0.0;
+    for line in metrics.lines() {
+        let Some((name, value)) = line.rsplit_once(' ') else {
+            continue;
+        };
+        let value: f64 = value.parse().unwrap_or(0.0);
+        if name.starts_with("kv_router_kv_events_applied_total") {
+            applied += value;
+        } else if name.starts_with("kv_router_kv_event_replays_total{") && value >= 1.0 {
+            if let Some(pod) = name
+                .split("pod=\"")
+                .nth(1)
+                .and_then(|r| r.split('"').next())
+            {
+                done.insert(pod.to_string());
+            }
+        }
+    }
+    (done.len(), applied)
 }
 
 /// (round, strategy index) in run order: every round rotates the strategies by one, so over
@@ -402,6 +468,9 @@ impl Stack {
             router
                 .wait_pods_ready(addrs.len(), Duration::from_secs(20))
                 .await?;
+            if c.kv_events.enabled {
+                wait_caught_up(&router, addrs.len(), Duration::from_secs(60)).await?;
+            }
             routers.push(router);
         }
         let envoy = EnvoyProc::spawn_with(
@@ -522,18 +591,7 @@ pub async fn compare_endpoints(
     );
     let runs = runs
         .into_iter()
-        .map(|(label, run)| {
-            let mut summary = Summary::of(&run, pods);
-            if let (Some(p), Some(b)) = (pods, gpu_blocks) {
-                summary = summary.with_oracles(&run, p, b);
-            }
-            StrategyRun {
-                label,
-                summary: Some(summary),
-                run: Some(run),
-                skipped: None,
-            }
-        })
+        .map(|(label, run)| StrategyRun::finished(label, run, pods.zip(gpu_blocks)))
         .collect();
     Ok(Comparison {
         workload: workload_name,
@@ -548,6 +606,35 @@ pub async fn compare_endpoints(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn catch_up_counts_pods_with_a_finished_replay_and_events_applied() {
+        let text = "kv_router_kv_event_replays_total{pod=\"a:1\",type=\"complete\"} 1\n\
+                    kv_router_kv_event_replays_total{pod=\"a:1\",type=\"failed\"} 0\n\
+                    kv_router_kv_event_replays_total{pod=\"b:1\",type=\"failed\"} 1\n\
+                    kv_router_kv_event_replays_total{pod=\"c:1\",type=\"complete\"} 0\n\
+                    kv_router_kv_events_applied_total{pod=\"a:1\",type=\"BlockStored\"} 40\n\
+                    kv_router_kv_events_applied_total{pod=\"b:1\",type=\"BlockRemoved\"} 2\n";
+        assert_eq!(catch_up_state(text), (2, 42.0));
+    }
+
+    #[test]
+    fn a_finished_run_keeps_its_oracles_and_records_but_not_its_bodies() {
+        let body = serde_json::json!({"model": "m", "prompt": "a prompt long enough ".repeat(50)});
+        let run = RunResult {
+            label: "w".into(),
+            workload: "t".into(),
+            description: String::new(),
+            target: String::new(),
+            duration_s: 1.0,
+            records: Vec::new(),
+            sent: vec![("/v1/completions", body.clone()), ("/v1/completions", body)],
+        };
+        let done = StrategyRun::finished("w".into(), run, Some((2, 100)));
+        let oracles = done.summary.as_ref().and_then(|s| s.oracles.as_ref());
+        assert!(oracles.is_some(), "the oracles replayed the bodies");
+        assert!(done.run.as_ref().is_some_and(|r| r.sent.is_empty()));
+    }
 
     #[test]
     fn repeated_rounds_rotate_the_order() {
