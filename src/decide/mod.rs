@@ -347,16 +347,6 @@ impl Decider {
         }
         let ids: Vec<PodId> = pods.iter().map(|p| p.id().clone()).collect();
         let now_ms = self.now_ms();
-        let session = SessionKey::find(
-            |name| req.header(name),
-            &self.session_headers,
-            parsed.as_ref().and_then(|r| r.user.as_deref()),
-            self.use_user_field,
-        );
-        let session_pod = match session {
-            Some(s) => self.sessions.find(s, now_ms).await,
-            None => None,
-        };
         let mut matched = if keys.keys.is_empty() {
             vec![0.0; ids.len()]
         } else {
@@ -368,6 +358,16 @@ impl Decider {
                     self.metrics.errors.inc(ErrorKind::Index);
                     vec![0.0; ids.len()]
                 })
+        };
+        let session = SessionKey::find(
+            |name| req.header(name),
+            &self.session_headers,
+            parsed.as_ref().and_then(|r| r.user.as_deref()),
+            self.use_user_field,
+        );
+        let session_pod = match session {
+            Some(s) => self.sessions.find(s, now_ms).await,
+            None => None,
         };
         // From here to the plan's end nothing awaits: the unrecorded set is held throughout.
         let mut unrecorded = self.unrecorded.hold();
@@ -417,13 +417,9 @@ impl Decider {
             new_conversation,
         };
         let plan = plan(&self.stages, input, &mut rand::rng());
-        let unrecorded = match shared_keys {
-            Some(k) => Some((unrecorded.add(plan.ranked[0].pod.clone(), k.clone()), k)),
-            None => {
-                drop(unrecorded);
-                None
-            }
-        };
+        // Without keys to record the set is released here, unchanged.
+        let unrecorded =
+            shared_keys.map(|k| (unrecorded.add(plan.ranked[0].pod.clone(), k.clone()), k));
         log_decision(&plan);
         for e in &plan.scorer_errors {
             debug!(error = %e, "scorer failed; its scores count as 0");

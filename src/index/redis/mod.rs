@@ -114,8 +114,8 @@ pub(crate) struct Shared {
     default_capacity: usize,
     lookup_budget: Duration,
     write_budget: Duration,
-    /// Added to the lookup budget per block read, twice to the write budget per block written.
-    per_block: Duration,
+    /// Microseconds added to the lookup budget per block read, twice per block written.
+    per_block_us: u64,
     retry_after: Duration,
     pause: Mutex<Pause>,
     match_cache_ms: u64,
@@ -163,12 +163,16 @@ impl Shared {
 
     /// How long a lookup of `blocks` blocks may take before it falls back.
     fn lookup_budget_for(&self, blocks: usize) -> Duration {
-        self.lookup_budget + self.per_block * blocks.min(u32::MAX as usize) as u32
+        self.lookup_budget + Duration::from_micros(self.per_block_us.saturating_mul(blocks as u64))
     }
 
     /// How long a write of `blocks` blocks may take before it is abandoned.
     pub(super) fn write_budget_for(&self, blocks: usize) -> Duration {
-        self.write_budget + self.per_block * 2 * blocks.min(u32::MAX as usize / 2) as u32
+        let us = self
+            .per_block_us
+            .saturating_mul(2)
+            .saturating_mul(blocks as u64);
+        self.write_budget + Duration::from_micros(us)
     }
 
     fn paused(&self) -> bool {
@@ -293,7 +297,7 @@ impl RedisIndex {
             default_capacity: tuning.default_capacity.max(1),
             lookup_budget: Duration::from_millis(cfg.lookup_budget_ms),
             write_budget: Duration::from_millis(cfg.write_budget_ms),
-            per_block: Duration::from_micros(cfg.budget_us_per_block),
+            per_block_us: cfg.budget_us_per_block,
             retry_after: Duration::from_millis(cfg.retry_after_ms),
             pause: Mutex::new(Pause::default()),
             match_cache_ms: cfg.match_cache_ms,

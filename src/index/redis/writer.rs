@@ -133,62 +133,57 @@ where
 /// except entries a later operation of the same group recorded again.
 async fn concurrent(shared: &Shared, ops: Vec<WriteOp>) {
     let n = ops.len() as u64;
-    let blocks = ops.iter().map(WriteOp::blocks).sum();
-    budgeted(
-        shared,
-        n,
-        shared.write_budget_for(blocks),
-        |con| async move {
-            let sends = ops.iter().enumerate().map(|(i, op)| {
-                let con = con.clone();
-                async move {
-                    match op {
-                        WriteOp::Record {
-                            pod,
-                            root,
-                            keys,
-                            expiry,
-                        } => record(shared, con, pod, *root, keys, *expiry)
+    let budget = shared.write_budget_for(ops.iter().map(WriteOp::blocks).sum());
+    budgeted(shared, n, budget, |con| async move {
+        let sends = ops.iter().enumerate().map(|(i, op)| {
+            let con = con.clone();
+            async move {
+                match op {
+                    WriteOp::Record {
+                        pod,
+                        root,
+                        keys,
+                        expiry,
+                    } => record(shared, con, pod, *root, keys, *expiry)
+                        .await
+                        .map(|ev| (i, ev)),
+                    WriteOp::Events { pod, changes } => events(shared, con, pod, changes, true)
+                        .await
+                        .map(|()| (i, Vec::new())),
+                    WriteOp::Session { key, pod, ttl_ms } => {
+                        let mut con = con;
+                        redis::cmd("SET")
+                            .arg(shared.schema.session(*key))
+                            .arg(pod.as_str())
+                            .arg("PX")
+                            .arg(*ttl_ms)
+                            .query_async::<()>(&mut con)
                             .await
-                            .map(|ev| (i, ev)),
-                        WriteOp::Events { pod, changes } => events(shared, con, pod, changes, true)
-                            .await
-                            .map(|()| (i, Vec::new())),
-                        WriteOp::Session { key, pod, ttl_ms } => {
-                            let mut con = con;
-                            redis::cmd("SET")
-                                .arg(shared.schema.session(*key))
-                                .arg(pod.as_str())
-                                .arg("PX")
-                                .arg(*ttl_ms)
-                                .query_async::<()>(&mut con)
-                                .await
-                                .map_err(|e| to_index_error(&e))
-                                .map(|()| (i, Vec::new()))
-                        }
-                        _ => Ok((i, Vec::new())),
+                            .map_err(|e| to_index_error(&e))
+                            .map(|()| (i, Vec::new()))
                     }
-                }
-            });
-            let mut evicted = Vec::new();
-            for r in join_all(sends).await {
-                let (i, ev) = r?;
-                let WriteOp::Record { pod, .. } = &ops[i] else {
-                    continue;
-                };
-                for (root, key) in ev {
-                    let again = ops[i + 1..].iter().any(|later| match later {
-                        WriteOp::Record { pod: p, keys, .. } => p == pod && keys.contains(&key),
-                        _ => false,
-                    });
-                    if !again {
-                        evicted.push((pod.clone(), root, key));
-                    }
+                    _ => Ok((i, Vec::new())),
                 }
             }
-            delete_recorded(shared, &con, &evicted).await
-        },
-    )
+        });
+        let mut evicted = Vec::new();
+        for r in join_all(sends).await {
+            let (i, ev) = r?;
+            let WriteOp::Record { pod, .. } = &ops[i] else {
+                continue;
+            };
+            for (root, key) in ev {
+                let again = ops[i + 1..].iter().any(|later| match later {
+                    WriteOp::Record { pod: p, keys, .. } => p == pod && keys.contains(&key),
+                    _ => false,
+                });
+                if !again {
+                    evicted.push((pod.clone(), root, key));
+                }
+            }
+        }
+        delete_recorded(shared, &con, &evicted).await
+    })
     .await;
 }
 
