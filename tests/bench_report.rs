@@ -133,3 +133,28 @@ fn compare_endpoint_describes_the_fleet_it_measured() {
     );
     assert_eq!(v["summaries"][0]["oracles"]["pooled_blocks"], 300, "{v}");
 }
+
+#[test]
+fn router_metrics_keeps_each_routers_metrics_and_its_decision_log() {
+    let envoy = common::envoy_bin();
+    let dir = tempfile::tempdir().expect("temp dir");
+    let status = Command::new(env!("CARGO_BIN_EXE_kv-bench"))
+        .args("compare --workload multiturn --sessions 2 --turns 2".split(' '))
+        .args("--max-tokens 4 --system-bytes 2000".split(' '))
+        .args("--pods 2 --gpu-blocks 300 --strategies weighted".split(' '))
+        .arg("--envoy")
+        .arg(&envoy)
+        .arg("--router-metrics")
+        .arg(dir.path())
+        .env("RUST_LOG", "kv_router=debug")
+        .stdout(std::process::Stdio::null())
+        .status()
+        .expect("run kv-bench");
+    assert!(status.success(), "kv-bench compare failed: {status}");
+    let prom = std::fs::read_to_string(dir.path().join("weighted-0.prom")).expect("metrics");
+    assert!(prom.contains("kv_router_decisions_total"), "{prom}");
+    let log = std::fs::read_to_string(dir.path().join("weighted-0.log")).expect("log");
+    // Two sessions of two turns: four decisions, each with its line.
+    let lines = log.lines().filter(|l| l.contains(" decision ")).count();
+    assert_eq!(lines, 4, "{log}");
+}

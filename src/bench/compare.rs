@@ -44,7 +44,8 @@ pub struct CompareOptions {
     /// kv-router replicas behind Envoy for every router strategy (None: each strategy's
     /// [`Strategy::default_replicas`]). Replicas without the shared index each learn alone.
     pub replicas: Option<usize>,
-    /// Where each router's final `/metrics` goes (`<label>-<replica>.prom`), if anywhere.
+    /// Where each router's final `/metrics` and its log go (`<label>-<replica>.prom`, `.log`),
+    /// if anywhere.
     pub router_metrics: Option<PathBuf>,
     /// Rounds over the strategies, each in an order rotated by one (`#1`, `#2`… in labels when
     /// more than one): a single run's verdict can be its slot or the machine's noise.
@@ -411,9 +412,14 @@ impl Stack {
     async fn save_metrics(&self, dir: &std::path::Path, label: &str) -> Result<()> {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
         for (i, r) in self.routers.iter().enumerate() {
-            let path = dir.join(format!("{}-{i}.prom", label.replace(' ', "")));
+            let stem = format!("{}-{i}", label.replace(' ', ""));
+            let path = dir.join(format!("{stem}.prom"));
             let text = r.metrics().await.context("reading a router's /metrics")?;
             std::fs::write(&path, text).with_context(|| format!("writing {}", path.display()))?;
+            // Its log too (with `RUST_LOG=kv_router=debug`, one line per decision).
+            let log = dir.join(format!("{stem}.log"));
+            std::fs::copy(r.log_path(), &log)
+                .with_context(|| format!("writing {}", log.display()))?;
         }
         Ok(())
     }

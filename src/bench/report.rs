@@ -52,6 +52,10 @@ pub struct Summary {
     pub throughput_rps: f64,
     /// The oracles of the same request sequence, when computed.
     pub oracles: Option<Oracles>,
+    /// Every successful request's TTFT, ms, sorted: repeated runs pool them for a tail that
+    /// rests on more than one run's few slowest requests.
+    #[serde(skip)]
+    pub ttfts_ms: Vec<f64>,
 }
 
 /// Nearest-rank percentile of `v` (sorted in place); NaN when empty.
@@ -105,6 +109,7 @@ impl Summary {
             ttft_p90_ms: percentile(&mut ttft, 90.0),
             ttft_p95_ms: percentile(&mut ttft, 95.0),
             ttft_p99_ms: percentile(&mut ttft, 99.0),
+            ttfts_ms: ttft,
             e2e_p50_ms: percentile(&mut e2e, 50.0),
             e2e_p99_ms: percentile(&mut e2e, 99.0),
             per_pod,
@@ -242,7 +247,9 @@ fn strategy_of(label: &str) -> &str {
 }
 
 /// With repeated runs (`weighted #1`, `weighted #2`, …): per strategy, the median and range of
-/// the figures a verdict rests on. None when no label carries a round.
+/// the figures a verdict rests on, and the TTFT p99 of all its runs' requests pooled (one run's
+/// p99 of 600 requests is its sixth-slowest, so one stall decides it). None when no label
+/// carries a round.
 pub fn spread_table(runs: &[Summary], style: Style) -> Option<String> {
     if !runs.iter().any(|s| s.label.contains(" #")) {
         return None;
@@ -276,6 +283,7 @@ pub fn spread_table(runs: &[Summary], style: Style) -> Option<String> {
         "hit / infinite",
         "TTFT p50",
         "TTFT p99",
+        "TTFT p99, runs pooled",
         "errors",
     ]);
     for name in order {
@@ -291,6 +299,13 @@ pub fn spread_table(runs: &[Summary], style: Style) -> Option<String> {
             spread(col(&|s| s.vs_infinite()), &pct),
             spread(col(&|s| s.ttft_p50_ms), &ms),
             spread(col(&|s| s.ttft_p99_ms), &ms),
+            ms(percentile(
+                &mut of
+                    .iter()
+                    .flat_map(|s| s.ttfts_ms.iter().copied())
+                    .collect::<Vec<f64>>(),
+                99.0,
+            )),
             of.iter().map(|s| s.errors).sum::<usize>().to_string(),
         ]);
     }
@@ -397,6 +412,13 @@ mod tests {
         assert_eq!((cells[1], cells[2]), ("weighted", "3"), "{t}");
         assert!(rows[0].contains("20.0 ms (10.0 ms–30.0 ms)"), "{t}");
         assert!(rows[1].contains("40.0 ms (20.0 ms–60.0 ms)"), "{t}");
+        let pooled = |row: &str| row.split('|').map(str::trim).nth(7).unwrap().to_string();
+        assert_eq!(
+            pooled(rows[0]),
+            "30.0 ms",
+            "p99 of the three runs' requests\n{t}"
+        );
+        assert_eq!(pooled(rows[1]), "60.0 ms", "{t}");
         let even = spread_table(&runs[..4], Style::Markdown).unwrap();
         assert!(
             even.contains("30.0 ms (20.0 ms–40.0 ms)"),

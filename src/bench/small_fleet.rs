@@ -366,6 +366,7 @@ mod tests {
             hotspot: 1.0,
             duration_s: 1.0,
             throughput_rps: 1.0,
+            ttfts_ms: vec![p50, p99],
             oracles: Some(Oracles {
                 infinite: HitTokens {
                     hit_tokens: 900,

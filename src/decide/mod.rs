@@ -530,7 +530,7 @@ fn in_subset(pod: &PodId, subset: &[String]) -> bool {
 
 /// One debug line per decision: why, where, and how that compares with the pod holding the
 /// longest match (block counts and pod addresses only: never prompt text).
-fn log_decision(plan: &Plan) {
+pub fn log_decision(plan: &Plan) {
     if !tracing::enabled!(tracing::Level::DEBUG) {
         return;
     }

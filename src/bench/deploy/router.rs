@@ -187,4 +187,9 @@ impl RouterProc {
     pub fn stderr_tail(&self, lines: usize) -> String {
         self.proc.stderr_tail(lines)
     }
+
+    /// The router's whole log (stderr), which goes with the process's directory.
+    pub fn log_path(&self) -> std::path::PathBuf {
+        self.proc.dir().join("stderr.log")
+    }
 }

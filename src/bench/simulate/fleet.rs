@@ -8,7 +8,8 @@ use std::time::Duration;
 use futures::FutureExt;
 use kv_router::config::Config;
 use kv_router::decide::{
-    commit, plan, Body, Conversations, PlanInput, SessionSeen, Stages, Stores, PROMPT_ENDS,
+    commit, log_decision, plan, Body, Conversations, PlanInput, SessionSeen, Stages, Stores,
+    PROMPT_ENDS,
 };
 use kv_router::events::KvEventBatch;
 use kv_router::index::{build_index, index_capacity, ApplyStats};
@@ -335,6 +336,8 @@ pub(super) fn simulate(
             new_conversation,
         };
         let plan = plan(&stages, input, &mut rng);
+        // The live router's per-decision debug line (`RUST_LOG=kv_router=debug`).
+        log_decision(&plan);
         if plan.reason == Reason::AllSaturated {
             all_saturated += 1;
         }

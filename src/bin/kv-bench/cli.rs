@@ -194,8 +194,9 @@ pub(crate) struct CompareArgs {
     /// Write the three SVG charts into this directory.
     #[arg(long)]
     pub(crate) charts: Option<PathBuf>,
-    /// Write each router's `/metrics` at the end of its strategy's run into this directory
-    /// (`<strategy>-<replica>.prom`): decisions by reason, KV-event lag and counts, errors.
+    /// Write each router's `/metrics` and log at the end of its strategy's run into this
+    /// directory (`<strategy>-<replica>.prom`, `.log`): decisions by reason, KV-event lag and
+    /// counts, errors; with `RUST_LOG=kv_router=debug`, one log line per decision.
     #[arg(long)]
     pub(crate) router_metrics: Option<PathBuf>,
     /// Write every request of every run here, one JSON object per line (run label, request

@@ -259,6 +259,11 @@ fn simulate(args: &SimulateArgs) -> Result<()> {
 #[tokio::main]
 async fn main() -> ExitCode {
     let cli = Cli::parse();
+    // Only when asked: `RUST_LOG=kv_router=debug kv-bench simulate` prints the router's own
+    // per-decision lines (simulate runs the router's code in this process).
+    if std::env::var_os("RUST_LOG").is_some() {
+        kv_router::telemetry::init_logging(&kv_router::config::LogConfig::default());
+    }
     let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
         Ok(s) => s,
         Err(e) => {
