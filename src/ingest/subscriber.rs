@@ -165,6 +165,13 @@ pub(crate) const MAX_MESSAGE_BYTES: i64 = 1 << 20;
 const RECEIVE_HWM: i32 = 1_000;
 /// How long a new subscription waits for its TCP connection before the catch-up replay.
 const CONNECT_WAIT: Duration = Duration::from_secs(1);
+/// A replay that sends nothing for this long has stopped (an engine streams its buffer without
+/// pausing; a slow consumer only slows the stream, and its time does not count).
+const REPLAY_IDLE: Duration = Duration::from_secs(2);
+/// Longest a replay may take in all: a full 10,000-batch buffer applied behind a busy index
+/// takes seconds (a 2-s limit on the whole replay cut catch-ups short and left the rest to be
+/// replayed as a gap under live traffic).
+const REPLAY_LIMIT: Duration = Duration::from_secs(60);
 
 /// A SUB socket with a monitor that reports connects and disconnects.
 struct MonitoredSub {
@@ -347,7 +354,8 @@ fn replay(endpoint: &str, from: u64, to: u64) -> Result<Vec<(u64, Vec<u8>)>, Rep
 }
 
 /// Asks the replay socket for everything from `from` and hands each message to `each` until
-/// the end marker, a 2 s deadline, or `each` returning false.
+/// the end marker, [`REPLAY_IDLE`] without a message, [`REPLAY_LIMIT`] in all, or `each`
+/// returning false.
 fn replay_each(
     endpoint: &str,
     from: u64,
@@ -360,9 +368,11 @@ fn replay_each(
     s.set_rcvhwm(RECEIVE_HWM)?;
     s.connect(endpoint)?;
     s.send_multipart([Vec::new(), from.to_be_bytes().to_vec()], 0)?;
-    let deadline = Instant::now() + Duration::from_secs(2);
+    let limit = Instant::now() + REPLAY_LIMIT;
+    let mut idle_until = Instant::now() + REPLAY_IDLE;
     loop {
-        if Instant::now() > deadline {
+        let now = Instant::now();
+        if now > idle_until || now > limit {
             return Err(ReplayError::Timeout);
         }
         let frames = match s.recv_multipart(0) {
@@ -383,6 +393,7 @@ fn replay_each(
         if !each(seq, payload) {
             return Ok(());
         }
+        idle_until = Instant::now() + REPLAY_IDLE;
     }
 }
 
@@ -459,6 +470,8 @@ mod tests {
             publ.bind(&format!("tcp://127.0.0.1:{pub_port}")).unwrap();
             let router = context().socket(zmq::ROUTER).unwrap();
             router.set_rcvtimeo(10).unwrap();
+            // vLLM 0.33: 2·(buffer_steps + 1), so a whole buffer queues rather than drops.
+            router.set_sndhwm(20_002).unwrap();
             router
                 .bind(&format!("tcp://127.0.0.1:{replay_port}"))
                 .unwrap();
@@ -705,6 +718,55 @@ mod tests {
             } => {}
             other => panic!("expected live batch 2, got {other:?}"),
         }
+    }
+
+    #[test]
+    fn a_catch_up_longer_than_the_idle_timeout_completes_while_batches_keep_coming() {
+        let (pp, rp) = (free_port(), free_port());
+        let mut engine = FakeEngine::new(pp, rp);
+        // More batches than the channel holds, taken slowly: the replay as a whole lasts longer
+        // than REPLAY_IDLE, though it never pauses that long (it used to be cut at 2 s).
+        let n = 1024 + 1200;
+        for seq in 0..n {
+            engine.publish(seq, format!("p{seq}").as_bytes(), false);
+        }
+        let spec = SubscriptionSpec {
+            endpoint: format!("tcp://127.0.0.1:{pp}"),
+            replay_endpoint: Some(format!("tcp://127.0.0.1:{rp}")),
+            topic: "kv@".into(),
+        };
+        let (_h, mut rx) = spawn(spec, "test".into()).unwrap();
+        let started = Instant::now();
+        let deadline = started + Duration::from_secs(30);
+        let mut want = 0;
+        let end = loop {
+            assert!(Instant::now() < deadline, "catch-up stalled at {want}");
+            let Ok(d) = rx.try_recv() else {
+                if want == 0 {
+                    engine.serve_replay();
+                }
+                std::thread::sleep(Duration::from_millis(1));
+                continue;
+            };
+            match d {
+                Delivery::Batch {
+                    seq,
+                    replayed: true,
+                    ..
+                } => {
+                    assert_eq!(seq, want);
+                    want += 1;
+                    std::thread::sleep(Duration::from_millis(2));
+                }
+                other => break other,
+            }
+        };
+        assert!(started.elapsed() > REPLAY_IDLE, "{:?}", started.elapsed());
+        assert_eq!(want, n, "every buffered batch replayed");
+        assert!(
+            matches!(end, Delivery::Replay { complete: true }),
+            "{end:?}"
+        );
     }
 
     #[test]

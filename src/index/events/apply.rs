@@ -135,13 +135,7 @@ impl<'a> Apply<'a> {
             if std::mem::take(tier(block, gpu)) {
                 note(&mut self.touched, block);
                 for key in &block.keys {
-                    release(
-                        self.holders,
-                        &mut self.state.speculative,
-                        key,
-                        self.slot,
-                        gpu,
-                    );
+                    release(self.holders, key, self.slot, gpu);
                 }
             }
             if !block.gpu && !block.cpu {

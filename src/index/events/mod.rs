@@ -1,9 +1,12 @@
 //! Precise index fed by vLLM KV events. Dual keys: the router computes its own chained block
 //! keys from each `BlockStored`'s `token_ids` (seeded by model or LoRA name and cache salt, at the
 //! router's block size), and keeps engine hash → router keys so `BlockRemoved`, which names
-//! engine hashes only, resolves. A speculative side holds each decision's keys until the pod
-//! reports on them (stored, or evicted) or `speculative_ttl_ms` passes: long enough to cover a
-//! request's queueing and prefill under load. How each event kind changes the state: [`apply`].
+//! engine hashes only, resolves. A speculative side holds the keys a decision's request will
+//! compute (those past the pod's held prefix) until the pod reports them stored or
+//! `speculative_ttl_ms` passes: long enough to cover a request's queueing and prefill under load.
+//! An eviction reported before that does not end a guess: it names an older copy (of a prefix
+//! the pod held only in part), which the request computes again. How each event kind changes the
+//! state: [`apply`].
 
 mod apply;
 #[cfg(test)]
@@ -182,15 +185,9 @@ fn hold(
 }
 
 /// Drops one tier's hold of `key` by `slot`; the entry goes with its last hold. A speculative
-/// guess about the key goes too: the pod reported an eviction after it.
-fn release(
-    holders: &mut Holders<KeyHolder>,
-    speculative: &mut LruCache<BlockKey, u64>,
-    key: &BlockKey,
-    slot: Slot,
-    gpu: bool,
-) {
-    speculative.pop(key);
+/// guess about the key stays: guesses are only of blocks a routed request computes, and it
+/// reports them stored once computed, so the evicted copy was an older one.
+fn release(holders: &mut Holders<KeyHolder>, key: &BlockKey, slot: Slot, gpu: bool) {
     holders.update_or_remove(key, slot, |h| {
         if gpu {
             h.gpu = h.gpu.saturating_sub(1);
@@ -210,11 +207,7 @@ fn purge(
     rank: Option<u32>,
     touched: &mut Option<Touched>,
 ) {
-    let PodState {
-        blocks,
-        speculative,
-        ..
-    } = state;
+    let PodState { blocks, .. } = state;
     blocks.retain(|(r, _), b| {
         if rank.is_some_and(|x| x != *r) {
             return true;
@@ -224,10 +217,10 @@ fn purge(
         }
         for key in &b.keys {
             if b.gpu {
-                release(holders, speculative, key, slot, true);
+                release(holders, key, slot, true);
             }
             if b.cpu {
-                release(holders, speculative, key, slot, false);
+                release(holders, key, slot, false);
             }
         }
         false
@@ -308,6 +301,18 @@ impl EventIndex {
         out
     }
 
+    /// How many of `keys`, from the first, `pod` holds through its events (in either tier): a
+    /// request routed there hits those and computes the rest.
+    pub(crate) fn held_prefix(&self, pod: &PodId, keys: &[BlockKey]) -> usize {
+        let inner = self.inner.read();
+        let Some(slot) = inner.pods.get(pod) else {
+            return 0;
+        };
+        keys.iter()
+            .take_while(|k| inner.holders.of(k).iter().any(|h| h.slot == slot))
+            .count()
+    }
+
     /// How `pod` holds `key` through its events: `Some(true)` with a GPU copy, `Some(false)`
     /// offloaded only, `None` not at all (speculative entries do not count).
     pub(crate) fn tier(&self, pod: &PodId, key: &BlockKey) -> Option<bool> {
@@ -344,6 +349,9 @@ impl KvIndex for EventIndex {
     }
 
     async fn record(&self, pod: &PodId, keys: &[BlockKey], now_ms: u64) -> Result<(), IndexError> {
+        // The pod's events already vouch for the prefix it holds (the request's hits): a guess
+        // there would outlive their eviction once the request is done.
+        let keys = &keys[self.held_prefix(pod, keys)..];
         let expiry = now_ms.saturating_add(self.cfg.speculative_ttl_ms);
         // A chunk per hold of the write lock, so lookups and event batches never wait for a
         // whole long prompt (as in `MemoryIndex::record`).

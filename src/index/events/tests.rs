@@ -272,6 +272,44 @@ async fn a_guess_lasts_until_the_pod_reports_on_its_blocks() {
 }
 
 #[tokio::test]
+async fn a_guess_outlives_the_eviction_of_an_older_copy_until_the_request_stores_its_blocks() {
+    use crate::index::contract::{doc_keys, remove, store, MODEL as DOC_MODEL};
+    let idx = EventIndex::new(EventIndexConfig::default());
+    let a = pod("10.0.0.5:8000");
+    let k = doc_keys(7, 4, 16);
+    let ev = |b| {
+        let (idx, a) = (&idx, a.clone());
+        async move { idx.apply_events(&a, 0, DOC_MODEL, &b).await.unwrap() }
+    };
+    let at = |t| {
+        let (idx, a, k) = (&idx, a.clone(), k.clone());
+        async move { idx.lookup(&k, &[a], t).await.unwrap() }
+    };
+    // An earlier request's document, block 1 since evicted: the pod holds 0, 2 and 3.
+    ev(store(7, 0..4, 16)).await;
+    ev(remove(7, 1)).await;
+    assert_eq!(at(0).await, vec![1.0]);
+    // Routed there, the next request hits block 0 and computes 1..4: the guess covers them.
+    idx.record(&a, &k, 0).await.unwrap();
+    assert_eq!(at(0).await, vec![4.0]);
+    // While it queues, the pod evicts the older copies of 2 and 3: it will compute them anew.
+    ev(remove(7, 2)).await;
+    ev(remove(7, 3)).await;
+    assert_eq!(at(1_000).await, vec![4.0], "the guess stands");
+    // It stores them: the pod's reports are the truth from here on, guess settled.
+    ev(store(7, 1..4, 16)).await;
+    ev(remove(7, 3)).await;
+    assert_eq!(
+        at(2_000).await,
+        vec![3.0],
+        "an eviction after the store counts"
+    );
+    // The hit it never guessed: its eviction counts at once.
+    ev(remove(7, 0)).await;
+    assert_eq!(at(2_000).await, vec![0.0]);
+}
+
+#[tokio::test]
 async fn unknown_parent_is_dropped() {
     let idx = EventIndex::new(EventIndexConfig::default());
     let a = pod("10.0.0.5:8000");

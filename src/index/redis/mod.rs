@@ -462,6 +462,14 @@ impl KvIndex for RedisIndex {
             return Ok(());
         };
         let root = first.0;
+        // Precise mode guesses only the blocks the request computes, as `EventIndex` does.
+        let keys = match &*self.local {
+            Local::Events(ev) => &keys[ev.held_prefix(pod, keys)..],
+            Local::Memory(_) => keys,
+        };
+        if keys.is_empty() {
+            return Ok(());
+        }
         for &k in keys {
             self.shared.wrote(k);
         }

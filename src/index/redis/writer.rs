@@ -280,8 +280,9 @@ async fn record(
 }
 
 /// Writes event changes: one script per prefix root, and the pod's membership set. With
-/// `settle`, every changed key also loses the pod's recorded entry (in precise mode, a
-/// decision's speculative guess), as `EventIndex` drops it once the pod reports on the key.
+/// `settle`, every key the pod now holds also loses the pod's recorded entry (in precise mode, a
+/// decision's speculative guess), as `EventIndex` drops it once the pod reports the key stored;
+/// a key the pod no longer holds keeps it, as there (the eviction named an older copy).
 async fn events(
     shared: &Shared,
     con: Handle,
@@ -303,10 +304,9 @@ async fn events(
             inv.arg(match (tier, settle) {
                 (Some(true), false) => "g",
                 (Some(false), false) => "c",
-                (None, false) => "-",
                 (Some(true), true) => "G",
                 (Some(false), true) => "C",
-                (None, true) => "X",
+                (None, _) => "-",
             });
         }
         async move { inv.invoke_async::<i64>(&mut con).await }
@@ -328,10 +328,9 @@ async fn events(
     if !gone.is_empty() {
         sets.push(membership("SREM", &set, &gone));
     }
-    if settle && !changes.is_empty() {
+    if settle && !held.is_empty() {
         // The settled guesses leave the pod's recency set, as they leave its local LRU.
-        let all: Vec<&Change> = changes.iter().collect();
-        sets.push(membership("ZREM", &shared.schema.lru(pod), &all));
+        sets.push(membership("ZREM", &shared.schema.lru(pod), &held));
     }
     let set_sends = sets.iter().map(|c| {
         let mut con = con.clone();
