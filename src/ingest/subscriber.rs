@@ -524,6 +524,15 @@ mod tests {
         }
     }
 
+    /// A subscription to the fake engine's publisher and replay socket.
+    fn with_replay(pp: u16, rp: u16) -> SubscriptionSpec {
+        SubscriptionSpec {
+            endpoint: format!("tcp://127.0.0.1:{pp}"),
+            replay_endpoint: Some(format!("tcp://127.0.0.1:{rp}")),
+            topic: "kv@".into(),
+        }
+    }
+
     fn next(rx: &mut mpsc::Receiver<Delivery>, engine: &FakeEngine) -> Delivery {
         let deadline = Instant::now() + Duration::from_secs(5);
         loop {
@@ -602,11 +611,7 @@ mod tests {
     fn gaps_are_replayed_and_restarts_purge() {
         let (pp, rp) = (free_port(), free_port());
         let mut engine = FakeEngine::new(pp, rp);
-        let spec = SubscriptionSpec {
-            endpoint: format!("tcp://127.0.0.1:{pp}"),
-            replay_endpoint: Some(format!("tcp://127.0.0.1:{rp}")),
-            topic: "kv@".into(),
-        };
+        let spec = with_replay(pp, rp);
         let (_h, mut rx) = spawn(spec, "test".into()).unwrap();
         // The catch-up finds an empty buffer.
         assert!(matches!(
@@ -696,11 +701,7 @@ mod tests {
         // Published before anyone subscribed: only the replay buffer has them.
         engine.publish(0, b"p0", true);
         engine.publish(1, b"p1", true);
-        let spec = SubscriptionSpec {
-            endpoint: format!("tcp://127.0.0.1:{pp}"),
-            replay_endpoint: Some(format!("tcp://127.0.0.1:{rp}")),
-            topic: "kv@".into(),
-        };
+        let spec = with_replay(pp, rp);
         let (_h, mut rx) = spawn(spec, "test".into()).unwrap();
         expect_replayed(&mut rx, &engine, &[0, 1]);
         assert!(matches!(
@@ -730,11 +731,7 @@ mod tests {
         for seq in 0..n {
             engine.publish(seq, format!("p{seq}").as_bytes(), false);
         }
-        let spec = SubscriptionSpec {
-            endpoint: format!("tcp://127.0.0.1:{pp}"),
-            replay_endpoint: Some(format!("tcp://127.0.0.1:{rp}")),
-            topic: "kv@".into(),
-        };
+        let spec = with_replay(pp, rp);
         let (_h, mut rx) = spawn(spec, "test".into()).unwrap();
         let started = Instant::now();
         let deadline = started + Duration::from_secs(30);
@@ -776,11 +773,7 @@ mod tests {
         for seq in [0, 2, 1] {
             engine.publish(seq, format!("p{seq}").as_bytes(), false);
         }
-        let spec = SubscriptionSpec {
-            endpoint: format!("tcp://127.0.0.1:{pp}"),
-            replay_endpoint: Some(format!("tcp://127.0.0.1:{rp}")),
-            topic: "kv@".into(),
-        };
+        let spec = with_replay(pp, rp);
         let (_h, mut rx) = spawn(spec, "test".into()).unwrap();
         expect_replayed(&mut rx, &engine, &[0, 2]);
         assert!(matches!(

@@ -457,16 +457,17 @@ impl KvIndex for RedisIndex {
     }
 
     async fn record(&self, pod: &PodId, keys: &[BlockKey], now_ms: u64) -> Result<(), IndexError> {
-        self.local.index().record(pod, keys, now_ms).await?;
         let Some(first) = keys.first() else {
-            return Ok(());
+            return self.local.index().record(pod, keys, now_ms).await;
         };
         let root = first.0;
-        // Precise mode guesses only the blocks the request computes, as `EventIndex` does.
+        // Precise mode guesses only the blocks the request computes; the held prefix is walked
+        // once here (the local `EventIndex` then finds none held at the slice's start).
         let keys = match &*self.local {
             Local::Events(ev) => &keys[ev.held_prefix(pod, keys)..],
             Local::Memory(_) => keys,
         };
+        self.local.index().record(pod, keys, now_ms).await?;
         if keys.is_empty() {
             return Ok(());
         }
