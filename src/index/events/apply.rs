@@ -3,13 +3,13 @@
 
 use std::collections::hash_map::Entry;
 
-use lru::LruCache;
 use smallvec::SmallVec;
 
+use super::guess::Guesses;
 use super::{
     hold, purge, release, Chain, EngineBlock, EventIndexConfig, KeyHolder, PodState, Touched,
 };
-use crate::blocks::{chain_token_block, namespace_seed, BlockKey};
+use crate::blocks::{chain_token_block, namespace_seed};
 use crate::events::{BlockHash, ExtraKey, KvEvent, Medium};
 use crate::index::table::{Holders, Slot};
 use crate::index::ApplyStats;
@@ -26,6 +26,8 @@ pub(super) struct Apply<'a> {
     pub(super) stats: ApplyStats,
     /// Keys whose hold changed, when someone mirrors this index.
     pub(super) touched: Option<Touched>,
+    /// Keys whose guess ended with its decision's group, when someone mirrors this index.
+    pub(super) settled: Option<Touched>,
 }
 
 impl<'a> Apply<'a> {
@@ -45,6 +47,7 @@ impl<'a> Apply<'a> {
             buf: Vec::with_capacity(cfg.block_tokens.max(1) * 4),
             stats: ApplyStats::default(),
             touched: None,
+            settled: None,
         }
     }
 
@@ -154,7 +157,8 @@ impl<'a> Apply<'a> {
                 continue;
             };
             let (holders, spec) = (&mut *self.holders, &mut self.state.speculative);
-            add_tier(holders, spec, &mut self.touched, self.slot, block, gpu);
+            let marks = (&mut self.touched, &mut self.settled);
+            add_tier(holders, spec, marks, self.slot, block, gpu);
             self.stats.stored += 1;
         }
     }
@@ -205,14 +209,8 @@ impl<'a> Apply<'a> {
                 Entry::Occupied(mut o) => {
                     // Re-announced block (e.g. a hit reported in full): same content.
                     let (holders, spec) = (&mut *self.holders, &mut self.state.speculative);
-                    add_tier(
-                        holders,
-                        spec,
-                        &mut self.touched,
-                        self.slot,
-                        o.get_mut(),
-                        gpu,
-                    );
+                    let marks = (&mut self.touched, &mut self.settled);
+                    add_tier(holders, spec, marks, self.slot, o.get_mut(), gpu);
                 }
                 Entry::Vacant(v) => {
                     if let Some(t) = &mut self.touched {
@@ -222,6 +220,7 @@ impl<'a> Apply<'a> {
                         hold(
                             self.holders,
                             &mut self.state.speculative,
+                            &mut self.settled,
                             key,
                             self.slot,
                             gpu,
@@ -240,13 +239,12 @@ impl<'a> Apply<'a> {
     }
 }
 
-/// Notes `block`'s keys as touched, when tracked.
 /// A known block now also held in `gpu`'s tier: its keys gain the pod as a holder in that tier
-/// (no-op when the block already had it).
+/// (no-op when the block already had it). `marks`: the touched and settled keys, when tracked.
 fn add_tier(
     holders: &mut Holders<KeyHolder>,
-    speculative: &mut LruCache<BlockKey, u64>,
-    touched: &mut Option<Touched>,
+    speculative: &mut Guesses,
+    (touched, settled): (&mut Option<Touched>, &mut Option<Touched>),
     slot: Slot,
     block: &mut EngineBlock,
     gpu: bool,
@@ -256,10 +254,11 @@ fn add_tier(
     }
     note(touched, block);
     for &key in &block.keys {
-        hold(holders, speculative, key, slot, gpu);
+        hold(holders, speculative, settled, key, slot, gpu);
     }
 }
 
+/// Notes `block`'s keys as touched, when tracked.
 fn note(touched: &mut Option<Touched>, block: &EngineBlock) {
     if let Some(t) = touched {
         t.extend(block.keys.iter().map(|&k| (block.end.root, k)));

@@ -1,20 +1,18 @@
 //! Precise index fed by vLLM KV events. Dual keys: the router computes its own chained block
 //! keys from each `BlockStored`'s `token_ids` (seeded by model or LoRA name and cache salt, at the
 //! router's block size), and keeps engine hash → router keys so `BlockRemoved`, which names
-//! engine hashes only, resolves. A speculative side holds the keys a decision's request will
-//! compute (those past the pod's held prefix) until the pod reports them stored or
-//! `speculative_ttl_ms` passes: long enough to cover a request's queueing and prefill under load.
-//! An eviction reported before that does not end a guess: it names an older copy (of a prefix
-//! the pod held only in part), which the request computes again. How each event kind changes the
-//! state: [`apply`].
+//! engine hashes only, resolves. A speculative side holds each decision's guess of its request's
+//! blocks until the pod's reports settle it or `speculative_ttl_ms` passes (long enough to cover
+//! a request's queueing and prefill under load): how, in [`guess`]. How each event kind changes
+//! the state: [`apply`].
 
 mod apply;
+mod guess;
 #[cfg(test)]
 mod tests;
 
 use ahash::AHashMap;
 use async_trait::async_trait;
-use lru::LruCache;
 use parking_lot::RwLock;
 use smallvec::SmallVec;
 
@@ -23,6 +21,7 @@ use super::{ApplyStats, IndexError, IndexStats, KvIndex};
 use crate::blocks::BlockKey;
 use crate::events::KvEventBatch;
 use crate::pods::PodId;
+use guess::Guesses;
 
 /// A pod's hold on a router key: how many of its engine blocks (per tier) produce the key.
 #[derive(Debug, Clone, Copy)]
@@ -70,7 +69,7 @@ type EngineKey = (u32, u64);
 struct PodState {
     id: PodId,
     blocks: AHashMap<EngineKey, EngineBlock>,
-    speculative: LruCache<BlockKey, u64>,
+    speculative: Guesses,
 }
 
 impl PodState {
@@ -78,17 +77,9 @@ impl PodState {
         Self {
             id: id.clone(),
             blocks: AHashMap::new(),
-            speculative: speculative_lru(speculative_capacity),
+            speculative: Guesses::new(speculative_capacity),
         }
     }
-}
-
-/// At most `capacity` speculative entries, allocated as they come: most pods never get near the
-/// bound, and a new pod's first batch should not pay for it.
-fn speculative_lru(capacity: usize) -> LruCache<BlockKey, u64> {
-    let mut lru = LruCache::unbounded();
-    lru.resize(nz(capacity));
-    lru
 }
 
 /// Tunables of the precise index.
@@ -131,10 +122,6 @@ pub struct EventIndex {
     cfg: EventIndexConfig,
 }
 
-fn nz(n: usize) -> std::num::NonZeroUsize {
-    std::num::NonZeroUsize::new(n.max(1)).expect("max(1)")
-}
-
 impl EventIndex {
     /// An empty index.
     pub fn new(cfg: EventIndexConfig) -> Self {
@@ -157,15 +144,16 @@ impl EventIndex {
 }
 
 /// Adds one tier's hold of `key` by `slot`. The pod's own report settles the key, so a
-/// decision's speculative guess about it goes.
+/// decision's guess about it goes (and the decision's hits, if it computes the key).
 fn hold(
     holders: &mut Holders<KeyHolder>,
-    speculative: &mut LruCache<BlockKey, u64>,
+    speculative: &mut Guesses,
+    settled: &mut Option<Touched>,
     key: BlockKey,
     slot: Slot,
     gpu: bool,
 ) {
-    speculative.pop(&key);
+    speculative.stored(&key, settled);
     holders.upsert(
         key,
         slot,
@@ -185,8 +173,8 @@ fn hold(
 }
 
 /// Drops one tier's hold of `key` by `slot`; the entry goes with its last hold. A speculative
-/// guess about the key stays: guesses are only of blocks a routed request computes, and it
-/// reports them stored once computed, so the evicted copy was an older one.
+/// guess about the key stays: the request it was made for has not run yet (its reports would
+/// have settled the guess), so it will compute the evicted block again.
 fn release(holders: &mut Holders<KeyHolder>, key: &BlockKey, slot: Slot, gpu: bool) {
     holders.update_or_remove(key, slot, |h| {
         if gpu {
@@ -230,25 +218,28 @@ fn purge(
 /// What a backend mirroring this index (the Redis one) needs: which keys a change touched, and
 /// what a pod now holds.
 impl EventIndex {
-    /// Applies `batch` as [`KvIndex::apply_events`] does and returns the keys it touched.
+    /// Applies `batch` as [`KvIndex::apply_events`] does and returns the keys whose hold it
+    /// changed and the keys whose guess it settled as a decision's hits.
     pub(crate) fn apply_tracked(
         &self,
         pod: &PodId,
         rank: u32,
         model: &str,
         batch: &KvEventBatch,
-    ) -> (ApplyStats, Touched) {
+    ) -> (ApplyStats, Touched, Touched) {
         let mut inner = self.inner.write();
         let Table { pods, holders } = &mut *inner;
         let slot =
             pods.get_or_insert_with(pod, || PodState::new(pod, self.cfg.speculative_capacity));
         let mut apply = apply::Apply::new(&self.cfg, pods.state_mut(slot), holders, slot, rank);
         apply.touched = Some(Vec::new());
+        apply.settled = Some(Vec::new());
         for event in &batch.events {
             apply.event(model, event);
         }
         let touched = apply.touched.take().unwrap_or_default();
-        (apply.stats, touched)
+        let settled = apply.settled.take().unwrap_or_default();
+        (apply.stats, touched, settled)
     }
 
     /// Drops one rank's event state as [`KvIndex::forget_rank`] does and returns the keys it held.
@@ -321,6 +312,46 @@ impl EventIndex {
         let h = inner.holders.of(key).iter().find(|h| h.slot == slot)?;
         Some(h.gpu > 0)
     }
+
+    /// Records a decision's guess of `keys` on `pod`, of which the pod holds the first `held`
+    /// (its hits, a group [`guess`] ends together). Returns whether anything was guessed: a
+    /// request that computes nothing gets no guess (nothing it stores would end one).
+    pub(crate) fn record_past(
+        &self,
+        pod: &PodId,
+        keys: &[BlockKey],
+        held: usize,
+        now_ms: u64,
+    ) -> bool {
+        let (Some(first), true) = (keys.first(), held < keys.len()) else {
+            return false;
+        };
+        let expiry = now_ms.saturating_add(self.cfg.speculative_ttl_ms);
+        let group = {
+            let mut inner = self.inner.write();
+            let slot = inner
+                .pods
+                .get_or_insert_with(pod, || PodState::new(pod, self.cfg.speculative_capacity));
+            let state = inner.pods.state_mut(slot);
+            state.speculative.open(first.0, &keys[..held], expiry)
+        };
+        // A chunk per hold of the write lock, so lookups and event batches never wait for a
+        // whole long prompt (as in `MemoryIndex::record`); the head goes last, most recent.
+        let mut end = keys.len();
+        for chunk in keys.rchunks(RECORD_CHUNK) {
+            let start = end - chunk.len();
+            let mut inner = self.inner.write();
+            let slot = inner
+                .pods
+                .get_or_insert_with(pod, || PodState::new(pod, self.cfg.speculative_capacity));
+            let state = inner.pods.state_mut(slot);
+            for (i, &key) in chunk.iter().enumerate().rev() {
+                state.speculative.put(key, expiry, group, start + i < held);
+            }
+            end = start;
+        }
+        true
+    }
 }
 
 #[async_trait]
@@ -340,31 +371,12 @@ impl KvIndex for EventIndex {
             if state.speculative.is_empty() {
                 return None;
             }
-            state
-                .speculative
-                .peek(key)
-                .filter(|&&exp| exp > now_ms)
-                .map(|_| weights.full)
+            state.speculative.live(key, now_ms).then_some(weights.full)
         }))
     }
 
     async fn record(&self, pod: &PodId, keys: &[BlockKey], now_ms: u64) -> Result<(), IndexError> {
-        // The pod's events already vouch for the prefix it holds (the request's hits): a guess
-        // there would outlive their eviction once the request is done.
-        let keys = &keys[self.held_prefix(pod, keys)..];
-        let expiry = now_ms.saturating_add(self.cfg.speculative_ttl_ms);
-        // A chunk per hold of the write lock, so lookups and event batches never wait for a
-        // whole long prompt (as in `MemoryIndex::record`).
-        for chunk in keys.rchunks(RECORD_CHUNK) {
-            let mut inner = self.inner.write();
-            let slot = inner
-                .pods
-                .get_or_insert_with(pod, || PodState::new(pod, self.cfg.speculative_capacity));
-            let state = inner.pods.state_mut(slot);
-            for &key in chunk.iter().rev() {
-                state.speculative.put(key, expiry);
-            }
-        }
+        self.record_past(pod, keys, self.held_prefix(pod, keys), now_ms);
         Ok(())
     }
 
@@ -396,12 +408,7 @@ impl KvIndex for EventIndex {
     async fn sweep(&self, now_ms: u64) -> Result<(), IndexError> {
         let mut inner = self.inner.write();
         for (_, state) in inner.pods.iter_mut() {
-            while let Some((_, &exp)) = state.speculative.peek_lru() {
-                if exp > now_ms {
-                    break;
-                }
-                state.speculative.pop_lru();
-            }
+            state.speculative.sweep(now_ms);
         }
         Ok(())
     }

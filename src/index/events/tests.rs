@@ -304,9 +304,66 @@ async fn a_guess_outlives_the_eviction_of_an_older_copy_until_the_request_stores
         vec![3.0],
         "an eviction after the store counts"
     );
-    // The hit it never guessed: its eviction counts at once.
+    // Its hit's guess ended with the store (the request had pinned it): an eviction counts.
     ev(remove(7, 0)).await;
     assert_eq!(at(2_000).await, vec![0.0]);
+}
+
+#[tokio::test]
+async fn a_hit_evicted_while_its_request_queues_does_not_hide_the_blocks_guessed_past_it() {
+    use crate::index::contract::{doc_keys, remove, store, MODEL as DOC_MODEL};
+    let idx = EventIndex::new(EventIndexConfig::default());
+    let a = pod("10.0.0.5:8000");
+    let k = doc_keys(3, 6, 16);
+    let ev = |b| {
+        let (idx, a) = (&idx, a.clone());
+        async move { idx.apply_events(&a, 0, DOC_MODEL, &b).await.unwrap() }
+    };
+    let at = |t| {
+        let (idx, a, k) = (&idx, a.clone(), k.clone());
+        async move { idx.lookup(&k, &[a], t).await.unwrap() }
+    };
+    // The pod holds the document's first three blocks; a request for all six is routed there.
+    ev(store(3, 0..3, 16)).await;
+    idx.record(&a, &k, 0).await.unwrap();
+    assert_eq!(at(0).await, vec![6.0]);
+    // While it queues, the pod evicts the last block of the held prefix (LRU takes the tail).
+    // The request computes it again; the next request must still see all six blocks there.
+    ev(remove(3, 2)).await;
+    assert_eq!(at(1_000).await, vec![6.0], "the hole does not hide 3..6");
+    // It runs: it stores 2..6, which settles its hits' guesses; later evictions count.
+    ev(store(3, 2..6, 16)).await;
+    assert_eq!(at(2_000).await, vec![6.0]);
+    ev(remove(3, 1)).await;
+    assert_eq!(at(2_000).await, vec![1.0]);
+    // A request that computes nothing gets no guess: nothing it stores would end one.
+    idx.record(&a, &k[..1], 3_000).await.unwrap();
+    ev(remove(3, 0)).await;
+    assert_eq!(at(3_000).await, vec![0.0]);
+}
+
+#[tokio::test]
+async fn a_hit_guess_ends_after_the_ttl_when_its_request_never_stores() {
+    use crate::index::contract::{doc_keys, remove, store, MODEL as DOC_MODEL};
+    let idx = EventIndex::new(EventIndexConfig {
+        speculative_ttl_ms: 2_000,
+        ..EventIndexConfig::default()
+    });
+    let a = pod("10.0.0.5:8000");
+    let k = doc_keys(4, 3, 16);
+    idx.apply_events(&a, 0, DOC_MODEL, &store(4, 0..2, 16))
+        .await
+        .unwrap();
+    idx.record(&a, &k, 0).await.unwrap();
+    idx.apply_events(&a, 0, DOC_MODEL, &remove(4, 0))
+        .await
+        .unwrap();
+    let at = |t| idx.lookup(&k, std::slice::from_ref(&a), t);
+    assert_eq!(at(1_999).await.unwrap(), vec![3.0]);
+    assert_eq!(at(2_000).await.unwrap(), vec![0.0]);
+    idx.sweep(2_000).await.unwrap();
+    let inner = idx.inner.read();
+    assert!(inner.pods.iter().all(|(_, p)| p.speculative.is_empty()));
 }
 
 #[tokio::test]

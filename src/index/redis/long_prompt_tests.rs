@@ -48,6 +48,8 @@ async fn a_long_prompt_is_answered_by_redis_with_its_tail_evicted_first() {
     a.flush().await.unwrap();
     // Dial and load the script on a short prompt first: the point is the long lookup's budget.
     b.lookup(&keys[..1], &p, 0).await.unwrap();
+    // That one may itself miss its 1-ms budget on a loaded machine: count from here.
+    let before = b.metrics().lookups(RedisSource::Redis);
     // B learned nothing itself, so only Redis can answer `want`; a few tries absorb a busy CI
     // machine, none of which a fixed 1 ms budget survives (the script alone takes 2-3 ms).
     let mut got = Vec::new();
@@ -61,6 +63,9 @@ async fn a_long_prompt_is_answered_by_redis_with_its_tail_evicted_first() {
         got, want,
         "replica B's answer for replica A's 4,096-block record"
     );
-    let from_redis = b.metrics().lookups(RedisSource::Redis);
-    assert!(from_redis >= 2, "answered by Redis: {from_redis}");
+    let from_redis = b.metrics().lookups(RedisSource::Redis) - before;
+    assert!(
+        from_redis >= 1,
+        "long lookups answered by Redis: {from_redis}"
+    );
 }

@@ -360,20 +360,27 @@ impl RedisIndex {
         };
     }
 
-    /// What `pod`'s events now say about `touched` keys, deduplicated.
+    /// What `pod`'s events now say about `touched` keys, and which of them, or of `settled`
+    /// keys, lost their guess as a decision's hits; deduplicated.
     fn event_changes(
         &self,
         ev: &EventIndex,
         pod: &PodId,
-        mut touched: Vec<(u64, BlockKey)>,
+        touched: Vec<(u64, BlockKey)>,
+        settled: Vec<(u64, BlockKey)>,
     ) -> Vec<writer::Change> {
-        touched.sort_unstable_by_key(|&(r, k)| (r, k.0));
-        touched.dedup();
-        touched
+        let mut all: Vec<(u64, BlockKey, bool)> = touched
             .into_iter()
-            .map(|(root, key)| {
+            .map(|(r, k)| (r, k, false))
+            .chain(settled.into_iter().map(|(r, k)| (r, k, true)))
+            .collect();
+        // Settled first among equal keys, so the dedup keeps it.
+        all.sort_unstable_by_key(|&(r, k, s)| (r, k.0, !s));
+        all.dedup_by_key(|e| (e.0, e.1));
+        all.into_iter()
+            .map(|(root, key, settled)| {
                 self.shared.wrote(key);
-                (root, key, ev.tier(pod, &key))
+                (root, key, ev.tier(pod, &key), settled)
             })
             .collect()
     }
@@ -461,15 +468,14 @@ impl KvIndex for RedisIndex {
             return self.local.index().record(pod, keys, now_ms).await;
         };
         let root = first.0;
-        // Precise mode guesses only the blocks the request computes; the held prefix is walked
-        // once here (the local `EventIndex` then finds none held at the slice's start).
-        let keys = match &*self.local {
-            Local::Events(ev) => &keys[ev.held_prefix(pod, keys)..],
-            Local::Memory(_) => keys,
-        };
-        self.local.index().record(pod, keys, now_ms).await?;
-        if keys.is_empty() {
-            return Ok(());
+        match &*self.local {
+            // A request that computes nothing gets no guess (`EventIndex::record_past`).
+            Local::Events(ev) => {
+                if !ev.record_past(pod, keys, ev.held_prefix(pod, keys), now_ms) {
+                    return Ok(());
+                }
+            }
+            Local::Memory(m) => m.record(pod, keys, now_ms).await?,
         }
         for &k in keys {
             self.shared.wrote(k);
@@ -516,7 +522,8 @@ impl KvIndex for RedisIndex {
             let reachable = self.shared.writes_ok.load(Ordering::Acquire);
             if reachable && self.shared.lost_writes.swap(false, Ordering::AcqRel) {
                 for pod in ev.pods() {
-                    let held = ev.held(&pod);
+                    let held = ev.held(&pod).into_iter();
+                    let held = held.map(|(r, k, t)| (r, k, t, false)).collect();
                     self.shared.wrote_everywhere();
                     self.enqueue(WriteOp::Resync { pod, held });
                 }
@@ -535,8 +542,8 @@ impl KvIndex for RedisIndex {
         let Local::Events(ev) = &*self.local else {
             return Ok(ApplyStats::default());
         };
-        let (stats, touched) = ev.apply_tracked(pod, rank, model, batch);
-        let changes = self.event_changes(ev, pod, touched);
+        let (stats, touched, settled) = ev.apply_tracked(pod, rank, model, batch);
+        let changes = self.event_changes(ev, pod, touched, settled);
         if !changes.is_empty() {
             self.enqueue(WriteOp::Events {
                 pod: pod.clone(),
@@ -551,7 +558,7 @@ impl KvIndex for RedisIndex {
             return self.forget_pod(pod).await;
         };
         let touched = ev.forget_rank_tracked(pod, rank);
-        let changes = self.event_changes(ev, pod, touched);
+        let changes = self.event_changes(ev, pod, touched, Vec::new());
         if !changes.is_empty() {
             self.enqueue(WriteOp::Events {
                 pod: pod.clone(),

@@ -27,7 +27,7 @@ enum Op {
     Forget(usize),
     Sweep,
     Advance(u64),
-    Store(usize, u64, usize),
+    Store(usize, u64, usize, usize),
     Remove(usize, u64, usize),
     Clear(usize),
     ForgetRank(usize),
@@ -43,13 +43,15 @@ fn ops(precise: bool) -> impl Strategy<Value = Vec<Op>> {
         2 => (1u64..1_500).prop_map(Op::Advance),
     ];
     let events = prop_oneof![
-        3 => (0..3usize, 0..3u64, 1..5usize).prop_map(|(p, d, n)| Op::Store(p, d, n)),
+        // From a block on: a parent evicted meanwhile leaves the chain unknown, as in vLLM.
+        3 => (0..3usize, 0..3u64, 0..3usize, 1..5usize).prop_map(|(p, d, s, n)| Op::Store(p, d, s, n)),
         2 => (0..3usize, 0..3u64, 0..5usize).prop_map(|(p, d, i)| Op::Remove(p, d, i)),
         1 => (0..3usize).prop_map(Op::Clear),
         1 => (0..3usize).prop_map(Op::ForgetRank),
         1 => (0..3usize).prop_map(Op::Forget),
-        // A decision's guess, which the pod's later report on the same blocks settles.
-        2 => (0..3usize, 0..3u64).prop_map(|(p, d)| Op::Record(p, doc_keys(d, 2, BT).iter().map(|k| k.0).collect())),
+        // A decision's guess (of blocks the pod holds, then of blocks it computes), which the
+        // pod's later reports on the same blocks settle.
+        2 => (0..3usize, 0..3u64, 1..=5usize).prop_map(|(p, d, n)| Op::Record(p, doc_keys(d, n, BT).iter().map(|k| k.0).collect())),
         1 => (1u64..1_500).prop_map(Op::Advance),
     ];
     if precise {
@@ -105,8 +107,8 @@ async fn same_answers(
                 Op::Forget(i) => ix.forget_pod(&p[*i]).await,
                 Op::Sweep => ix.sweep(now).await,
                 Op::Advance(_) => Ok(()),
-                Op::Store(i, d, n) => ix
-                    .apply_events(&p[*i], 0, MODEL, &store(*d, 0..*n, BT))
+                Op::Store(i, d, s, n) => ix
+                    .apply_events(&p[*i], 0, MODEL, &store(*d, *s..*s + *n, BT))
                     .await
                     .map(|_| ()),
                 Op::Remove(i, d, b) => ix
@@ -187,4 +189,43 @@ fn approximate_redis_answers_as_the_memory_index() {
 #[test]
 fn precise_redis_answers_as_the_event_index() {
     run(true);
+}
+
+/// The sequences the random ones rarely draw: a decision's hit evicted while its request
+/// queues, then its blocks stored, settling the hit guesses (held, or not held any more).
+#[test]
+fn precise_redis_settles_a_decisions_hits_as_the_event_index() {
+    let bin = find_redis_server().unwrap_or_else(|e| panic!("{e:#}"));
+    let server = RedisProc::start(&bin).unwrap();
+    let url = server.url();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let probes: Vec<Vec<BlockKey>> = (0..3).map(|d| doc_keys(d, 5, BT)).collect();
+    let guess = |d, n| Op::Record(0, doc_keys(d, n, BT).iter().map(|k| k.0).collect());
+    let cases = [
+        // The held prefix's tail evicted, then computed again with the rest.
+        vec![
+            Op::Store(0, 1, 0, 3),
+            guess(1, 5),
+            Op::Remove(0, 1, 2),
+            Op::Advance(100),
+            Op::Store(0, 1, 2, 3),
+            Op::Remove(0, 1, 0),
+        ],
+        // A hit evicted and not stored again when the computed blocks are.
+        vec![
+            Op::Store(0, 2, 0, 2),
+            guess(2, 4),
+            Op::Remove(0, 2, 0),
+            Op::Store(0, 2, 2, 2),
+            Op::Sweep,
+        ],
+    ];
+    for (i, ops) in cases.iter().enumerate() {
+        rt.block_on(async {
+            let local = Local::Events(events_index());
+            let redis = shared(&url, format!("settle{i}"), local, TTL, CAP);
+            let outcome = same_answers(&events_index(), &redis, ops, &probes).await;
+            outcome.unwrap_or_else(|e| panic!("case {i}: {e}"));
+        });
+    }
 }

@@ -205,9 +205,8 @@ return out
 
 /// Sets what a pod's events say about keys under one root. KEYS: per key its evented then its
 /// recorded name. ARGV: pod, then per key `g` (a GPU copy), `c` (offloaded only) or `-` (not
-/// held); upper case (`G`, `C`) also drops the pod's recorded entry of the key: the pod reported
-/// it stored, so a decision's speculative guess is settled. (`X`, dropping it on an eviction, is
-/// no longer sent: an eviction before the store names an older copy.)
+/// held); upper case (`G`, `C`, `X`) also drops the pod's recorded entry of the key: the pod
+/// reported it stored, or a decision's guess of it ended with the decision's other hits.
 pub(super) const EVENTS: &str = r#"
 local n = #KEYS / 2
 for i = 1, n do

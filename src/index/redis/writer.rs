@@ -27,8 +27,9 @@ const FORGET_CHUNK: usize = 1_000;
 /// prompt written in one script held every other replica's lookup back for ~15 ms.
 const RECORD_CHUNK: usize = 512;
 
-/// What a pod's events say about one (root, key): held on GPU, offloaded only, or not.
-pub(super) type Change = (u64, BlockKey, Option<bool>);
+/// What a pod's events say about one (root, key): held on GPU, offloaded only, or not; and
+/// whether a decision's guess of it ended with the decision's hits (dropped even if not held).
+pub(super) type Change = (u64, BlockKey, Option<bool>, bool);
 
 /// A write waiting for Redis.
 pub(super) enum WriteOp {
@@ -282,7 +283,8 @@ async fn record(
 /// Writes event changes: one script per prefix root, and the pod's membership set. With
 /// `settle`, every key the pod now holds also loses the pod's recorded entry (in precise mode, a
 /// decision's speculative guess), as `EventIndex` drops it once the pod reports the key stored;
-/// a key the pod no longer holds keeps it, as there (the eviction named an older copy).
+/// a key the pod no longer holds keeps it, as there (a request yet to run computes it again),
+/// unless its change says its decision's hits were settled.
 async fn events(
     shared: &Shared,
     con: Handle,
@@ -295,28 +297,34 @@ async fn events(
     let scripts = by_root.map(|v| {
         let mut con = con.clone();
         let mut inv = shared.scripts.events.prepare_invoke();
-        for (root, k, _) in v {
+        for (root, k, _, _) in v {
             inv.key(shared.schema.evented(*root, *k));
             inv.key(shared.schema.recorded(*root, *k));
         }
         inv.arg(pod.as_str());
-        for (_, _, tier) in v {
-            inv.arg(match (tier, settle) {
-                (Some(true), false) => "g",
-                (Some(false), false) => "c",
-                (Some(true), true) => "G",
-                (Some(false), true) => "C",
-                (None, _) => "-",
+        for (_, _, tier, settled) in v {
+            let drop = settle || *settled;
+            inv.arg(match tier {
+                Some(true) if drop => "G",
+                Some(false) if drop => "C",
+                Some(true) => "g",
+                Some(false) => "c",
+                None if *settled => "X",
+                None => "-",
             });
         }
         async move { inv.invoke_async::<i64>(&mut con).await }
     });
     let (held, gone): (Vec<_>, Vec<_>) = changes.iter().partition(|c| c.2.is_some());
+    let dropped: Vec<&Change> = changes
+        .iter()
+        .filter(|c| (settle && c.2.is_some()) || c.3)
+        .collect();
     let set = shared.schema.events(pod);
     let membership = |cmd: &str, set: &str, v: &[&Change]| {
         let mut c = redis::cmd(cmd);
         c.arg(set);
-        for (root, key, _) in v {
+        for (root, key, _, _) in v {
             c.arg(shared.schema.member(*root, *key));
         }
         c
@@ -328,9 +336,9 @@ async fn events(
     if !gone.is_empty() {
         sets.push(membership("SREM", &set, &gone));
     }
-    if settle && !held.is_empty() {
+    if !dropped.is_empty() {
         // The settled guesses leave the pod's recency set, as they leave its local LRU.
-        sets.push(membership("ZREM", &shared.schema.lru(pod), &held));
+        sets.push(membership("ZREM", &shared.schema.lru(pod), &dropped));
     }
     let set_sends = sets.iter().map(|c| {
         let mut con = con.clone();
@@ -357,7 +365,7 @@ async fn resync(
         .map_err(|e| to_index_error(&e))?;
     let keep: HashSet<String> = held
         .iter()
-        .map(|&(r, k, _)| shared.schema.member(r, k))
+        .map(|&(r, k, _, _)| shared.schema.member(r, k))
         .collect();
     let mut changes: Vec<Change> = held.to_vec();
     changes.extend(
@@ -365,9 +373,9 @@ async fn resync(
             .iter()
             .filter(|m| !std::str::from_utf8(m).is_ok_and(|m| keep.contains(m)))
             .filter_map(|m| parse_member(m))
-            .map(|(r, k)| (r, k, None)),
+            .map(|(r, k)| (r, k, None, false)),
     );
-    changes.sort_unstable_by_key(|&(r, k, _)| (r, k.0));
+    changes.sort_unstable_by_key(|&(r, k, _, _)| (r, k.0));
     events(shared, con, pod, &changes, false).await
 }
 
