@@ -16,6 +16,7 @@ use tokio::time::Instant;
 
 use crate::decide::{DecideRequest, Decider};
 use crate::extproc::reply::Rejection;
+use crate::ingest::CatchUp;
 use crate::pods::{prefill_models, PodRegistry};
 use crate::scoring::SessionStore;
 use crate::supervise::Supervisor;
@@ -37,6 +38,8 @@ pub struct AdminState {
     pub mode: &'static str,
     /// Background loops (readiness fails while one is down).
     pub supervisor: Supervisor,
+    /// Precise mode: the start-up KV-event catch-ups readiness waits for.
+    pub catch_up: Option<Arc<CatchUp>>,
     /// Largest `POST /debug/explain` input: the configured body limit plus room for its JSON
     /// wrapping (axum's own default is 2 MB).
     pub body_limit: usize,
@@ -119,10 +122,12 @@ async fn readyz(State(s): State<AdminState>) -> Response {
     } else if !down.is_empty() {
         let msg = format!("background task down, restarting: {}", down.join(", "));
         (StatusCode::SERVICE_UNAVAILABLE, msg).into_response()
-    } else if s.pods.any_healthy() {
-        "ready".into_response()
-    } else {
+    } else if !s.pods.any_healthy() {
         (StatusCode::SERVICE_UNAVAILABLE, "no healthy pod yet").into_response()
+    } else if let Some(why) = s.catch_up.as_ref().and_then(|c| c.waiting_on(&s.pods)) {
+        (StatusCode::SERVICE_UNAVAILABLE, why).into_response()
+    } else {
+        "ready".into_response()
     }
 }
 

@@ -108,7 +108,12 @@ pub async fn run(cfg: Config, tokenizers: TokenizerRegistry) -> anyhow::Result<(
         decision_metrics.clone(),
     ));
     info!(mode, policy = cfg.policy.as_str(), "kv-router starting");
-    if cfg.kv_events.enabled {
+    // Readiness waits for the start-up KV-event catch-ups (precise mode only).
+    let catch_up = cfg
+        .kv_events
+        .enabled
+        .then(|| Arc::new(ingest::CatchUp::default()));
+    if let Some(catch_up) = &catch_up {
         for model in cfg.tokenizers.iter().map(|t| t.model.as_str()) {
             info!(model, "precise keys (tokenizer configured)");
         }
@@ -116,12 +121,14 @@ pub async fn run(cfg: Config, tokenizers: TokenizerRegistry) -> anyhow::Result<(
             warn!("KV events are on but no tokenizer is configured: request keys stay approximate and only speculative entries can match");
         }
         let (ev, pods, index) = (cfg.kv_events.clone(), pods.clone(), index.clone());
+        let catch_up = catch_up.clone();
         supervisor.spawn("kv_events", move || {
             ingest::run(
                 ev.clone(),
                 pods.clone(),
                 index.clone(),
                 ingest_metrics.clone(),
+                catch_up.clone(),
             )
         });
     }
@@ -239,9 +246,16 @@ pub async fn run(cfg: Config, tokenizers: TokenizerRegistry) -> anyhow::Result<(
     }
     {
         let (pods, sup, stopping) = (pods.clone(), supervisor.clone(), stopping.clone());
+        let catch_up = catch_up.clone();
         supervisor.spawn("readiness", move || {
             let (pods, sup, health_reporter) = (pods.clone(), sup.clone(), health_reporter.clone());
-            readiness(pods, sup, health_reporter, stopping.clone())
+            readiness(
+                pods,
+                sup,
+                catch_up.clone(),
+                health_reporter,
+                stopping.clone(),
+            )
         });
     }
     let extproc = ExtProc::new(
@@ -279,6 +293,7 @@ pub async fn run(cfg: Config, tokenizers: TokenizerRegistry) -> anyhow::Result<(
         stale_after: Duration::from_millis(cfg.pods.stale_after_ms),
         mode,
         supervisor,
+        catch_up,
         stopping: stopping.clone(),
         // An explain input wraps a body as a JSON string: escaping may double it.
         body_limit: cfg
@@ -369,10 +384,12 @@ async fn stopped(mut stopping: tokio::sync::watch::Receiver<bool>) {
     let _ = stopping.wait_for(|s| *s).await;
 }
 
-/// Keeps the gRPC readiness services equal to: not stopping, a healthy pod and no loop down.
+/// Keeps the gRPC readiness services equal to: not stopping, a healthy pod, no loop down and
+/// (precise mode) the start-up KV-event catch-ups over, as `/readyz`.
 async fn readiness(
     pods: Arc<PodRegistry>,
     supervisor: Supervisor,
+    catch_up: Option<Arc<ingest::CatchUp>>,
     health_reporter: tonic_health::server::HealthReporter,
     mut stopping: tokio::sync::watch::Receiver<bool>,
 ) {
@@ -384,7 +401,12 @@ async fn readiness(
             _ = tick.tick() => {}
             _ = stopping.changed(), if !*stopping.borrow() => {}
         }
-        let ready = !*stopping.borrow() && pods.any_healthy() && supervisor.down().is_empty();
+        let ready = !*stopping.borrow()
+            && pods.any_healthy()
+            && supervisor.down().is_empty()
+            && catch_up
+                .as_ref()
+                .is_none_or(|c| c.waiting_on(&pods).is_none());
         if last != Some(ready) {
             let status = if ready {
                 ServingStatus::Serving

@@ -623,3 +623,120 @@ async fn restarted_engine_is_purged_and_relearned() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
+
+/// A replay socket in front of a pod's own that holds its first answer back by `delay` (less
+/// than the subscriber's 2-s idle limit, so the catch-up is slow, not failed). Ends with the test.
+struct SlowReplay {
+    port: u16,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl SlowReplay {
+    fn start(upstream: String, delay: Duration) -> Self {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        let ctx = zmq::Context::new();
+        let front = ctx.socket(zmq::ROUTER).unwrap();
+        front.set_rcvtimeo(50).unwrap();
+        let port = free_port().unwrap();
+        front.bind(&format!("tcp://127.0.0.1:{port}")).unwrap();
+        let stop = std::sync::Arc::new(AtomicBool::new(false));
+        let done = stop.clone();
+        let thread = std::thread::spawn(move || {
+            let mut delay = Some(delay);
+            while !done.load(Ordering::Relaxed) {
+                let Ok(mut req) = front.recv_multipart(0) else {
+                    continue;
+                };
+                let id = req.remove(0);
+                let back = ctx.socket(zmq::DEALER).unwrap();
+                back.set_rcvtimeo(2_000).unwrap();
+                back.connect(&upstream).unwrap();
+                back.send_multipart(req, 0).unwrap();
+                if let Some(d) = delay.take() {
+                    std::thread::sleep(d);
+                }
+                // Relay until the end marker (an empty payload after the all-ones sequence).
+                while let Ok(reply) = back.recv_multipart(0) {
+                    let end = reply.iter().rev().nth(1).is_some_and(|s| s == &[0xff; 8]);
+                    let mut out = vec![id.clone()];
+                    out.extend(reply);
+                    front.send_multipart(out, 0).unwrap();
+                    if end {
+                        break;
+                    }
+                }
+            }
+        });
+        Self {
+            port,
+            stop,
+            thread: Some(thread),
+        }
+    }
+}
+
+impl Drop for SlowReplay {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// A router restarted beside a warm pod is not ready until it has read what the pod already
+/// caches (its catch-up replay): once `/readyz` answers 200, a prompt the pod holds matches
+/// there at once. Before, readiness followed the first health probe and a slow catch-up (a busy
+/// pod's long replay buffer) left the new replica routing blind meanwhile.
+#[tokio::test]
+async fn readiness_waits_for_the_catch_up_of_what_the_pods_already_cache() {
+    let pod = spawn_pod(&[]);
+    let a = pod.name();
+    let client = runner::client();
+    let p = long_prompt(601);
+    let o = post_to(
+        &client,
+        &pod.url(),
+        "/v1/completions",
+        &completion(&p, 4),
+        &[],
+    )
+    .await;
+    assert_eq!(served_by(&o, ""), a);
+    let relay = SlowReplay::start(
+        format!("tcp://127.0.0.1:{}", pod.replay_port),
+        Duration::from_millis(1_500),
+    );
+    let mut cfg = deploy::local_router_config(&[pod.addr]).expect("router config");
+    cfg.kv_events.enabled = true;
+    cfg.kv_events.block_tokens = 16;
+    let sp = &mut cfg.pods.static_pods[0];
+    sp.kv_events_endpoint = Some(format!("tcp://127.0.0.1:{}", pod.events_port));
+    sp.kv_events_replay_endpoint = Some(format!("tcp://127.0.0.1:{}", relay.port));
+    cfg.tokenizers =
+        vec![serde_json::from_value(json!({"model": "sim-model", "builtin": true})).unwrap()];
+    let started = Instant::now();
+    let router = RouterProc::spawn(&bins().kv_router, &cfg)
+        .await
+        .expect("start kv-router");
+    let ready_after = started.elapsed();
+    let v: Value = client
+        .post(format!("{}/debug/explain", router.admin_url()))
+        .json(&json!({"path": "/v1/completions", "body": completion(&p, 4)}))
+        .send()
+        .await
+        .expect("explain request")
+        .json()
+        .await
+        .expect("explain JSON");
+    assert!(
+        matched(&v, &a) > 50,
+        "ready after {ready_after:?} without the pod's cache: {v:#}\n{}",
+        router.stderr_tail(30)
+    );
+    assert!(
+        ready_after >= Duration::from_millis(1_500),
+        "{ready_after:?}"
+    );
+}

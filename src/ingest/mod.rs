@@ -4,6 +4,7 @@
 //! families. A pod that leaves loses its subscriptions and its series; a subscription that dies
 //! is restarted and counted.
 
+mod catch_up;
 mod metrics;
 mod subscriber;
 
@@ -19,6 +20,7 @@ use crate::config::KvEventsConfig;
 use crate::events::decode_batch;
 use crate::index::KvIndex;
 use crate::pods::{Pod, PodId, PodRegistry};
+pub(crate) use catch_up::CatchUp;
 use metrics::DecodeErrorType;
 pub(crate) use metrics::IngestMetrics;
 use subscriber::{Delivery, SubscriberHandle, SubscriptionSpec};
@@ -81,12 +83,14 @@ struct Running {
     started: Instant,
 }
 
-/// Runs the subscription set until the process ends.
+/// Runs the subscription set until the process ends; `catch_up` learns when each start-up
+/// catch-up ends (readiness waits for them).
 pub(crate) async fn run(
     cfg: KvEventsConfig,
     pods: Arc<PodRegistry>,
     index: Arc<dyn KvIndex>,
     metrics: Arc<IngestMetrics>,
+    catch_up: Arc<CatchUp>,
 ) {
     let mut running: HashMap<(PodId, u32), Running> = HashMap::new();
     let mut tick = interval(RECONCILE_EVERY);
@@ -108,7 +112,7 @@ pub(crate) async fn run(
                 );
             }
         }
-        stop_unwanted(&mut running, &wanted, &metrics).await;
+        stop_unwanted(&mut running, &wanted, &metrics, &catch_up).await;
         for (key, (pod, spec)) in wanted {
             if running.contains_key(&key) {
                 continue;
@@ -118,8 +122,12 @@ pub(crate) async fn run(
                 Ok((handle, rx)) => {
                     info!(pod = %key.0, rank = key.1, endpoint = %spec.endpoint, "KV-event subscription started");
                     metrics.init_pod(key.0.as_str());
-                    let task =
-                        tokio::spawn(apply_loop(pod, key.1, rx, index.clone(), metrics.clone()));
+                    catch_up.started(&key.0, key.1, spec.replay_endpoint.is_some());
+                    let (index, metrics, catch_up) =
+                        (index.clone(), metrics.clone(), catch_up.clone());
+                    let task = tokio::spawn(async move {
+                        apply_loop(pod, key.1, rx, index, metrics, &catch_up).await
+                    });
                     running.insert(
                         key,
                         Running {
@@ -131,7 +139,9 @@ pub(crate) async fn run(
                     );
                 }
                 Err(e) => {
-                    warn!(pod = %key.0, error = %e, "cannot start KV-event subscriber thread")
+                    warn!(pod = %key.0, error = %e, "cannot start KV-event subscriber thread");
+                    // No catch-up is coming: readiness must not wait for one.
+                    catch_up.started(&key.0, key.1, false);
                 }
             }
         }
@@ -144,11 +154,13 @@ async fn stop_unwanted(
     running: &mut HashMap<(PodId, u32), Running>,
     wanted: &HashMap<(PodId, u32), (Arc<Pod>, SubscriptionSpec)>,
     metrics: &IngestMetrics,
+    catch_up: &CatchUp,
 ) {
     let mut stop = Vec::new();
     for (key, r) in running.iter() {
         if wanted.get(key).is_none_or(|(_, spec)| *spec != r.spec) {
             info!(pod = %key.0, rank = key.1, "KV-event subscription stopped");
+            catch_up.stopped(&key.0, key.1);
             stop.push(key.clone());
         } else if r.task.is_finished() && r.started.elapsed() >= RESTART_AFTER {
             warn!(pod = %key.0, rank = key.1, "KV-event subscription ended; restarting it");
@@ -181,6 +193,7 @@ async fn apply_loop(
     mut rx: tokio::sync::mpsc::Receiver<Delivery>,
     index: Arc<dyn KvIndex>,
     metrics: Arc<IngestMetrics>,
+    catch_up: &CatchUp,
 ) {
     let id = pod.id().clone();
     let label = id.as_str();
@@ -228,10 +241,15 @@ async fn apply_loop(
                 }
             }
             Delivery::GapSeen => metrics.gap(label),
-            Delivery::Replay { complete } => metrics.replay(label, complete),
+            Delivery::Replay { complete } => {
+                metrics.replay(label, complete);
+                // The subscription's first replay is its catch-up (later ones heal gaps).
+                catch_up.finished(&id, rank);
+            }
             Delivery::BadFrames => metrics.decode_error(label, DecodeErrorType::Frames),
         }
     }
+    catch_up.finished(&id, rank);
 }
 
 #[cfg(test)]
@@ -279,6 +297,7 @@ mod tests {
             pods.clone(),
             index.clone(),
             metrics,
+            Arc::new(CatchUp::default()),
         ));
         (index, Arc::new(registry))
     }

@@ -10,6 +10,10 @@ use kv_router::config::{Config, StaticPod};
 
 use super::{free_addr, http, temp_dir, ChildProc, START_TIMEOUT};
 
+/// How long a router may take to become ready: a precise one waits for its pods' catch-up
+/// replays (at most 75 s) on top of the usual start.
+const READY_TIMEOUT: Duration = Duration::from_secs(75).saturating_add(START_TIMEOUT);
+
 /// A router config for local runs: free ports on 127.0.0.1, the given static pods, fast probes.
 pub fn local_router_config(pods: &[SocketAddr]) -> Result<Config> {
     let mut cfg = Config::default();
@@ -83,7 +87,7 @@ impl RouterProc {
         let mut proc = ChildProc::spawn("kv-router", cmd, dir, false).map_err(plain)?;
         let url = format!("http://{admin}/readyz");
         let client = http();
-        let deadline = Instant::now() + START_TIMEOUT;
+        let deadline = Instant::now() + READY_TIMEOUT;
         loop {
             if let Ok(r) = client.get(&url).send().await {
                 if r.status().is_success() {
