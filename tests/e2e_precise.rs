@@ -255,14 +255,7 @@ impl Precise {
 
     /// `POST /debug/explain` for a completion of `prompt`.
     async fn explain(&self, prompt: &str) -> Value {
-        let r = self
-            .client
-            .post(format!("{}/debug/explain", self.router.admin_url()))
-            .json(&json!({"path": "/v1/completions", "body": completion(prompt, 4)}))
-            .send()
-            .await
-            .expect("explain request");
-        r.json().await.expect("explain JSON")
+        explain(&self.client, &self.router, &completion(prompt, 4)).await
     }
 
     /// Polls explain for `prompt` until `ok(explain)` holds; panics after [`POLL`].
@@ -324,6 +317,19 @@ impl Precise {
     }
 }
 
+/// `POST /debug/explain` to `router` for a completion request with `body`.
+async fn explain(client: &reqwest::Client, router: &RouterProc, body: &Value) -> Value {
+    client
+        .post(format!("{}/debug/explain", router.admin_url()))
+        .json(&json!({"path": "/v1/completions", "body": body}))
+        .send()
+        .await
+        .expect("explain request")
+        .json()
+        .await
+        .expect("explain JSON")
+}
+
 /// The first-ranked pod of an explain answer.
 fn first(v: &Value) -> String {
     v["ranked"][0]["pod"]
@@ -377,16 +383,7 @@ async fn token_id_prompts_are_learned_from_events() {
     assert_eq!(served_by(&o, &d.diag()), b);
     let deadline = Instant::now() + POLL;
     loop {
-        let v: Value = d
-            .client
-            .post(format!("{}/debug/explain", d.router.admin_url()))
-            .json(&json!({"path": "/v1/completions", "body": body}))
-            .send()
-            .await
-            .expect("explain request")
-            .json()
-            .await
-            .expect("explain JSON");
+        let v = explain(&d.client, &d.router, &body).await;
         // 62 full blocks of 16 tokens (the last token is never served from cache).
         if matched(&v, &b) >= 60 && first(&v) == b {
             break;
@@ -721,15 +718,7 @@ async fn readiness_waits_for_the_catch_up_of_what_the_pods_already_cache() {
         .await
         .expect("start kv-router");
     let ready_after = started.elapsed();
-    let v: Value = client
-        .post(format!("{}/debug/explain", router.admin_url()))
-        .json(&json!({"path": "/v1/completions", "body": completion(&p, 4)}))
-        .send()
-        .await
-        .expect("explain request")
-        .json()
-        .await
-        .expect("explain JSON");
+    let v = explain(&client, &router, &completion(&p, 4)).await;
     assert!(
         matched(&v, &a) > 50,
         "ready after {ready_after:?} without the pod's cache: {v:#}\n{}",

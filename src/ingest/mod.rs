@@ -123,11 +123,14 @@ pub(crate) async fn run(
                     info!(pod = %key.0, rank = key.1, endpoint = %spec.endpoint, "KV-event subscription started");
                     metrics.init_pod(key.0.as_str());
                     catch_up.started(&key.0, key.1, spec.replay_endpoint.is_some());
-                    let (index, metrics, catch_up) =
-                        (index.clone(), metrics.clone(), catch_up.clone());
-                    let task = tokio::spawn(async move {
-                        apply_loop(pod, key.1, rx, index, metrics, &catch_up).await
-                    });
+                    let task = tokio::spawn(apply_loop(
+                        pod,
+                        key.1,
+                        rx,
+                        index.clone(),
+                        metrics.clone(),
+                        catch_up.clone(),
+                    ));
                     running.insert(
                         key,
                         Running {
@@ -193,7 +196,7 @@ async fn apply_loop(
     mut rx: tokio::sync::mpsc::Receiver<Delivery>,
     index: Arc<dyn KvIndex>,
     metrics: Arc<IngestMetrics>,
-    catch_up: &CatchUp,
+    catch_up: Arc<CatchUp>,
 ) {
     let id = pod.id().clone();
     let label = id.as_str();

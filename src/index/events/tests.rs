@@ -239,130 +239,129 @@ async fn speculative_entries_expire_unless_confirmed() {
     );
 }
 
+/// One document's keys (16-token blocks) on a fresh index: what the guess tests send and read.
+struct Doc {
+    idx: EventIndex,
+    keys: Vec<BlockKey>,
+}
+
+impl Doc {
+    fn new(doc: u64, blocks: usize, speculative_ttl_ms: u64) -> Self {
+        Self {
+            idx: EventIndex::new(EventIndexConfig {
+                speculative_ttl_ms,
+                ..EventIndexConfig::default()
+            }),
+            keys: crate::index::contract::doc_keys(doc, blocks, 16),
+        }
+    }
+
+    /// `pod` reports `batch`.
+    async fn ev(&self, pod: &PodId, batch: KvEventBatch) {
+        let model = crate::index::contract::MODEL;
+        self.idx.apply_events(pod, 0, model, &batch).await.unwrap();
+    }
+
+    /// A decision sends the document's first `blocks` blocks to `pod` at `t`.
+    async fn record(&self, pod: &PodId, blocks: usize, t: u64) {
+        self.idx.record(pod, &self.keys[..blocks], t).await.unwrap();
+    }
+
+    /// The document's match on `pod` at `t`.
+    async fn at(&self, pod: &PodId, t: u64) -> Vec<f64> {
+        let pods = std::slice::from_ref(pod);
+        self.idx.lookup(&self.keys, pods, t).await.unwrap()
+    }
+}
+
 #[tokio::test]
 async fn a_guess_lasts_until_the_pod_reports_on_its_blocks() {
-    use crate::index::contract::{doc_keys, remove, store, MODEL as DOC_MODEL};
-    let idx = EventIndex::new(EventIndexConfig::default());
+    use crate::index::contract::{remove, store};
+    let d = Doc::new(7, 4, 30_000);
     let a = pod("10.0.0.5:8000");
-    let k = doc_keys(7, 4, 16);
-    let at = |t| {
-        let (idx, a, k) = (&idx, a.clone(), k.clone());
-        async move { idx.lookup(&k, &[a], t).await.unwrap() }
-    };
     // Queued for 20 s before its prefill: the decision's guess still stands (it lived 2 s).
-    idx.record(&a, &k, 0).await.unwrap();
-    assert_eq!(at(20_000).await, vec![4.0]);
+    d.record(&a, 4, 0).await;
+    assert_eq!(d.at(&a, 20_000).await, vec![4.0]);
     // The pod stored the blocks, then evicted the third: the guess does not outlive the report.
-    idx.apply_events(&a, 0, DOC_MODEL, &store(7, 0..4, 16))
-        .await
-        .unwrap();
-    idx.apply_events(&a, 0, DOC_MODEL, &remove(7, 2))
-        .await
-        .unwrap();
-    assert_eq!(at(20_000).await, vec![2.0]);
+    d.ev(&a, store(7, 0..4, 16)).await;
+    d.ev(&a, remove(7, 2)).await;
+    assert_eq!(d.at(&a, 20_000).await, vec![2.0]);
     // A guess about blocks the pod never reports on ends with its TTL.
     let b = pod("10.0.0.6:8000");
-    idx.record(&b, &k, 0).await.unwrap();
-    let on_b = |t| {
-        let (idx, b, k) = (&idx, b.clone(), k.clone());
-        async move { idx.lookup(&k, &[b], t).await.unwrap() }
-    };
-    assert_eq!(on_b(29_999).await, vec![4.0]);
-    assert_eq!(on_b(30_000).await, vec![0.0]);
+    d.record(&b, 4, 0).await;
+    assert_eq!(d.at(&b, 29_999).await, vec![4.0]);
+    assert_eq!(d.at(&b, 30_000).await, vec![0.0]);
 }
 
 #[tokio::test]
 async fn a_guess_outlives_the_eviction_of_an_older_copy_until_the_request_stores_its_blocks() {
-    use crate::index::contract::{doc_keys, remove, store, MODEL as DOC_MODEL};
-    let idx = EventIndex::new(EventIndexConfig::default());
+    use crate::index::contract::{remove, store};
+    let d = Doc::new(7, 4, 30_000);
     let a = pod("10.0.0.5:8000");
-    let k = doc_keys(7, 4, 16);
-    let ev = |b| {
-        let (idx, a) = (&idx, a.clone());
-        async move { idx.apply_events(&a, 0, DOC_MODEL, &b).await.unwrap() }
-    };
-    let at = |t| {
-        let (idx, a, k) = (&idx, a.clone(), k.clone());
-        async move { idx.lookup(&k, &[a], t).await.unwrap() }
-    };
     // An earlier request's document, block 1 since evicted: the pod holds 0, 2 and 3.
-    ev(store(7, 0..4, 16)).await;
-    ev(remove(7, 1)).await;
-    assert_eq!(at(0).await, vec![1.0]);
+    d.ev(&a, store(7, 0..4, 16)).await;
+    d.ev(&a, remove(7, 1)).await;
+    assert_eq!(d.at(&a, 0).await, vec![1.0]);
     // Routed there, the next request hits block 0 and computes 1..4: the guess covers them.
-    idx.record(&a, &k, 0).await.unwrap();
-    assert_eq!(at(0).await, vec![4.0]);
+    d.record(&a, 4, 0).await;
+    assert_eq!(d.at(&a, 0).await, vec![4.0]);
     // While it queues, the pod evicts the older copies of 2 and 3: it will compute them anew.
-    ev(remove(7, 2)).await;
-    ev(remove(7, 3)).await;
-    assert_eq!(at(1_000).await, vec![4.0], "the guess stands");
+    d.ev(&a, remove(7, 2)).await;
+    d.ev(&a, remove(7, 3)).await;
+    assert_eq!(d.at(&a, 1_000).await, vec![4.0], "the guess stands");
     // It stores them: the pod's reports are the truth from here on, guess settled.
-    ev(store(7, 1..4, 16)).await;
-    ev(remove(7, 3)).await;
+    d.ev(&a, store(7, 1..4, 16)).await;
+    d.ev(&a, remove(7, 3)).await;
     assert_eq!(
-        at(2_000).await,
+        d.at(&a, 2_000).await,
         vec![3.0],
         "an eviction after the store counts"
     );
     // Its hit's guess ended with the store (the request had pinned it): an eviction counts.
-    ev(remove(7, 0)).await;
-    assert_eq!(at(2_000).await, vec![0.0]);
+    d.ev(&a, remove(7, 0)).await;
+    assert_eq!(d.at(&a, 2_000).await, vec![0.0]);
 }
 
 #[tokio::test]
 async fn a_hit_evicted_while_its_request_queues_does_not_hide_the_blocks_guessed_past_it() {
-    use crate::index::contract::{doc_keys, remove, store, MODEL as DOC_MODEL};
-    let idx = EventIndex::new(EventIndexConfig::default());
+    use crate::index::contract::{remove, store};
+    let d = Doc::new(3, 6, 30_000);
     let a = pod("10.0.0.5:8000");
-    let k = doc_keys(3, 6, 16);
-    let ev = |b| {
-        let (idx, a) = (&idx, a.clone());
-        async move { idx.apply_events(&a, 0, DOC_MODEL, &b).await.unwrap() }
-    };
-    let at = |t| {
-        let (idx, a, k) = (&idx, a.clone(), k.clone());
-        async move { idx.lookup(&k, &[a], t).await.unwrap() }
-    };
     // The pod holds the document's first three blocks; a request for all six is routed there.
-    ev(store(3, 0..3, 16)).await;
-    idx.record(&a, &k, 0).await.unwrap();
-    assert_eq!(at(0).await, vec![6.0]);
+    d.ev(&a, store(3, 0..3, 16)).await;
+    d.record(&a, 6, 0).await;
+    assert_eq!(d.at(&a, 0).await, vec![6.0]);
     // While it queues, the pod evicts the last block of the held prefix (LRU takes the tail).
     // The request computes it again; the next request must still see all six blocks there.
-    ev(remove(3, 2)).await;
-    assert_eq!(at(1_000).await, vec![6.0], "the hole does not hide 3..6");
+    d.ev(&a, remove(3, 2)).await;
+    assert_eq!(
+        d.at(&a, 1_000).await,
+        vec![6.0],
+        "the hole does not hide 3..6"
+    );
     // It runs: it stores 2..6, which settles its hits' guesses; later evictions count.
-    ev(store(3, 2..6, 16)).await;
-    assert_eq!(at(2_000).await, vec![6.0]);
-    ev(remove(3, 1)).await;
-    assert_eq!(at(2_000).await, vec![1.0]);
+    d.ev(&a, store(3, 2..6, 16)).await;
+    assert_eq!(d.at(&a, 2_000).await, vec![6.0]);
+    d.ev(&a, remove(3, 1)).await;
+    assert_eq!(d.at(&a, 2_000).await, vec![1.0]);
     // A request that computes nothing gets no guess: nothing it stores would end one.
-    idx.record(&a, &k[..1], 3_000).await.unwrap();
-    ev(remove(3, 0)).await;
-    assert_eq!(at(3_000).await, vec![0.0]);
+    d.record(&a, 1, 3_000).await;
+    d.ev(&a, remove(3, 0)).await;
+    assert_eq!(d.at(&a, 3_000).await, vec![0.0]);
 }
 
 #[tokio::test]
 async fn a_hit_guess_ends_after_the_ttl_when_its_request_never_stores() {
-    use crate::index::contract::{doc_keys, remove, store, MODEL as DOC_MODEL};
-    let idx = EventIndex::new(EventIndexConfig {
-        speculative_ttl_ms: 2_000,
-        ..EventIndexConfig::default()
-    });
+    use crate::index::contract::{remove, store};
+    let d = Doc::new(4, 3, 2_000);
     let a = pod("10.0.0.5:8000");
-    let k = doc_keys(4, 3, 16);
-    idx.apply_events(&a, 0, DOC_MODEL, &store(4, 0..2, 16))
-        .await
-        .unwrap();
-    idx.record(&a, &k, 0).await.unwrap();
-    idx.apply_events(&a, 0, DOC_MODEL, &remove(4, 0))
-        .await
-        .unwrap();
-    let at = |t| idx.lookup(&k, std::slice::from_ref(&a), t);
-    assert_eq!(at(1_999).await.unwrap(), vec![3.0]);
-    assert_eq!(at(2_000).await.unwrap(), vec![0.0]);
-    idx.sweep(2_000).await.unwrap();
-    let inner = idx.inner.read();
+    d.ev(&a, store(4, 0..2, 16)).await;
+    d.record(&a, 3, 0).await;
+    d.ev(&a, remove(4, 0)).await;
+    assert_eq!(d.at(&a, 1_999).await, vec![3.0]);
+    assert_eq!(d.at(&a, 2_000).await, vec![0.0]);
+    d.idx.sweep(2_000).await.unwrap();
+    let inner = d.idx.inner.read();
     assert!(inner.pods.iter().all(|(_, p)| p.speculative.is_empty()));
 }
 
