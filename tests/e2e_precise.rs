@@ -16,7 +16,9 @@ use std::time::{Duration, Instant};
 
 use common::deploy::{self, free_port, EnvoyProc, RouterProc, SimPod};
 use common::runner;
-use common::{bins, completion, envoy_bin, matched, metric, post_to, served_by, text, FAST_SIM};
+use common::{
+    bins, completion, envoy_bin, explain, matched, metric, post_to, served_by, text, FAST_SIM,
+};
 use kv_router::config::{Config, TokenizerConfig};
 use serde_json::{json, Value};
 
@@ -315,19 +317,6 @@ impl Precise {
             }
         }
     }
-}
-
-/// `POST /debug/explain` to `router` for a completion request with `body`.
-async fn explain(client: &reqwest::Client, router: &RouterProc, body: &Value) -> Value {
-    client
-        .post(format!("{}/debug/explain", router.admin_url()))
-        .json(&json!({"path": "/v1/completions", "body": body}))
-        .send()
-        .await
-        .expect("explain request")
-        .json()
-        .await
-        .expect("explain JSON")
 }
 
 /// The first-ranked pod of an explain answer.

@@ -302,18 +302,7 @@ impl Replicas {
 
     /// `POST /debug/explain` on replica `i`.
     async fn explain(&self, replica: usize, prompt: &str) -> Value {
-        self.client
-            .post(format!(
-                "{}/debug/explain",
-                self.routers[replica].admin_url()
-            ))
-            .json(&json!({"path": "/v1/completions", "body": completion(prompt, 4)}))
-            .send()
-            .await
-            .expect("explain request")
-            .json()
-            .await
-            .expect("explain JSON")
+        common::explain(&self.client, &self.routers[replica], &completion(prompt, 4)).await
     }
 }
 

@@ -195,6 +195,20 @@ pub async fn post_to(
     .await
 }
 
+/// `POST /debug/explain` (a dry run: it records nothing) to `router` for a completion request
+/// with `body`.
+pub async fn explain(client: &reqwest::Client, router: &RouterProc, body: &Value) -> Value {
+    client
+        .post(format!("{}/debug/explain", router.admin_url()))
+        .json(&json!({"path": "/v1/completions", "body": body}))
+        .send()
+        .await
+        .expect("explain request")
+        .json()
+        .await
+        .expect("explain JSON")
+}
+
 /// English-like text of at least `bytes` bytes, deterministic in `seed`.
 pub fn text(seed: u64, bytes: usize) -> String {
     let mut s = String::with_capacity(bytes + 16);
