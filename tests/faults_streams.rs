@@ -90,20 +90,22 @@ async fn aborted_uploads_and_responses_leave_no_inflight_load_or_buffered_bytes(
     //     kv-router got part of its body (headers plus at least one body message sent on its
     //     ext_proc stream): together they fill the budget, so a 1 MiB body is refused now. That
     //     makes the probe after the resets meaningful.
+    // Bytes Envoy wrote to kv-router: the half-sent MiB must all be on its way, not one message
+    // of it (under load Envoy forwarded only part of it before the probe, which then fit).
+    let tx = "cluster.kv_router.upstream_cx_tx_bytes_total";
     let mut held = Vec::new();
     for i in 0..3u64 {
-        let before = envoy_stat(
-            &get_text(&d.client, &stats_url).await.unwrap_or_default(),
-            msgs,
-        );
+        let st = get_text(&d.client, &stats_url).await.unwrap_or_default();
+        let before = (envoy_stat(&st, msgs), envoy_stat(&st, tx));
         held.push(partial_upload(d.envoys[0].listen, 2 * MIB, MIB, 600 + i).await);
         wait_for(
-            "Envoy to stream part of the body to kv-router",
+            "Envoy to stream the sent part of the body to kv-router",
             POLL,
             || d.diag(),
             || async {
                 let st = get_text(&d.client, &stats_url).await?;
-                (envoy_stat(&st, msgs) >= before + 2).then_some(())
+                let sent = envoy_stat(&st, tx) >= before.1 + MIB as u64;
+                (envoy_stat(&st, msgs) >= before.0 + 2 && sent).then_some(())
             },
         )
         .await;
