@@ -179,7 +179,9 @@ pub(super) fn simulate(
             ready(index.set_capacity(id, cap)).expect("in-memory index");
         }
     }
-    let salt = SplitMix64::derive(opts.seed, strategy.as_str(), pods as u64).next_u64();
+    // One tie-break stream per seed and fleet, whatever the strategy: two strategies are
+    // compared on common random numbers, not on two streams' luck.
+    let salt = SplitMix64::derive(opts.seed, "tie-breaks", pods as u64).next_u64();
     let mut rng = SplitMix64::new(salt);
     // Not salted by strategy: every strategy sees the same requests bypass it, to the same pods.
     let mut bypass_rng = SplitMix64::derive(opts.seed, "bypass", pods as u64);
