@@ -98,7 +98,7 @@ fn strategies_that_see_the_same_fleet_break_ties_alike() {
     // scores and loads, and only the tie-breaks could set them apart. Drawing those from one
     // stream per seed (common random numbers) keeps a comparison of two strategies from
     // measuring two rng streams: unpaired, 12 churning-cache seeds put precise 2.3 points of
-    // pooled below weighted; paired, 0.5 (docs/results.md).
+    // pooled below weighted; paired, 1.3 points above (docs/results.md, "Paired tie-breaks").
     let records = (0..120u64)
         .map(|i| TraceRecord {
             timestamp: i * 15,
