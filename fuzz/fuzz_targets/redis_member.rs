@@ -1,4 +1,2 @@
 #![no_main]
-#[path = "../targets.rs"]
-mod targets;
-libfuzzer_sys::fuzz_target!(|data: &[u8]| targets::redis_member(data));
+libfuzzer_sys::fuzz_target!(|data: &[u8]| kv_fuzz::redis_member(data));

@@ -1,4 +1,2 @@
 #![no_main]
-#[path = "../targets.rs"]
-mod targets;
-libfuzzer_sys::fuzz_target!(|data: &[u8]| targets::request_parser(data));
+libfuzzer_sys::fuzz_target!(|data: &[u8]| kv_fuzz::request_parser(data));

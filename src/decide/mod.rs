@@ -7,14 +7,15 @@
 //! * [`commit`]: records a plan: the primary pod learns the prompt in the index, the session is
 //!   pinned to it, and its load is charged until the request ends (the in-flight guard).
 //!
-//! [`Decider`] is the live front: parse → pods → keys → index lookup → [`plan`] → [`commit`].
+//! [`Decider`] is the live front: parse → pods → keys → index lookup → [`DecisionState`] (the
+//! one input builder, shared with `kv-bench simulate`) → [`plan`] → [`commit`].
 
 mod conversation;
+mod input;
 mod metrics;
 mod plan;
 mod unrecorded;
 
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -28,13 +29,14 @@ use crate::index::KvIndex;
 use crate::keys::{Keyer, Keys};
 use crate::pods::{prefill_models, InflightGuard, Pod, PodId, PodRegistry, TtftPrior};
 use crate::request::{self, RequestError, RoutingRequest};
-use crate::scoring::{Candidate, SessionKey, SessionStore};
+use crate::scoring::{SessionKey, SessionStore};
 use crate::telemetry::ErrorKind;
 use crate::tokenize::TokenizerRegistry;
 use metrics::DecisionLabels;
 use unrecorded::Unrecorded;
 
 pub use conversation::{Conversations, SessionSeen, PROMPT_ENDS};
+pub use input::{DecisionState, Planned, PodFacts, Recording, RequestFacts};
 pub use metrics::DecisionMetrics;
 pub use plan::{commit, plan, Body, Committed, Plan, PlanInput, ScoredPod, Stages, Stores};
 
@@ -147,14 +149,21 @@ pub struct Decider {
     use_user_field: bool,
     registry: Arc<PodRegistry>,
     index: Arc<dyn KvIndex>,
-    sessions: Arc<SessionStore>,
-    conversations: Conversations,
-    /// Answered decisions whose index record has not landed yet.
-    unrecorded: Arc<Unrecorded>,
+    /// Conversations, sessions and decisions answered before their index record landed.
+    state: DecisionState,
     stages: Stages,
     metrics: DecisionMetrics,
     epoch: Instant,
-    turns: AtomicU64,
+}
+
+/// What a live decision gathered before it plans.
+struct Gathered {
+    facts: RequestFacts,
+    pod_facts: Vec<PodFacts>,
+    model: Option<String>,
+    pods: Vec<Arc<Pod>>,
+    now: Instant,
+    now_ms: u64,
 }
 
 /// A planned decision with the live pods it ranked.
@@ -204,13 +213,10 @@ impl Decider {
             use_user_field: s.session.use_user_field,
             registry,
             index,
-            sessions,
-            conversations: Conversations::new(PROMPT_ENDS, cfg.gate.spread_half_life_ms),
-            unrecorded: Arc::default(),
+            state: DecisionState::new(cfg, sessions, Recording::AfterReply),
             stages: Stages::new(cfg),
             metrics,
             epoch: Instant::now(),
-            turns: AtomicU64::new(0),
         }
     }
 
@@ -300,21 +306,18 @@ impl Decider {
     async fn commit(&self, p: Prepared) -> (Decision, Option<PendingRecord>) {
         let pods = &p.pods;
         let now = p.now;
-        let stores = Stores {
-            index: None,
-            sessions: Some(&self.sessions),
-            conversations: Some(&self.conversations),
-        };
-        let c = commit(&p.plan, stores, p.now_ms, |i, tokens, rate| {
-            pods[i].begin_request(tokens, now, rate)
-        })
-        .await;
+        let c = self
+            .state
+            .commit(&p.plan, None, p.now_ms, |i, tokens, rate| {
+                pods[i].begin_request(tokens, now, rate)
+            })
+            .await;
         let pending = p.unrecorded.map(|(id, keys)| PendingRecord {
             pod: p.plan.ranked[0].pod.clone(),
             keys,
             now_ms: p.now_ms,
             id,
-            unrecorded: self.unrecorded.clone(),
+            unrecorded: self.state.unrecorded().clone(),
         });
         let decision = Decision {
             plan: p.plan,
@@ -324,9 +327,45 @@ impl Decider {
         (decision, pending)
     }
 
+    /// What [`Decider::plan`] would hand to [`plan`] now (takes a round-robin turn, records
+    /// nothing): the live half of the check that the simulator builds the same input.
+    pub async fn plan_input(&self, req: DecideRequest<'_>) -> Result<PlanInput, DecideError> {
+        let g = self.gather(req).await?;
+        let mut held = self.state.unrecorded().hold();
+        Ok(self.state.input(&mut held, g.facts, &g.pod_facts, g.now_ms))
+    }
+
     /// Parses, looks up and plans; with `commit`, the plan joins the unrecorded decisions in
     /// the same step that overlaid them, so concurrent decisions see each other.
     async fn prepare(&self, req: DecideRequest<'_>, commit: bool) -> Result<Prepared, DecideError> {
+        let g = self.gather(req).await?;
+        let planned = self.state.plan(
+            &self.stages,
+            g.facts,
+            &g.pod_facts,
+            g.now_ms,
+            commit,
+            &mut rand::rng(),
+        );
+        let plan = planned.plan;
+        log_decision(&plan);
+        for e in &plan.scorer_errors {
+            debug!(error = %e, "scorer failed; its scores count as 0");
+            self.metrics.errors.inc(ErrorKind::Scorer);
+        }
+        Ok(Prepared {
+            plan,
+            model: g.model,
+            pods: g.pods,
+            now: g.now,
+            now_ms: g.now_ms,
+            unrecorded: planned.unrecorded,
+        })
+    }
+
+    /// Everything a decision reads before it plans: the parsed request, its keys and session,
+    /// the candidate pods with their load, model and index matches.
+    async fn gather(&self, req: DecideRequest<'_>) -> Result<Gathered, DecideError> {
         let (parsed, keys) = self.parse_and_key(&req).await;
         let parsed: Option<RoutingRequest> = match parsed {
             None => None,
@@ -347,7 +386,7 @@ impl Decider {
         }
         let ids: Vec<PodId> = pods.iter().map(|p| p.id().clone()).collect();
         let now_ms = self.now_ms();
-        let mut matched = if keys.keys.is_empty() {
+        let matched = if keys.keys.is_empty() {
             vec![0.0; ids.len()]
         } else {
             self.index
@@ -366,39 +405,20 @@ impl Decider {
             self.use_user_field,
         );
         let session_pod = match session {
-            Some(s) => self.sessions.find(s, now_ms).await,
+            Some(s) => self.state.sessions().find(s, now_ms).await,
             None => None,
         };
-        // From here to the plan's end nothing awaits: the unrecorded set is held throughout.
-        let mut unrecorded = self.unrecorded.hold();
-        unrecorded.overlay(&keys.keys, &ids, &mut matched);
         let now = Instant::now();
-        let seen = match (&session, &session_pod) {
-            (None, _) => SessionSeen::None,
-            (Some(_), Some(pod)) if pods.iter().any(|p| p.id() == pod) => SessionSeen::Pinned,
-            (Some(_), _) => SessionSeen::Unpinned,
-        };
-        let new_conversation = self.conversations.is_new(&keys, &matched, seen);
-        let conversations = if new_conversation {
-            let placed = self.conversations.placed(&ids, now_ms);
-            let pinned = self.sessions.conversations(&ids, now_ms);
-            pinned.iter().zip(placed).map(|(s, p)| s.max(p)).collect()
-        } else {
-            vec![0.0; ids.len()]
-        };
         let models = prefill_models(&pods, self.stages.ttft_prior());
-        let candidates = pods
+        let pod_facts = pods
             .iter()
             .zip(matched)
-            .zip(conversations)
             .zip(models)
-            .map(|(((p, matched_blocks), conversations), model)| Candidate {
-                pod: p.id().clone(),
-                matched_blocks,
+            .map(|((p, matched_blocks), model)| PodFacts {
+                id: p.id().clone(),
                 load: p.load(now, self.stale_after),
-                session_pod: session_pod.as_ref() == Some(p.id()),
-                conversations,
                 model,
+                matched_blocks,
             })
             .collect();
         let body = match (&parsed, req.body) {
@@ -406,32 +426,18 @@ impl Decider {
             (None, None) => Body::Missing,
             (None, Some(_)) => Body::Unparsable,
         };
-        let shared_keys: Option<Arc<[BlockKey]>> =
-            (commit && !keys.keys.is_empty()).then(|| keys.keys.as_slice().into());
-        let input = PlanInput {
-            keys,
-            body,
-            candidates,
-            session,
-            turn: self.turns.fetch_add(1, Ordering::Relaxed),
-            new_conversation,
-        };
-        let plan = plan(&self.stages, input, &mut rand::rng());
-        // Without keys to record the set is released here, unchanged.
-        let unrecorded =
-            shared_keys.map(|k| (unrecorded.add(plan.ranked[0].pod.clone(), k.clone()), k));
-        log_decision(&plan);
-        for e in &plan.scorer_errors {
-            debug!(error = %e, "scorer failed; its scores count as 0");
-            self.metrics.errors.inc(ErrorKind::Scorer);
-        }
-        Ok(Prepared {
-            plan,
+        Ok(Gathered {
+            facts: RequestFacts {
+                keys,
+                body,
+                session,
+                session_pod,
+            },
+            pod_facts,
             model,
             pods,
             now,
             now_ms,
-            unrecorded,
         })
     }
 
@@ -559,6 +565,8 @@ pub fn log_decision(plan: &Plan) {
 
 #[cfg(test)]
 pub(crate) mod tests {
+    use std::sync::atomic::{AtomicU64, Ordering};
+
     use super::*;
     use crate::config::{Config, StaticPod};
     use crate::index::MemoryIndex;
@@ -687,12 +695,16 @@ pub(crate) mod tests {
         let total = b.plan.total_blocks as f64;
         assert!(total > 10.0);
         assert_eq!(b.plan.ranked[0].matched_blocks, total);
-        assert_eq!(d.unrecorded.len(), 2);
+        assert_eq!(d.state.unrecorded().len(), 2);
         drop(b_pending);
         d.record(pending).await;
         assert!(d.index().stats().entries > 0);
         tokio::time::sleep(unrecorded::GRACE + Duration::from_millis(20)).await;
-        assert_eq!(d.unrecorded.len(), 0, "a record, landed or dropped, leaves");
+        assert_eq!(
+            d.state.unrecorded().len(),
+            0,
+            "a record, landed or dropped, leaves"
+        );
     }
 
     #[tokio::test]
@@ -749,7 +761,7 @@ pub(crate) mod tests {
         let a = d.plan(req(&body, &h)).await.unwrap();
         assert!(a.guard.is_none());
         assert_eq!(d.index().stats().entries, 0);
-        assert!(d.sessions.is_empty());
+        assert!(d.state.sessions().is_empty());
         for p in reg.snapshot().pods() {
             assert_eq!(p.inflight_counts(), (0, 0));
         }
@@ -757,7 +769,7 @@ pub(crate) mod tests {
         let b = d.decide(req(&body, &h)).await.unwrap();
         assert!(b.guard.is_some());
         assert!(d.index().stats().entries > 0);
-        assert_eq!(d.sessions.len(), 1);
+        assert_eq!(d.state.sessions().len(), 1);
     }
 
     #[tokio::test]
@@ -767,7 +779,7 @@ pub(crate) mod tests {
         let h = vec![("x-session-id".to_string(), "s1".to_string())];
         let (a, pending) = d.decide_reply_first(req(&body, &h)).await.unwrap();
         assert!(a.guard.is_some());
-        assert_eq!(d.sessions.len(), 1);
+        assert_eq!(d.state.sessions().len(), 1);
         let charged: i64 = reg
             .snapshot()
             .pods()

@@ -1,4 +1,4 @@
-//! Every fixture in `shared/fixtures/vllm-kv-events/` (vLLM 0.33's own publisher output) decodes
+//! Every fixture in `data/vllm-kv-events/` (vLLM 0.33's own publisher output) decodes
 //! to its documented meaning in `index.json`; malformed payloads are errors, never panics.
 
 use std::path::PathBuf;
@@ -9,13 +9,10 @@ use super::decode::MAX_PAYLOAD_BYTES;
 use super::*;
 
 pub(crate) fn fixtures_dir() -> PathBuf {
-    let dir = std::env::var_os("KV_ROUTER_SHARED")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared"))
-        .join("fixtures/vllm-kv-events");
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("data/vllm-kv-events");
     assert!(
         dir.join("index.json").exists(),
-        "vLLM KV-event fixtures not found at {} (set KV_ROUTER_SHARED to the shared/ folder)",
+        "vLLM KV-event fixtures not found at {} (they are part of the repository)",
         dir.display()
     );
     dir

@@ -391,14 +391,13 @@ mod backends {
     }
 
     /// The shared backend over a real server: approximate (MEMORY caps) and precise (EVENTS).
-    #[cfg(feature = "bench")]
     mod redis {
         use std::sync::atomic::{AtomicUsize, Ordering};
 
         use super::*;
         use crate::config::RedisConfig;
         use crate::index::{Local, RedisIndex, RedisMetrics, Tuning};
-        use crate::test_deploy::{find_redis_server, RedisProc};
+        use kv_testkit::deploy::{find_redis_server, RedisProc};
 
         /// A server for one test (fails, never skips, when none can start).
         pub(crate) fn server() -> RedisProc {

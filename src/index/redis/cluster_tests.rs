@@ -11,7 +11,7 @@ use crate::index::{
     EventIndex, EventIndexConfig, KvIndex, Local, MemoryIndex, RedisIndex, RedisMetrics,
     RedisSource, Tuning,
 };
-use crate::test_deploy::{find_redis_server, RedisCluster};
+use kv_testkit::deploy::{find_redis_server, RedisCluster};
 
 const BT: usize = 4;
 const BUDGET_MS: u64 = 100;
@@ -48,7 +48,7 @@ fn dbsizes(urls: &[String]) -> Vec<i64> {
     urls.iter()
         .map(|u| {
             let addr = u.trim_start_matches("redis://").parse().unwrap();
-            crate::test_deploy::redis_command(addr, &["DBSIZE"])
+            kv_testkit::deploy::redis_command(addr, &["DBSIZE"])
                 .ok()
                 .and_then(|r| r.trim_start_matches(':').parse().ok())
                 .unwrap_or(-1)

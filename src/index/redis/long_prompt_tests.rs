@@ -7,7 +7,7 @@ use crate::blocks::BlockKey;
 use crate::config::RedisConfig;
 use crate::index::contract::pods;
 use crate::index::{KvIndex, Local, MemoryIndex, RedisIndex, RedisMetrics, RedisSource, Tuning};
-use crate::test_deploy::{find_redis_server, RedisProc};
+use kv_testkit::deploy::{find_redis_server, RedisProc};
 
 const BLOCKS: u64 = 4_096;
 const CAP: usize = 3_500;

@@ -8,19 +8,19 @@
 //! entries under `key_prefix`. Anyone who can write there can steer routing, so the Redis
 //! deployment must be as private as the router's own ports.
 
-#[cfg(all(test, feature = "bench"))]
+#[cfg(test)]
 mod cluster_tests;
 mod conn;
-#[cfg(all(test, feature = "bench"))]
+#[cfg(test)]
 mod long_prompt_tests;
 mod metrics;
-#[cfg(all(test, feature = "bench"))]
+#[cfg(test)]
 mod prop_tests;
-#[cfg(all(test, feature = "bench"))]
+#[cfg(test)]
 mod recovery_tests;
 mod schema;
 mod sessions;
-#[cfg(all(test, feature = "bench"))]
+#[cfg(test)]
 mod tls_tests;
 mod writer;
 

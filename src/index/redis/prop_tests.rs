@@ -14,7 +14,7 @@ use crate::index::contract::{clear, doc_keys, pods, remove, store, MODEL};
 use crate::index::{
     EventIndex, EventIndexConfig, KvIndex, Local, MemoryIndex, RedisIndex, RedisMetrics, Tuning,
 };
-use crate::test_deploy::{find_redis_server, RedisProc};
+use kv_testkit::deploy::{find_redis_server, RedisProc};
 
 const TTL: u64 = 3_000;
 const CAP: usize = 6;

@@ -12,7 +12,7 @@ use crate::index::{
     EventIndex, EventIndexConfig, KvIndex, Local, RedisFallbackReason, RedisIndex, RedisMetrics,
     RedisSource, Tuning,
 };
-use crate::test_deploy::{find_redis_server, redis_command};
+use kv_testkit::deploy::{find_redis_server, redis_command};
 
 const BT: usize = 4;
 

@@ -49,7 +49,7 @@ impl SharedSessions for RedisSessions {
     }
 }
 
-#[cfg(all(test, feature = "bench"))]
+#[cfg(test)]
 mod tests {
     use std::time::Duration;
 
@@ -57,7 +57,7 @@ mod tests {
     use crate::index::{KvIndex, Local, MemoryIndex, RedisIndex, RedisMetrics, Tuning};
     use crate::pods::PodId;
     use crate::scoring::{SessionKey, SessionStore};
-    use crate::test_deploy::{find_redis_server, RedisProc};
+    use kv_testkit::deploy::{find_redis_server, RedisProc};
 
     fn replica(url: &str) -> RedisIndex {
         let cfg = RedisConfig {

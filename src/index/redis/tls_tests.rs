@@ -16,7 +16,7 @@ use crate::index::contract::{doc_keys, pods};
 use crate::index::{
     KvIndex, Local, MemoryIndex, RedisFallbackReason, RedisIndex, RedisMetrics, RedisSource, Tuning,
 };
-use crate::test_deploy::{find_redis_server, RedisProc};
+use kv_testkit::deploy::{find_redis_server, RedisProc};
 
 /// A CA certificate (PEM) and the server certificate + key it signed for 127.0.0.1.
 fn certificates() -> (String, rcgen::Certificate, KeyPair) {

@@ -1,0 +1,727 @@
+//! `kv-bench compare`: one fleet of simulated pods, the same workload once per routing strategy.
+//!
+//! Envoy round robin (no ext_proc) is the baseline; every other strategy is kv-router (restarted
+//! with that strategy's config) behind Envoy's BUFFERED override-host bootstrap. `redis` is two
+//! replicas sharing a fresh Redis/Valkey, both endpoints of Envoy's `kv_router` cluster (Envoy
+//! spreads ext_proc streams over them). Pod caches are reset between strategies so each run
+//! starts cold; routers, Envoy and Redis live only for their strategy.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use serde::Serialize;
+
+use super::report::Summary;
+use super::strategy::Strategy;
+use kv_router::config::Config;
+use kv_testkit::deploy::{
+    self, Binaries, EnvoyOptions, EnvoyProc, EventPod, RedisProc, RouterProc,
+};
+use kv_testkit::runner::{self, RunOptions, RunResult};
+use kv_testkit::workload::Workload;
+
+/// How to run a comparison.
+#[derive(Debug, Clone)]
+pub struct CompareOptions {
+    /// Envoy binary (None: [`deploy::find_envoy`] rules).
+    pub envoy: Option<PathBuf>,
+    /// Simulated pods.
+    pub pods: usize,
+    /// KV blocks per pod.
+    pub gpu_blocks: usize,
+    /// Extra `vllm-sim` arguments for every pod.
+    pub sim_args: Vec<String>,
+    /// The first `n` pods prefill `factor` times slower than the others (a mixed fleet).
+    pub slow_pods: (usize, f64),
+    /// Strategies, in run order.
+    pub strategies: Vec<Strategy>,
+    /// Per-request timeout.
+    pub request_timeout: Duration,
+    /// Model served by the pods and sent in requests.
+    pub model: String,
+    /// Progress bars on stderr.
+    pub progress: bool,
+    /// kv-router replicas behind Envoy for every router strategy (None: each strategy's
+    /// [`Strategy::default_replicas`]). Replicas without the shared index each learn alone.
+    pub replicas: Option<usize>,
+    /// Where each router's final `/metrics` and its log go (`<label>-<replica>.prom`, `.log`),
+    /// if anywhere.
+    pub router_metrics: Option<PathBuf>,
+    /// Rounds over the strategies, each in an order rotated by one (`#1`, `#2`… in labels when
+    /// more than one): a single run's verdict can be its slot or the machine's noise.
+    pub repeat: usize,
+}
+
+impl CompareOptions {
+    /// kv-router replicas for `strategy` (none for Envoy's own round robin).
+    pub fn replicas(&self, strategy: Strategy) -> usize {
+        match (strategy.default_replicas(), self.replicas) {
+            (0, _) => 0,
+            (_, Some(n)) => n.max(1),
+            (d, None) => d,
+        }
+    }
+
+    /// The label of `strategy` in reports: its name, with the replica count when not the
+    /// strategy's default (`weighted x2`).
+    pub fn label(&self, strategy: Strategy) -> String {
+        let n = self.replicas(strategy);
+        if n == strategy.default_replicas() {
+            strategy.as_str().into()
+        } else {
+            format!("{} x{n}", strategy.as_str())
+        }
+    }
+}
+
+/// The fleet shared by every strategy: pods publishing KV events and a round-robin Envoy.
+#[derive(Debug)]
+pub struct CompareFleet {
+    pods: Vec<EventPod>,
+    envoy_bin: PathBuf,
+    rr_envoy: EnvoyProc,
+}
+
+impl CompareFleet {
+    /// Starts the pods (named `pod-0…`, seeds 0…) and the round-robin Envoy.
+    pub async fn start(bins: &Binaries, opts: &CompareOptions) -> Result<Self> {
+        let envoy_bin = deploy::find_envoy(opts.envoy.as_deref())?;
+        let mut pods = Vec::new();
+        for i in 0..opts.pods {
+            pods.push(spawn_event_pod(bins, i, opts)?);
+        }
+        let addrs: Vec<SocketAddr> = pods.iter().map(|p| p.sim.addr).collect();
+        let rr_envoy = EnvoyProc::spawn_with(
+            &envoy_bin,
+            &deploy::envoy_template("round-robin.yaml")?,
+            None,
+            &addrs,
+            &envoy_options(),
+        )
+        .await?;
+        Ok(Self {
+            pods,
+            envoy_bin,
+            rr_envoy,
+        })
+    }
+
+    /// Pod addresses.
+    pub fn addrs(&self) -> Vec<SocketAddr> {
+        self.pods.iter().map(|p| p.sim.addr).collect()
+    }
+
+    /// The router config every strategy starts from: these pods, their event endpoints.
+    fn base_config(&self) -> Result<Config> {
+        let mut cfg = deploy::local_router_config(&self.addrs())?;
+        cfg.log.level = "warn".into();
+        EventPod::set_endpoints(&mut cfg, &self.pods);
+        Ok(cfg)
+    }
+}
+
+fn envoy_options() -> EnvoyOptions {
+    EnvoyOptions {
+        concurrency: 2,
+        ..Default::default()
+    }
+}
+
+fn spawn_event_pod(bins: &Binaries, i: usize, opts: &CompareOptions) -> Result<EventPod> {
+    let mut args = vec![
+        "--seed".to_string(),
+        i.to_string(),
+        "--num-gpu-blocks".to_string(),
+        opts.gpu_blocks.to_string(),
+        "--model".to_string(),
+        opts.model.clone(),
+    ];
+    args.extend(pod_sim_args(&opts.sim_args, i, opts.slow_pods));
+    EventPod::spawn(&bins.vllm_sim, &format!("pod-{i}"), &args)
+}
+
+/// vllm-sim's prefill cost when `--prefill-us-per-token` is not given.
+const SIM_PREFILL_US_PER_TOKEN: f64 = 100.0;
+
+/// Pod `i`'s extra vllm-sim arguments: `sim_args`, with the prefill cost multiplied by
+/// `slow.1` on the first `slow.0` pods.
+fn pod_sim_args(sim_args: &[String], i: usize, slow: (usize, f64)) -> Vec<String> {
+    if i >= slow.0 {
+        return sim_args.to_vec();
+    }
+    const FLAG: &str = "--prefill-us-per-token";
+    let mut base = SIM_PREFILL_US_PER_TOKEN;
+    let mut out = Vec::with_capacity(sim_args.len() + 1);
+    let mut args = sim_args.iter();
+    while let Some(a) = args.next() {
+        if let Some(v) = a.strip_prefix(FLAG).and_then(|r| r.strip_prefix('=')) {
+            base = v.parse().unwrap_or(base);
+        } else if a == FLAG {
+            base = args.next().and_then(|v| v.parse().ok()).unwrap_or(base);
+        } else {
+            out.push(a.clone());
+        }
+    }
+    out.push(format!("{FLAG}={}", base * slow.1));
+    out
+}
+
+/// One strategy's outcome.
+#[derive(Debug, Serialize)]
+pub struct StrategyRun {
+    /// Label in reports (the strategy's, or the user's for external endpoints).
+    pub label: String,
+    /// Its summary (None when it could not run).
+    pub summary: Option<Summary>,
+    /// Every request record (None when it could not run).
+    pub run: Option<RunResult>,
+    /// Why it did not run.
+    pub skipped: Option<String>,
+}
+
+impl StrategyRun {
+    /// A finished run, summarized (with the oracles when the fleet is known). The bodies it
+    /// sent are dropped once the oracles have replayed them: a Mooncake run's token arrays as
+    /// JSON values are ~300 MB, and keeping every run's grew `make bench` to 5 GB by its last
+    /// rounds, so later runs' clients paid for fresh pages while they timed requests.
+    fn finished(label: String, mut run: RunResult, fleet: Option<(usize, usize)>) -> Self {
+        let mut summary = Summary::of(&run, fleet.map(|(p, _)| p));
+        if let Some((pods, blocks)) = fleet {
+            summary = summary.with_oracles(&run, pods, blocks);
+        }
+        run.sent = Vec::new();
+        Self {
+            label,
+            summary: Some(summary),
+            run: Some(run),
+            skipped: None,
+        }
+    }
+}
+
+/// A whole comparison.
+#[derive(Debug, Serialize)]
+pub struct Comparison {
+    /// Workload name.
+    pub workload: String,
+    /// Workload parameters.
+    pub description: String,
+    /// Pods measured (None: unknown).
+    pub pods: Option<usize>,
+    /// KV blocks per pod (None: unknown; then no oracle is computed).
+    pub gpu_blocks: Option<usize>,
+    /// One sentence saying what the fleet was and how that is known.
+    pub fleet: String,
+    /// One entry per strategy, in run order.
+    pub runs: Vec<StrategyRun>,
+}
+
+impl Comparison {
+    /// Summaries of the strategies that ran.
+    pub fn summaries(&self) -> Vec<Summary> {
+        self.runs.iter().filter_map(|r| r.summary.clone()).collect()
+    }
+
+    /// Lines naming the strategies that did not run and why.
+    pub fn skipped_note(&self) -> String {
+        self.runs
+            .iter()
+            .filter_map(|r| {
+                r.skipped
+                    .as_ref()
+                    .map(|why| format!("- `{}` not run: {why}.\n", r.label))
+            })
+            .collect()
+    }
+}
+
+/// Runs `workload()` once per strategy on a fresh fleet; `concurrency` is the runner's cap.
+pub async fn compare(
+    bins: &Binaries,
+    opts: &CompareOptions,
+    workload: impl Fn() -> Workload,
+    concurrency: Option<usize>,
+) -> Result<Comparison> {
+    let fleet = CompareFleet::start(bins, opts).await?;
+    let base = fleet.base_config()?;
+    let addrs = fleet.addrs();
+    let sample = workload();
+    let mut out = Comparison {
+        workload: sample.name.clone(),
+        description: sample.description.clone(),
+        pods: Some(opts.pods),
+        gpu_blocks: Some(opts.gpu_blocks),
+        fleet: format!(
+            "{} vllm-sim pods x {} KV blocks of 16 tokens",
+            opts.pods, opts.gpu_blocks
+        ),
+        runs: Vec::new(),
+    };
+    drop(sample);
+    let rounds = opts.repeat.max(1);
+    for (round, i) in run_order(opts.strategies.len(), rounds) {
+        let strategy = opts.strategies[i];
+        let label = match rounds {
+            1 => opts.label(strategy),
+            _ => format!("{} #{}", opts.label(strategy), round + 1),
+        };
+        let redis = if strategy.needs_redis() {
+            match deploy::find_redis_server() {
+                Ok(bin) => Some(bin),
+                Err(e) => {
+                    let why = format!("{e:#}");
+                    eprintln!("kv-bench: {label}: skipped ({why})");
+                    out.runs.push(StrategyRun {
+                        label,
+                        summary: None,
+                        run: None,
+                        skipped: Some(why),
+                    });
+                    continue;
+                }
+            }
+        } else {
+            None
+        };
+        deploy::reset_caches(&addrs)
+            .await
+            .context("resetting pod caches")?;
+        // Routers, their Envoy and Redis live only for this strategy (dropping them stops them).
+        let mut stack: Option<Stack> = None;
+        // Round robin needs no router: Envoy's own round robin is the baseline.
+        let target = match strategy {
+            Strategy::RoundRobin => fleet.rr_envoy.url(),
+            _ => {
+                let s = Stack::start(
+                    bins,
+                    &fleet,
+                    strategy.router_config(&base, &opts.model),
+                    opts.replicas(strategy),
+                    redis.as_deref(),
+                )
+                .await
+                .with_context(|| format!("starting {label}"))?;
+                let url = s.envoy.url();
+                stack = Some(s);
+                url
+            }
+        };
+        let w = workload();
+        if opts.progress {
+            eprintln!(
+                "kv-bench: {label} ({} requests) through {}",
+                w.requests, target
+            );
+        }
+        let run = runner::run(
+            w,
+            &RunOptions {
+                target,
+                concurrency,
+                request_timeout: opts.request_timeout,
+                label: label.clone(),
+                progress: opts.progress,
+            },
+        )
+        .await?;
+        if let (Some(s), true) = (&stack, opts.progress) {
+            for line in s.redis_counters().await {
+                eprintln!("kv-bench: {label}: {line}");
+            }
+        }
+        if let (Some(s), Some(dir)) = (&stack, &opts.router_metrics) {
+            s.save_metrics(dir, &label).await?;
+        }
+        drop(stack);
+        let fleet = Some((opts.pods, opts.gpu_blocks));
+        out.runs.push(StrategyRun::finished(label, run, fleet));
+    }
+    Ok(out)
+}
+
+/// Waits until a precise router has replayed every pod's KV-event buffer and applied it. The
+/// pods live through the whole comparison, so their replay buffers (10,000 batches, as vLLM's)
+/// hold every earlier strategy's runs: a router starting late in `make bench` replayed ~1.2 M
+/// events of them while its own run was being measured, and precise's TTFT grew with its place
+/// in the order (p50 314 → 334 → 354 ms over three rounds of six strategies). Only a complete
+/// catch-up counts: one cut short leaves the rest to a gap replay during the run.
+async fn wait_caught_up(router: &RouterProc, pods: usize, limit: Duration) -> Result<()> {
+    let deadline = tokio::time::Instant::now() + limit;
+    let mut last_applied = None;
+    loop {
+        let text = router
+            .metrics()
+            .await
+            .context("reading a router's /metrics")?;
+        let (done, applied) = catch_up_state(&text);
+        if done >= pods && last_applied == Some(applied) {
+            return Ok(());
+        }
+        last_applied = (done >= pods).then_some(applied);
+        if tokio::time::Instant::now() > deadline {
+            anyhow::bail!(
+                "the precise router completed {done} of {pods} pods' KV-event catch-ups in {limit:?}"
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// From a router's `/metrics`: pods whose catch-up replay completed, and the KV events applied
+/// so far.
+fn catch_up_state(metrics: &str) -> (usize, f64) {
+    let mut done = std::collections::BTreeSet::new();
+    let mut applied = 0.0;
+    for line in metrics.lines() {
+        let Some((name, value)) = line.rsplit_once(' ') else {
+            continue;
+        };
+        let value: f64 = value.parse().unwrap_or(0.0);
+        if name.starts_with("kv_router_kv_events_applied_total") {
+            applied += value;
+        } else if name.starts_with("kv_router_kv_event_replays_total{")
+            && name.contains("type=\"complete\"")
+            && value >= 1.0
+        {
+            if let Some(pod) = name
+                .split("pod=\"")
+                .nth(1)
+                .and_then(|r| r.split('"').next())
+            {
+                done.insert(pod.to_string());
+            }
+        }
+    }
+    (done.len(), applied)
+}
+
+/// (round, strategy index) in run order: every round rotates the strategies by one, so over
+/// `n` rounds each strategy runs once in every slot.
+fn run_order(n: usize, rounds: usize) -> Vec<(usize, usize)> {
+    (0..rounds)
+        .flat_map(|r| (0..n).map(move |k| (r, (k + r) % n)))
+        .collect()
+}
+
+/// One strategy's processes: its kv-router replicas, the Envoy in front of them and, for the
+/// shared index, the Redis they share. Dropping it stops them all.
+struct Stack {
+    envoy: EnvoyProc,
+    routers: Vec<RouterProc>,
+    redis: Option<RedisProc>,
+}
+
+impl Stack {
+    /// Writes each replica's `/metrics` to `dir/<label>-<replica>.prom`.
+    async fn save_metrics(&self, dir: &std::path::Path, label: &str) -> Result<()> {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        for (i, r) in self.routers.iter().enumerate() {
+            let stem = format!("{}-{i}", label.replace(' ', ""));
+            let path = dir.join(format!("{stem}.prom"));
+            let text = r.metrics().await.context("reading a router's /metrics")?;
+            std::fs::write(&path, text).with_context(|| format!("writing {}", path.display()))?;
+            // Its log too (with `RUST_LOG=kv_router=debug`, one line per decision).
+            let log = dir.join(format!("{stem}.log"));
+            std::fs::copy(r.log_path(), &log)
+                .with_context(|| format!("writing {}", log.display()))?;
+        }
+        Ok(())
+    }
+
+    /// Each replica's shared-index counters (lookups by source, fallbacks by reason), one line
+    /// per replica; none without Redis. Shows whether a run measured Redis or the fallback.
+    async fn redis_counters(&self) -> Vec<String> {
+        if self.redis.is_none() {
+            return Vec::new();
+        }
+        let mut out = Vec::new();
+        for (i, r) in self.routers.iter().enumerate() {
+            let text = r
+                .metrics()
+                .await
+                .unwrap_or_else(|e| format!("# unreachable: {e:#}"));
+            let counters: Vec<String> = text
+                .lines()
+                .filter(|l| {
+                    l.starts_with("kv_router_redis_lookups_total")
+                        || l.starts_with("kv_router_redis_fallbacks_total")
+                        || l.starts_with("kv_router_redis_writes_dropped_total")
+                })
+                .map(|l| l.trim_start_matches("kv_router_redis_").to_string())
+                .collect();
+            out.push(format!("replica {i}: {}", counters.join(", ")));
+        }
+        out
+    }
+
+    /// `replicas` routers with `cfg` (pointed at a fresh Redis from `redis_bin` when given),
+    /// each with every pod ready, then Envoy with all of them in its `kv_router` cluster.
+    async fn start(
+        bins: &Binaries,
+        fleet: &CompareFleet,
+        mut cfg: Config,
+        replicas: usize,
+        redis_bin: Option<&std::path::Path>,
+    ) -> Result<Self> {
+        let redis = redis_bin.map(RedisProc::start).transpose()?;
+        if let Some(r) = &redis {
+            cfg.index.redis.url = r.url();
+        }
+        let addrs = fleet.addrs();
+        let mut routers = Vec::new();
+        for _ in 0..replicas.max(1) {
+            let mut c = cfg.clone();
+            // Each replica its own ports (spawn retries with fresh ones on a clash).
+            c.listen.grpc = format!("127.0.0.1:{}", deploy::free_port()?);
+            c.listen.admin = format!("127.0.0.1:{}", deploy::free_port()?);
+            let router = RouterProc::spawn(&bins.kv_router, &c).await?;
+            router
+                .wait_pods_ready(addrs.len(), Duration::from_secs(20))
+                .await?;
+            if c.kv_events.enabled {
+                wait_caught_up(&router, addrs.len(), Duration::from_secs(90)).await?;
+            }
+            routers.push(router);
+        }
+        let envoy = EnvoyProc::spawn_with(
+            &fleet.envoy_bin,
+            &deploy::envoy_template("override-host-buffered.yaml")?,
+            Some(routers[0].grpc),
+            &addrs,
+            &EnvoyOptions {
+                more_pickers: routers[1..].iter().map(|r| r.grpc).collect(),
+                ..envoy_options()
+            },
+        )
+        .await?;
+        Ok(Self {
+            envoy,
+            routers,
+            redis,
+        })
+    }
+}
+
+/// What is known of a fleet managed elsewhere, from the flags or measured.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct FleetHint {
+    /// `--pods`.
+    pub pods: Option<usize>,
+    /// `--gpu-blocks`.
+    pub gpu_blocks: Option<usize>,
+}
+
+/// KV blocks per pod as the pods' own `/metrics` state them (`vllm:cache_config_info`), when
+/// every pod answers and they agree.
+async fn scraped_gpu_blocks(pods: &[SocketAddr]) -> Option<usize> {
+    let client = runner::client();
+    let mut seen = None;
+    for p in pods {
+        let text = client
+            .get(format!("http://{p}/metrics"))
+            .send()
+            .await
+            .ok()?
+            .text()
+            .await
+            .ok()?;
+        let blocks = kv_router::pods::parse_vllm_metrics(&text).num_gpu_blocks? as usize;
+        if seen.is_some_and(|b| b != blocks) {
+            return None;
+        }
+        seen = Some(blocks);
+    }
+    seen
+}
+
+/// Runs `workload()` once against each `(label, base URL)` of deployments managed elsewhere
+/// ("pointed at" mode). Pod caches are reset between runs through `reset_pods` (vLLM's
+/// `POST /reset_prefix_cache`) when given. The report describes the fleet it measured: pods and
+/// blocks per pod as given, else from the `reset_pods` (their count, their `/metrics`), else the
+/// pods seen in responses; with blocks per pod unknown, no oracle is computed.
+pub async fn compare_endpoints(
+    endpoints: &[(String, String)],
+    reset_pods: &[SocketAddr],
+    hint: FleetHint,
+    request_timeout: Duration,
+    workload: impl Fn() -> Workload,
+    concurrency: Option<usize>,
+) -> Result<Comparison> {
+    let sample = workload();
+    let (workload_name, description) = (sample.name.clone(), sample.description.clone());
+    drop(sample);
+    let scraped = match hint.gpu_blocks {
+        None if !reset_pods.is_empty() => scraped_gpu_blocks(reset_pods).await,
+        _ => None,
+    };
+    let mut runs = Vec::new();
+    for (label, url) in endpoints {
+        if !reset_pods.is_empty() {
+            deploy::reset_caches(reset_pods)
+                .await
+                .context("resetting pod caches")?;
+        }
+        let run = runner::run(
+            workload(),
+            &RunOptions {
+                target: url.clone(),
+                concurrency,
+                request_timeout,
+                label: label.clone(),
+                progress: true,
+            },
+        )
+        .await?;
+        runs.push((label.clone(), run));
+    }
+    let seen: std::collections::BTreeSet<&str> = runs
+        .iter()
+        .flat_map(|(_, r)| r.records.iter().filter_map(|x| x.pod.as_deref()))
+        .collect();
+    let (pods, pods_how) = match (hint.pods, reset_pods.len(), seen.len()) {
+        (Some(n), _, _) => (Some(n), "as given by --pods"),
+        (None, n, _) if n > 0 => (Some(n), "the --reset-pod pods"),
+        (None, _, n) if n > 0 => (Some(n), "seen serving in responses"),
+        _ => (None, "unknown"),
+    };
+    let (gpu_blocks, blocks_how) = match (hint.gpu_blocks, scraped) {
+        (Some(b), _) => (Some(b), "as given by --gpu-blocks"),
+        (None, Some(b)) => (Some(b), "from the pods' /metrics"),
+        (None, None) => (None, "unknown, so no oracle is computed"),
+    };
+    let fleet = format!(
+        "{} pods ({pods_how}) x {} KV blocks per pod ({blocks_how}), behind {}",
+        pods.map_or("?".into(), |n| n.to_string()),
+        gpu_blocks.map_or("?".into(), |n| n.to_string()),
+        endpoints
+            .iter()
+            .map(|(l, u)| format!("`{l}` = {u}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    let runs = runs
+        .into_iter()
+        .map(|(label, run)| StrategyRun::finished(label, run, pods.zip(gpu_blocks)))
+        .collect();
+    Ok(Comparison {
+        workload: workload_name,
+        description,
+        pods,
+        gpu_blocks,
+        fleet,
+        runs,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn catch_up_counts_pods_with_a_complete_replay_and_events_applied() {
+        let text = "kv_router_kv_event_replays_total{pod=\"a:1\",type=\"complete\"} 1\n\
+                    kv_router_kv_event_replays_total{pod=\"a:1\",type=\"failed\"} 0\n\
+                    kv_router_kv_event_replays_total{pod=\"b:1\",type=\"failed\"} 1\n\
+                    kv_router_kv_event_replays_total{pod=\"c:1\",type=\"complete\"} 0\n\
+                    kv_router_kv_events_applied_total{pod=\"a:1\",type=\"BlockStored\"} 40\n\
+                    kv_router_kv_events_applied_total{pod=\"b:1\",type=\"BlockRemoved\"} 2\n";
+        // b's catch-up failed (cut short): what it did not replay would come back as a gap
+        // replay under the run's own traffic, so b is not caught up.
+        assert_eq!(catch_up_state(text), (1, 42.0));
+    }
+
+    #[test]
+    fn a_finished_run_keeps_its_oracles_and_records_but_not_its_bodies() {
+        let body = serde_json::json!({"model": "m", "prompt": "a prompt long enough ".repeat(50)});
+        let run = RunResult {
+            label: "w".into(),
+            workload: "t".into(),
+            description: String::new(),
+            target: String::new(),
+            duration_s: 1.0,
+            records: Vec::new(),
+            sent: vec![("/v1/completions", body.clone()), ("/v1/completions", body)],
+        };
+        let done = StrategyRun::finished("w".into(), run, Some((2, 100)));
+        let oracles = done.summary.as_ref().and_then(|s| s.oracles.as_ref());
+        assert!(oracles.is_some(), "the oracles replayed the bodies");
+        assert!(done.run.as_ref().is_some_and(|r| r.sent.is_empty()));
+    }
+
+    #[test]
+    fn repeated_rounds_rotate_the_order() {
+        assert_eq!(run_order(2, 1), [(0, 0), (0, 1)]);
+        assert_eq!(
+            run_order(3, 3),
+            [
+                (0, 0),
+                (0, 1),
+                (0, 2),
+                (1, 1),
+                (1, 2),
+                (1, 0),
+                (2, 2),
+                (2, 0),
+                (2, 1)
+            ]
+        );
+        assert!(run_order(0, 2).is_empty());
+    }
+
+    fn opts(replicas: Option<usize>) -> CompareOptions {
+        CompareOptions {
+            envoy: None,
+            pods: 4,
+            gpu_blocks: 64,
+            sim_args: Vec::new(),
+            slow_pods: (0, 1.0),
+            strategies: Strategy::ALL.to_vec(),
+            request_timeout: Duration::from_secs(1),
+            model: "m".into(),
+            progress: false,
+            replicas,
+            router_metrics: None,
+            repeat: 1,
+        }
+    }
+
+    #[test]
+    fn slow_pods_prefill_slower_whatever_the_base_cost() {
+        let a = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        let base = a(&["--decode-ms-per-token=2", "--prefill-us-per-token=20"]);
+        assert_eq!(pod_sim_args(&base, 1, (1, 4.0)), base, "pod 1 is not slow");
+        assert_eq!(
+            pod_sim_args(&base, 0, (1, 4.0)),
+            a(&["--decode-ms-per-token=2", "--prefill-us-per-token=80"])
+        );
+        assert_eq!(
+            pod_sim_args(&a(&["--prefill-us-per-token", "50"]), 0, (2, 2.0)),
+            a(&["--prefill-us-per-token=100"])
+        );
+        assert_eq!(
+            pod_sim_args(&[], 0, (1, 3.0)),
+            a(&["--prefill-us-per-token=300"]),
+            "vllm-sim's default cost"
+        );
+    }
+
+    #[test]
+    fn replicas_and_labels() {
+        let d = opts(None);
+        assert_eq!(d.replicas(Strategy::Redis), 2);
+        assert_eq!(d.replicas(Strategy::Weighted), 1);
+        assert_eq!(d.replicas(Strategy::RoundRobin), 0);
+        assert_eq!(d.label(Strategy::Redis), "redis");
+        assert_eq!(d.label(Strategy::Weighted), "weighted");
+        let two = opts(Some(2));
+        assert_eq!(two.label(Strategy::Weighted), "weighted x2");
+        assert_eq!(two.label(Strategy::Redis), "redis");
+        assert_eq!(two.label(Strategy::RoundRobin), "round-robin");
+        let four = opts(Some(4));
+        assert_eq!(four.replicas(Strategy::Redis), 4);
+        assert_eq!(four.label(Strategy::Redis), "redis x4");
+        assert_eq!(opts(Some(0)).replicas(Strategy::Precise), 1);
+    }
+}

@@ -1,0 +1,289 @@
+//! kv-bench: compare kv-router with round robin on simulated vLLM pods, load any endpoint,
+//! measure the router's overhead, simulate a fleet in virtual time, write the results document.
+
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use clap::Parser;
+
+use bench::{
+    cli,
+    compare::{self, CompareOptions},
+    pipeline,
+    report::{self, JsonReport, Summary},
+    strategy::Strategy,
+    table::Style,
+};
+use cli::{Cli, Cmd, SimulateArgs, WorkloadArgs};
+use kv_bench as bench;
+use kv_testkit::deploy::Binaries;
+use kv_testkit::runner::{self, RunOptions, RunResult};
+
+fn output(runs: &[RunResult], summaries: Vec<Summary>, w: &WorkloadArgs) -> Result<()> {
+    if let Some(r) = runs.first() {
+        println!("workload: {} ({})", r.workload, r.description);
+    }
+    println!("{}", report::table(&summaries, Style::Plain));
+    if w.markdown {
+        println!("{}", report::table(&summaries, Style::Markdown));
+    }
+    if let Some(path) = &w.json {
+        let doc = JsonReport {
+            summaries: &summaries,
+            runs,
+        };
+        write_json(path, &doc)?;
+    }
+    Ok(())
+}
+
+/// Writes `value` as pretty JSON to `path` and says so on stderr.
+fn write_json(path: &std::path::Path, value: &impl serde::Serialize) -> Result<()> {
+    std::fs::write(path, serde_json::to_vec_pretty(value)?)
+        .with_context(|| format!("writing {}", path.display()))?;
+    eprintln!("kv-bench: wrote {}", path.display());
+    Ok(())
+}
+
+async fn real_main(cli: Cli) -> Result<()> {
+    match cli.cmd {
+        Cmd::Demo(a) => {
+            let bins = Binaries::beside_current_exe()?;
+            let opts = CompareOptions {
+                envoy: a.envoy.clone(),
+                pods: a.pods,
+                gpu_blocks: a.gpu_blocks,
+                sim_args: a.sim_args.clone(),
+                slow_pods: (0, 1.0),
+                strategies: vec![Strategy::RoundRobin, Strategy::Weighted],
+                request_timeout: Duration::from_secs(60),
+                model: a.workload.model.clone(),
+                progress: true,
+                replicas: None,
+                router_metrics: None,
+                repeat: 1,
+            };
+            let spec = a.workload.spec();
+            let cmp =
+                compare::compare(&bins, &opts, || spec.build(), a.workload.concurrency).await?;
+            let summaries = cmp.summaries();
+            let runs: Vec<RunResult> = cmp.runs.into_iter().filter_map(|r| r.run).collect();
+            output(&runs, summaries, &a.workload)
+        }
+        Cmd::Run(a) => {
+            let (workload, concurrency) = cli::workload_factory(
+                a.workload,
+                &a.args,
+                &a.shared_prefix,
+                &a.trace,
+                &a.arrivals,
+            )?;
+            let r = runner::run(
+                workload(),
+                &RunOptions {
+                    target: a.target.clone(),
+                    concurrency,
+                    request_timeout: Duration::from_secs(a.timeout_s),
+                    label: a.label.clone(),
+                    progress: true,
+                },
+            )
+            .await?;
+            let summaries = bench::summarize(std::slice::from_ref(&r), a.pods);
+            output(&[r], summaries, &a.args)
+        }
+        Cmd::Compare(a) => {
+            let command = std::env::args().collect::<Vec<_>>().join(" ");
+            let section = pipeline::compare_section(&a, "Comparison", "compare", &command).await?;
+            println!("{}", section.body);
+            if let Some(dir) = &a.charts {
+                std::fs::create_dir_all(dir)?;
+                for c in &section.charts {
+                    std::fs::write(dir.join(&c.file), &c.svg)?;
+                }
+                eprintln!("kv-bench: charts in {}", dir.display());
+            }
+            if let Some(path) = &a.args.json {
+                write_json(path, &section.json)?;
+            }
+            Ok(())
+        }
+        Cmd::Report(a) => pipeline::report_all(&a).await,
+        Cmd::Overhead(a) => {
+            let r = pipeline::overhead_report(&a).await?;
+            if a.markdown {
+                let cmd: Vec<String> = std::env::args().skip(1).collect();
+                println!("### `kv-bench {}` ({})\n", cmd.join(" "), r.machine);
+            }
+            println!("{}", r.markdown());
+            if let Some(path) = &a.json {
+                write_json(path, &r)?;
+            }
+            Ok(())
+        }
+        Cmd::RedisIndex(a) => redis_index(&a).await,
+        Cmd::SmallFleet(a) => {
+            let opts = a.options();
+            let r = bench::small_fleet::run(&Binaries::beside_current_exe()?, &opts).await?;
+            if a.markdown {
+                let cmd: Vec<String> = std::env::args().skip(1).collect();
+                println!("### `kv-bench {}`\n\n{}\n", cmd.join(" "), r.workload);
+                println!("{}", r.table(Style::Markdown));
+            } else {
+                println!("workload: {}\n{}", r.workload, r.table(Style::Plain));
+            }
+            for miss in r.misses() {
+                println!("goal missed: {miss}");
+            }
+            if let Some(path) = &a.json {
+                write_json(path, &r)?;
+            }
+            Ok(())
+        }
+        Cmd::Soak(a) => {
+            let opts = bench::soak::SoakOptions {
+                duration: Duration::from_secs_f64(a.minutes.max(0.1) * 60.0),
+                concurrency: a.concurrency.max(1),
+                sample_every: Duration::from_secs(5),
+                envoy: a.envoy.clone(),
+                seed: a.seed,
+            };
+            let report = bench::soak::run(&Binaries::beside_current_exe()?, &opts).await?;
+            println!("{}", report.markdown());
+            for e in &report.error_examples {
+                println!("error: {e}");
+            }
+            if let Some(path) = &a.svg {
+                std::fs::write(path, report.svg()?)
+                    .with_context(|| format!("writing {}", path.display()))?;
+                eprintln!("kv-bench: wrote {}", path.display());
+            }
+            if let Some(path) = &a.json {
+                write_json(path, &report)?;
+            }
+            report
+                .verdict()
+                .map_err(|why| anyhow::anyhow!("soak failed: {}", why.join("; ")))
+        }
+        Cmd::Hostile(a) => {
+            let opts = bench::hostile::HostileOptions {
+                requests: a.requests,
+                concurrency: a.concurrency.max(1),
+                held_streams: a.held_streams,
+                held_bytes: a.held_bytes,
+                pods: a.pods.max(1),
+            };
+            let results = bench::hostile::run(&Binaries::beside_current_exe()?, &opts).await?;
+            println!("{}", bench::hostile::table(&results, Style::Plain));
+            if a.markdown {
+                println!("{}", bench::hostile::table(&results, Style::Markdown));
+            }
+            if let Some(path) = &a.json {
+                write_json(path, &results)?;
+            }
+            Ok(())
+        }
+        Cmd::Idle(a) => {
+            let opts = bench::idle::IdleOptions {
+                pods: a.pods.clone(),
+                window: Duration::from_secs(a.seconds.max(1)),
+                idle_scrape_interval_ms: a.idle_scrape_interval_ms,
+            };
+            let results = bench::idle::run(&Binaries::beside_current_exe()?, &opts).await?;
+            println!("{}", bench::idle::table(&results, Style::Plain));
+            if a.markdown {
+                println!("{}", bench::idle::table(&results, Style::Markdown));
+            }
+            Ok(())
+        }
+        // CPU-bound: off the async workers so the signal handlers stay responsive.
+        Cmd::Simulate(a) => tokio::task::spawn_blocking(move || simulate(&a))
+            .await
+            .context("simulation thread")?,
+    }
+}
+
+/// `kv-bench redis-index`: measures, prints the table, writes the JSON when asked.
+async fn redis_index(a: &cli::RedisIndexArgs) -> Result<()> {
+    let server = match &a.server {
+        Some(p) => p.clone(),
+        None => kv_testkit::deploy::find_redis_server()?,
+    };
+    let precise = a
+        .modes
+        .iter()
+        .map(|m| match m.as_str() {
+            "precise" => Ok(true),
+            "approximate" => Ok(false),
+            other => anyhow::bail!("--modes: unknown mode {other:?} (precise, approximate)"),
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let opts = bench::redis_index::RedisIndexOptions {
+        server,
+        entries: a.entries,
+        pods: a.pods.clone(),
+        lookups: a.lookups,
+        precise,
+        cluster: a.cluster,
+        seed: a.seed,
+    };
+    let results = bench::redis_index::run(&opts).await?;
+    println!("{}", bench::redis_index::table(&results, Style::Plain));
+    if a.markdown {
+        println!("{}", bench::redis_index::table(&results, Style::Markdown));
+    }
+    if let Some(path) = &a.json {
+        write_json(path, &results)?;
+    }
+    Ok(())
+}
+
+/// `kv-bench simulate`: runs, prints the tables, writes the JSON when asked.
+fn simulate(args: &SimulateArgs) -> Result<()> {
+    let report = bench::simulate::run(&args.options())?;
+    if args.markdown {
+        println!("{}", report.markdown());
+    } else {
+        println!("{}", report.plain());
+    }
+    if let Some(path) = &args.json {
+        write_json(path, &report)?;
+    }
+    Ok(())
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let cli = Cli::parse();
+    // Only when asked: `RUST_LOG=kv_router=debug kv-bench simulate` prints the router's own
+    // per-decision lines (simulate runs the router's code in this process).
+    if std::env::var_os("RUST_LOG").is_some() {
+        kv_router::telemetry::init_logging(&kv_router::config::LogConfig::default());
+    }
+    let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("kv-bench: cannot install SIGTERM handler: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    // Dropping the work future on a signal drops every process handle, which kills the children.
+    tokio::select! {
+        r = real_main(cli) => match r {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("kv-bench: error: {e:#}");
+                ExitCode::FAILURE
+            }
+        },
+        _ = tokio::signal::ctrl_c() => {
+            eprintln!("kv-bench: interrupted; stopping everything it started");
+            ExitCode::from(130)
+        }
+        _ = term.recv() => {
+            eprintln!("kv-bench: terminated; stopping everything it started");
+            ExitCode::from(143)
+        }
+    }
+}

@@ -1,0 +1,223 @@
+//! The report pipeline of `kv-bench report` (`make bench`): the planned benchmarks, each a
+//! kv-bench command line parsed by the CLI itself (so the command printed above each section is
+//! exactly what ran), run in turn and written as one results document.
+
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use clap::Parser;
+
+use super::compare::{self, CompareOptions};
+use super::{overhead, results};
+use crate::cli::{Cli, Cmd, CompareArgs, OverheadArgs, ReportArgs};
+use kv_testkit::deploy::Binaries;
+
+/// `kv-bench overhead` as its flags ask.
+pub async fn overhead_report(a: &OverheadArgs) -> Result<overhead::OverheadReport> {
+    let mut opts = if a.quick {
+        overhead::OverheadOptions::quick()
+    } else {
+        overhead::OverheadOptions::full()
+    };
+    opts.requests = a.requests.unwrap_or(opts.requests);
+    if !a.sizes_kib.is_empty() {
+        opts.sizes = a.sizes_kib.iter().map(|k| k * 1024).collect();
+    }
+    if !a.concurrency.is_empty() {
+        opts.concurrencies = a.concurrency.clone();
+    }
+    anyhow::ensure!(
+        opts.sizes.iter().chain(&opts.concurrencies).all(|&n| n > 0),
+        "--sizes-kib and --concurrency take positive numbers"
+    );
+    let bins = Binaries::beside_current_exe()?;
+    overhead::run(&bins, a.envoy.as_deref(), &opts).await
+}
+
+/// `kv-bench compare` as its flags ask, as a results section.
+pub async fn compare_section(
+    a: &CompareArgs,
+    title: &str,
+    slug: &str,
+    command: &str,
+) -> Result<results::Section> {
+    let started = std::time::Instant::now();
+    let bins = Binaries::beside_current_exe()?;
+    let (workload, concurrency) =
+        crate::cli::workload_factory(a.workload, &a.args, &a.shared_prefix, &a.trace, &a.arrivals)?;
+    let opts = CompareOptions {
+        envoy: a.envoy.clone(),
+        pods: a.pods.unwrap_or(8),
+        gpu_blocks: a.gpu_blocks.unwrap_or(4096),
+        sim_args: a.sim_args.clone(),
+        slow_pods: (a.slow_pods, a.slow_factor),
+        strategies: a.strategies.clone(),
+        request_timeout: Duration::from_secs(a.timeout_s),
+        model: a.args.model.clone(),
+        progress: true,
+        replicas: a.replicas,
+        router_metrics: a.router_metrics.clone(),
+        repeat: a.repeat as usize,
+    };
+    let cmp = if a.endpoints.is_empty() {
+        compare::compare(&bins, &opts, workload, concurrency).await?
+    } else {
+        compare::compare_endpoints(
+            &a.endpoints,
+            &a.reset_pods,
+            compare::FleetHint {
+                pods: a.pods,
+                gpu_blocks: a.gpu_blocks,
+            },
+            opts.request_timeout,
+            workload,
+            concurrency,
+        )
+        .await?
+    };
+    if let Some(path) = &a.records {
+        write_records(path, &cmp)?;
+    }
+    results::comparison_section(title, slug, command, &cmp, started.elapsed().as_secs_f64())
+}
+
+/// Every request of every run of `cmp` as JSON lines (`compare --records`).
+fn write_records(path: &std::path::Path, cmp: &compare::Comparison) -> Result<()> {
+    use std::io::Write;
+    let file =
+        std::fs::File::create(path).with_context(|| format!("creating {}", path.display()))?;
+    let mut out = std::io::BufWriter::new(file);
+    for run in &cmp.runs {
+        for (i, r) in run.run.iter().flat_map(|x| x.records.iter()).enumerate() {
+            let line = serde_json::json!({
+                "run": run.label, "request": i, "session": r.session, "turn": r.turn,
+                "pod": r.pod, "prompt_tokens": r.prompt_tokens,
+                "cached_tokens": r.cached_tokens, "ttft_ms": r.ttft_ms, "error": r.error,
+            });
+            writeln!(out, "{line}")?;
+        }
+    }
+    out.flush()?;
+    eprintln!("kv-bench: wrote {}", path.display());
+    Ok(())
+}
+
+/// One benchmark of the report: heading, chart file prefix, the command (without `kv-bench`).
+struct Planned {
+    title: &'static str,
+    slug: &'static str,
+    args: String,
+}
+
+/// Sim timings of the trace replays: 5x faster prefill and decode than vllm-sim's defaults, to
+/// match the trace's arrival rate compressed by `--speedup` (a fleet of faster GPUs).
+const TRACE_SIM: &str = "--sim-arg=--prefill-us-per-token=20 --sim-arg=--decode-ms-per-token=2";
+
+/// The trace replays load the fleet to saturation, where a few long prompts decide the hit ratio
+/// and a millisecond decides where they go: one run of a strategy spans several points of the
+/// pooled oracle. Three rounds in rotated order, and the router strategies with the baselines
+/// that bound them (random and prefix-only are in the cheaper workloads below).
+const TRACE_RUNS: &str =
+    "--repeat 3 --strategies round-robin,least-loaded,weighted,predicted-ttft,precise,redis";
+
+fn plan(quick: bool) -> Vec<Planned> {
+    let p = |title, slug, args: String| Planned { title, slug, args };
+    if quick {
+        // Two pods, instant sims, a handful of requests: the pipeline end to end in about a minute.
+        let fast = "--pods 2 --gpu-blocks 512 --sim-arg=--prefill-us-per-token=1 \
+                    --sim-arg=--decode-ms-per-token=0 --sim-arg=--ttft-base-ms=1";
+        return vec![
+            p("Mooncake conversation trace", "trace-conversation",
+              format!("compare --workload trace --trace conversation --trace-requests 12 --speedup 0 --concurrency 4 --output-scale 0.02 {fast}")),
+            p("Multi-turn chat", "multiturn",
+              format!("compare --workload multiturn --sessions 3 --turns 2 --max-tokens 8 {fast}")),
+            p("Shared prefix", "shared-prefix",
+              format!("compare --workload shared-prefix --groups 2 --prompts-per-group 3 --poisson-rate 50 {fast}")),
+            p("Router overhead", "overhead", "overhead --quick".into()),
+            p("Fleet simulation", "simulate", "simulate --trace conversation --pods 8 --quick".into()),
+        ];
+    }
+    vec![
+        p("Mooncake conversation trace", "trace-conversation",
+          format!("compare --workload trace --trace conversation --trace-requests 600 --speedup 8 --output-scale 0.25 --pods 8 --gpu-blocks 32768 {TRACE_SIM} {TRACE_RUNS}")),
+        p("Mooncake synthetic trace", "trace-synthetic",
+          format!("compare --workload trace --trace synthetic --trace-skip 2000 --trace-requests 600 --speedup 6 --output-scale 0.25 --pods 8 --gpu-blocks 32768 {TRACE_SIM} {TRACE_RUNS}")),
+        p("Multi-turn chat", "multiturn",
+          "compare --workload multiturn --sessions 32 --turns 6 --pods 8 --gpu-blocks 4096".into()),
+        p("Shared prefix", "shared-prefix",
+          "compare --workload shared-prefix --groups 40 --prompts-per-group 5 --system-tokens 6000 --question-tokens 1200 --output-tokens 100 --poisson-rate 8 --pods 8 --gpu-blocks 5120".into()),
+        p("Router overhead", "overhead", "overhead".into()),
+        p("Fleet simulation, 64 pods", "simulate",
+          "simulate --trace conversation --pods 64 --gpu-blocks 31250".into()),
+    ]
+}
+
+/// `kv-bench report`: every planned benchmark, then the document, checked.
+pub async fn report_all(a: &ReportArgs) -> Result<()> {
+    let machine = results::machine();
+    let mut sections = Vec::new();
+    for item in plan(a.quick) {
+        let command = format!(
+            "kv-bench {}",
+            item.args.split_whitespace().collect::<Vec<_>>().join(" ")
+        );
+        let mut argv: Vec<String> = command.split_whitespace().map(str::to_string).collect();
+        // The simulation starts no process, so it takes no --envoy.
+        if let (Some(e), false) = (&a.envoy, item.args.starts_with("simulate")) {
+            argv.extend(["--envoy".to_string(), e.display().to_string()]);
+        }
+        eprintln!("kv-bench report: {}", item.title);
+        let cli = Cli::try_parse_from(&argv)
+            .with_context(|| format!("planned command does not parse: {command}"))?;
+        let started = std::time::Instant::now();
+        let section = match cli.cmd {
+            Cmd::Compare(c) => compare_section(&c, item.title, item.slug, &command).await?,
+            Cmd::Simulate(a) => {
+                let opts = a.options();
+                let r = tokio::task::spawn_blocking(move || super::simulate::run(&opts))
+                    .await
+                    .context("simulation thread")??;
+                results::simulate_section(
+                    item.title,
+                    item.slug,
+                    &command,
+                    &r,
+                    started.elapsed().as_secs_f64(),
+                )?
+            }
+            Cmd::Overhead(o) => {
+                let r = overhead_report(&o).await?;
+                results::Section {
+                    title: item.title.into(),
+                    command: command.clone(),
+                    body: r.markdown(),
+                    charts: Vec::new(),
+                    json: serde_json::to_value(&r)?,
+                    seconds: started.elapsed().as_secs_f64(),
+                }
+            }
+            _ => anyhow::bail!("the report cannot run {command}"),
+        };
+        sections.push(section);
+    }
+    let intro = if a.quick {
+        "Quick variant (`kv-bench report --quick`): tiny fleets and workloads that check the \
+         pipeline; the numbers mean nothing."
+    } else {
+        "Generated by `make bench` (`kv-bench report --out docs`) from scratch; every table is \
+         headed by the command that reproduces it alone. Simulated pods (`vllm-sim`) behind real \
+         Envoy 1.40 on 127.0.0.1; medians and ratios are from one run on a noisy 2-core machine. \
+         Hit ratio = cached / prompt tokens as the pods report them; the oracles are computed \
+         from the same request sequence (`src/bench/oracle.rs`). Micro-benchmarks (index, \
+         tokenization): [microbench.md](microbench.md)."
+    };
+    let md = results::render("kv-router benchmark results", intro, &machine, &sections);
+    results::write(&a.out, &md, &sections)?;
+    results::check(&a.out, sections.len())?;
+    eprintln!(
+        "kv-bench report: wrote {} ({} sections)",
+        a.out.join("results.md").display(),
+        sections.len()
+    );
+    Ok(())
+}

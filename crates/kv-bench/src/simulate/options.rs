@@ -1,0 +1,220 @@
+//! What to simulate: the options, their defaults and the `--quick` variant, and why a set of
+//! options is refused.
+
+use serde::Serialize;
+use thiserror::Error;
+
+use super::super::strategy::Strategy;
+use vllm_sim::engine::EngineConfig;
+
+/// Model name of every simulated request (seeds the block keys of router and pods alike).
+pub const MODEL: &str = "sim-model";
+
+/// Tokens per KV block, for pods and router alike (vLLM's default).
+pub const BLOCK_TOKENS: usize = 16;
+
+/// Invalid simulation options.
+#[derive(Debug, Error, PartialEq)]
+pub enum SimulateError {
+    /// A fleet needs at least one pod.
+    #[error("the fleet needs at least one pod")]
+    NoPods,
+    /// Nothing to compare.
+    #[error("no strategy to simulate")]
+    NoStrategies,
+    /// A strategy this build cannot run.
+    #[error("{0}: {1}")]
+    Unavailable(&'static str, &'static str),
+    /// Arrival compression must be a positive finite number.
+    #[error("speedup must be positive and finite, got {0}")]
+    BadSpeedup(f64),
+    /// A divergence option out of its range.
+    #[error("{0}")]
+    BadDivergence(&'static str),
+    /// The trace (after `--requests`) has no request.
+    #[error("the trace has no request to simulate")]
+    EmptyTrace,
+    /// The engines went idle with requests unfinished (a bug).
+    #[error("{strategy} on {pods} pods finished {done} of {submitted} requests")]
+    Unfinished {
+        /// Strategy.
+        strategy: &'static str,
+        /// Fleet size.
+        pods: usize,
+        /// Requests finished.
+        done: usize,
+        /// Requests submitted.
+        submitted: usize,
+    },
+}
+
+/// Requests simulated by `--quick`.
+pub const QUICK_REQUESTS: usize = 500;
+
+/// Largest fleet of the `--quick` capacity sweep.
+pub const QUICK_MAX_PLAN_PODS: usize = 16;
+
+/// Default capacity target: TTFT p90 in ms. With the sim's default prefill (10k tokens/s) the
+/// conversation trace's p90 prompt alone takes ~2.6 s, so 2 s is out of reach at any fleet size.
+pub const DEFAULT_TTFT_TARGET_MS: f64 = 3_000.0;
+
+/// Capacity planning: the smallest fleet meeting a TTFT target.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct CapacityOptions {
+    /// Strategy to plan for.
+    pub strategy: Strategy,
+    /// TTFT percentile that must meet the target (e.g. 90).
+    pub percentile: f64,
+    /// Target, milliseconds.
+    pub ttft_target_ms: f64,
+    /// Fleet sizes tried, ascending; the sweep stops at the first that meets the target.
+    pub pods: Vec<usize>,
+}
+
+impl Default for CapacityOptions {
+    fn default() -> Self {
+        Self {
+            strategy: Strategy::Weighted,
+            percentile: 90.0,
+            ttft_target_ms: DEFAULT_TTFT_TARGET_MS,
+            pods: vec![4, 8, 16, 32, 64, 128, 256],
+        }
+    }
+}
+
+/// Parameters of `kv-bench simulate`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SimulateOptions {
+    /// Trace: `conversation`, `synthetic` or a JSONL path (see [`trace::find_trace`]).
+    pub trace: String,
+    /// Requests of the trace skipped before the first one simulated.
+    pub skip: usize,
+    /// Only N requests (after `skip`).
+    pub requests: Option<usize>,
+    /// Arrival times are trace times / this.
+    pub speedup: f64,
+    /// Output tokens = `output_length × output_scale` (at least 1).
+    pub output_scale: f64,
+    /// Fleet size.
+    pub pods: usize,
+    /// Strategies compared on that fleet.
+    pub strategies: Vec<Strategy>,
+    /// Every pod's scheduler and latency model (block size is [`BLOCK_TOKENS`]).
+    pub engine: EngineConfig,
+    /// The first this many pods prefill `slow_factor` times slower than the rest.
+    pub slow_pods: usize,
+    /// How much slower the slow pods prefill (1 = all pods equal).
+    pub slow_factor: f64,
+    /// KV events reach the precise index this long after the engine step that caused them.
+    pub event_delay_ms: f64,
+    /// Pod metrics scrape period, virtual milliseconds (the router's `scrape_interval_ms`).
+    pub scrape_interval_ms: u64,
+    /// Seeds the picker's tie-breaks and the random policy.
+    pub seed: u64,
+    /// Worker threads (0 = available cores).
+    pub threads: usize,
+    /// Capacity planning sweep, if wanted.
+    pub capacity: Option<CapacityOptions>,
+    /// Where the pods' caches stop matching what the router recorded.
+    pub divergence: Divergence,
+}
+
+/// Ways the pods' caches drift from the router's own record of its decisions (issue 10 §1):
+/// what only a router that reads the pods' KV events can see.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Divergence {
+    /// Share of requests that reach a pod without this router (another replica, direct
+    /// clients): sent to a pod drawn at random, the same ones for every strategy.
+    pub bypass: f64,
+    /// Every this many virtual seconds one pod, in turn, restarts with an empty cache; its
+    /// unfinished requests are retried on it.
+    pub restart_every_s: Option<f64>,
+    /// The router is told each pod's KV cache is this many times its real size.
+    pub capacity_belief: f64,
+}
+
+impl Default for Divergence {
+    fn default() -> Self {
+        Self {
+            bypass: 0.0,
+            restart_every_s: None,
+            capacity_belief: 1.0,
+        }
+    }
+}
+
+impl Divergence {
+    /// Whether anything diverges.
+    pub fn any(&self) -> bool {
+        *self != Self::default()
+    }
+}
+
+impl Default for SimulateOptions {
+    fn default() -> Self {
+        Self {
+            trace: "conversation".into(),
+            skip: 0,
+            requests: None,
+            speedup: 1.0,
+            output_scale: 1.0,
+            pods: 64,
+            strategies: Strategy::available(),
+            engine: EngineConfig::default(),
+            slow_pods: 0,
+            slow_factor: 1.0,
+            event_delay_ms: 5.0,
+            scrape_interval_ms: kv_router::config::PodsConfig::default().scrape_interval_ms,
+            seed: 1,
+            threads: 0,
+            capacity: Some(CapacityOptions::default()),
+            divergence: Divergence::default(),
+        }
+    }
+}
+
+impl SimulateOptions {
+    /// The CI-sized variant: at most the first 500 requests, capacity sweep up to 16 pods.
+    pub fn quick(mut self) -> Self {
+        self.requests = Some(self.requests.unwrap_or(QUICK_REQUESTS).min(QUICK_REQUESTS));
+        if let Some(c) = &mut self.capacity {
+            c.pods.retain(|&n| n <= QUICK_MAX_PLAN_PODS);
+        }
+        self
+    }
+
+    pub(super) fn validate(&self) -> Result<(), SimulateError> {
+        if self.pods == 0 {
+            return Err(SimulateError::NoPods);
+        }
+        if self.strategies.is_empty() {
+            return Err(SimulateError::NoStrategies);
+        }
+        let planned = self.capacity.iter().map(|c| c.strategy);
+        for s in self.strategies.iter().copied().chain(planned) {
+            if let Some(why) = s.unavailable() {
+                return Err(SimulateError::Unavailable(s.as_str(), why));
+            }
+        }
+        if !(self.speedup.is_finite() && self.speedup > 0.0) {
+            return Err(SimulateError::BadSpeedup(self.speedup));
+        }
+        let d = &self.divergence;
+        if !(0.0..=1.0).contains(&d.bypass) {
+            return Err(SimulateError::BadDivergence("bypass must be within 0..=1"));
+        }
+        if d.restart_every_s
+            .is_some_and(|s| !(s.is_finite() && s > 0.0))
+        {
+            return Err(SimulateError::BadDivergence(
+                "restart interval must be positive and finite",
+            ));
+        }
+        if !(d.capacity_belief.is_finite() && d.capacity_belief > 0.0) {
+            return Err(SimulateError::BadDivergence(
+                "capacity belief must be positive and finite",
+            ));
+        }
+        Ok(())
+    }
+}

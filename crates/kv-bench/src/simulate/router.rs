@@ -1,0 +1,190 @@
+//! The router in virtual time: the pods as it sees them (the last scrape and its own in-flight
+//! settling queue: the live router's `Settling`, on virtual microseconds), and its decisions,
+//! built, planned and committed by the live router's own [`DecisionState`].
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use kv_router::config::Config;
+#[cfg(test)]
+use kv_router::decide::PlanInput;
+use kv_router::decide::{
+    log_decision, Body, DecisionState, Plan, PodFacts, Recording, RequestFacts, Stages,
+};
+use kv_router::index::KvIndex;
+use kv_router::keys::Keys;
+use kv_router::pods::{
+    fleet_models, prefill_time, LoadSample, PodId, PodLoad, Settling, Timestamp, TtftLearner,
+};
+use kv_router::scoring::{SessionKey, SessionStore};
+use rand::Rng;
+use vllm_sim::engine::Engine;
+
+use super::fleet::ready;
+
+/// Virtual time in microseconds, as the router's in-flight accounting sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub(super) struct SimTime(pub(super) u64);
+
+impl Timestamp for SimTime {
+    fn since(self, earlier: Self) -> Duration {
+        Duration::from_micros(self.0.saturating_sub(earlier.0))
+    }
+
+    fn after(self, d: Duration) -> Self {
+        SimTime(self.0 + d.as_micros() as u64)
+    }
+}
+
+/// A pod as the router sees it: last scrape plus its own in-flight accounting (`pods/inflight.rs`
+/// in BUFFERED mode: every guard is released as soon as the request is routed).
+#[derive(Debug, Default)]
+pub(super) struct PodView {
+    pub(super) sample: Option<(SimTime, LoadSample)>,
+    pub(super) settling: Settling<SimTime>,
+    /// The prefill model learned from the engine's timing counters, as `Pod` learns it.
+    pub(super) ttft: TtftLearner,
+}
+
+impl PodView {
+    /// `Pod::load` at `now`.
+    pub(super) fn load(&mut self, now: SimTime, stale_after: Duration) -> PodLoad {
+        let inflight = self.settling.count(now, stale_after);
+        PodLoad::at(now, self.sample, inflight, stale_after)
+    }
+
+    /// A scrape sent at `now` succeeded (`Pod::record_sample`).
+    pub(super) fn scrape(&mut self, now: SimTime, e: &Engine) {
+        let s = e.stats();
+        self.sample = Some((
+            now,
+            LoadSample {
+                waiting: s.waiting as f64,
+                running: s.running as f64,
+                kv_usage: s.kv_cache_usage,
+                timing: Some(s.timing()),
+                ..LoadSample::default()
+            },
+        ));
+        self.settling.observed_scrape(now);
+        self.ttft.observe(s.timing(), s.waiting + s.running == 0);
+    }
+
+    /// A request was routed here at `now` with `tokens` estimated uncached prompt tokens.
+    pub(super) fn routed(&mut self, now: SimTime, tokens: u64, prefill_tokens_per_sec: f64) {
+        let until = now.after(prefill_time(tokens, prefill_tokens_per_sec));
+        self.settling.push(now, tokens, until);
+    }
+}
+
+/// One simulated kv-router: the live router's decision state, stages and index over pods seen
+/// through [`PodView`]s. Its decisions go through the same input builder as the live
+/// `Decider` ([`DecisionState`]); they differ only in [`Recording::InCommit`].
+pub(super) struct SimRouter {
+    pub(super) stages: Stages,
+    pub(super) state: DecisionState,
+    /// `None` for policies that ignore it (round robin, random).
+    pub(super) index: Option<Arc<dyn KvIndex>>,
+    pub(super) ids: Vec<PodId>,
+    pub(super) views: Vec<PodView>,
+    stale_after: Duration,
+}
+
+impl SimRouter {
+    /// A router with `cfg`'s stages and session store over the pods `ids`.
+    pub(super) fn new(cfg: &Config, index: Option<Arc<dyn KvIndex>>, ids: Vec<PodId>) -> Self {
+        let sessions = SessionStore::new(cfg.scorers.session.capacity, cfg.scorers.session.ttl_ms);
+        Self {
+            stages: Stages::new(cfg),
+            state: DecisionState::new(cfg, Arc::new(sessions), Recording::InCommit),
+            index,
+            views: ids.iter().map(|_| PodView::default()).collect(),
+            ids,
+            stale_after: Duration::from_millis(cfg.pods.stale_after_ms),
+        }
+    }
+
+    /// What the router knows of a request arriving at `t` (µs): its session's pod, each pod's
+    /// load, prefill model and the index's matches.
+    fn gather(
+        &mut self,
+        t: u64,
+        keys: Keys,
+        session: Option<SessionKey>,
+    ) -> (RequestFacts, Vec<PodFacts>) {
+        let now_ms = t / 1000;
+        let matched = match &self.index {
+            Some(index) if !keys.keys.is_empty() => {
+                ready(index.lookup(&keys.keys, &self.ids, now_ms)).expect("in-memory index")
+            }
+            _ => vec![0.0; self.ids.len()],
+        };
+        let session_pod = session.and_then(|s| ready(self.state.sessions().find(s, now_ms)));
+        let learners: Vec<_> = self.views.iter().map(|v| v.ttft).collect();
+        let models = fleet_models(&learners, self.stages.ttft_prior());
+        let stale_after = self.stale_after;
+        let pods = self
+            .views
+            .iter_mut()
+            .zip(&self.ids)
+            .zip(models.into_iter().zip(matched))
+            .map(|((v, id), (model, matched_blocks))| PodFacts {
+                id: id.clone(),
+                load: v.load(SimTime(t), stale_after),
+                model,
+                matched_blocks,
+            })
+            .collect();
+        let req = RequestFacts {
+            keys,
+            body: Body::Parsed,
+            session,
+            session_pod,
+        };
+        (req, pods)
+    }
+
+    /// The input a decision at `t` hands to `plan` (takes a round-robin turn, records nothing).
+    #[cfg(test)]
+    pub(super) fn input(&mut self, t: u64, keys: Keys, session: Option<SessionKey>) -> PlanInput {
+        let (req, pods) = self.gather(t, keys, session);
+        let mut held = self.state.unrecorded().hold();
+        self.state.input(&mut held, req, &pods, t / 1000)
+    }
+
+    /// Decides and commits a request arriving at `t` (µs): index, session, conversations and
+    /// the primary's in-flight charge.
+    pub(super) fn decide(
+        &mut self,
+        t: u64,
+        keys: Keys,
+        session: Option<SessionKey>,
+        rng: &mut impl Rng,
+    ) -> Plan {
+        let now_ms = t / 1000;
+        let (req, pods) = self.gather(t, keys, session);
+        let plan = self
+            .state
+            .plan(&self.stages, req, &pods, now_ms, true, rng)
+            .plan;
+        // The live router's per-decision debug line (`RUST_LOG=kv_router=debug`).
+        log_decision(&plan);
+        let views = &mut self.views;
+        ready(
+            self.state
+                .commit(&plan, self.index.as_deref(), now_ms, |p, tokens, rate| {
+                    views[p].routed(SimTime(t), tokens, rate)
+                }),
+        );
+        plan
+    }
+
+    /// Each pod's prefill speed as the router learned it (tokens/s).
+    pub(super) fn learned_tokens_per_sec(&self) -> Vec<f64> {
+        let learners: Vec<_> = self.views.iter().map(|v| v.ttft).collect();
+        fleet_models(&learners, self.stages.ttft_prior())
+            .iter()
+            .map(|m| 1.0 / m.sec_per_token)
+            .collect()
+    }
+}

@@ -1,0 +1,200 @@
+//! The one way into [`plan`]: [`DecisionState`] builds a decision's [`PlanInput`] from what the
+//! caller gathered (the request's keys and session, each candidate's load and prefill model, the
+//! index's matches) and the state consecutive decisions share (decisions answered but not yet
+//! recorded, recent conversations, pinned sessions, the round-robin turn); it plans, and
+//! commits. The live [`Decider`](super::Decider) and `kv-bench simulate` both go through it; the
+//! one way they differ on purpose is [`Recording`].
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use rand::Rng;
+
+use super::conversation::{Conversations, SessionSeen, PROMPT_ENDS};
+use super::plan::{commit, plan, Body, Committed, Plan, PlanInput, Stages, Stores};
+use super::unrecorded::{Held, Unrecorded};
+use crate::blocks::BlockKey;
+use crate::config::Config;
+use crate::index::KvIndex;
+use crate::keys::Keys;
+use crate::pods::{PodId, PodLoad, TtftModel};
+use crate::scoring::{Candidate, SessionKey, SessionStore};
+
+/// When a decision's keys reach the index: the one place the live router and the simulator
+/// decide differently, on purpose.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Recording {
+    /// Live: the answer goes first and the index record lands later (`Decider::record`, a
+    /// Redis round trip or an LRU move per block). Until it lands the decision stays in the
+    /// unrecorded set, which the next decisions overlay on their index lookup.
+    AfterReply,
+    /// Simulated: [`DecisionState::commit`] records it in the same step (virtual time has no gap
+    /// between an answer and its record), so the unrecorded set stays empty.
+    InCommit,
+}
+
+/// One candidate pod as the caller sees it when it decides.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PodFacts {
+    /// `ip:port`.
+    pub id: PodId,
+    /// Its load now (last scrape and this router's in-flight charges).
+    pub load: PodLoad,
+    /// Its prefill coefficients (learned, or the prior).
+    pub model: TtftModel,
+    /// Consecutive prompt blocks the index says it holds (before the unrecorded overlay).
+    pub matched_blocks: f64,
+}
+
+/// The request as the caller understood it.
+#[derive(Debug, Clone)]
+pub struct RequestFacts {
+    /// Its block keys (empty for body-less and unparsable requests).
+    pub keys: Keys,
+    /// How its body was understood.
+    pub body: Body,
+    /// Its session, if it names one.
+    pub session: Option<SessionKey>,
+    /// Where the session store says the session's last request went.
+    pub session_pod: Option<PodId>,
+}
+
+/// A planned decision; with [`Recording::AfterReply`] and `commit`, its entry in the unrecorded
+/// set and the keys its record must write.
+pub struct Planned {
+    /// The ranked decision.
+    pub plan: Plan,
+    /// `(entry, keys)` for the deferred record.
+    pub unrecorded: Option<(u64, Arc<[BlockKey]>)>,
+}
+
+/// What consecutive decisions of one router share.
+pub struct DecisionState {
+    conversations: Conversations,
+    sessions: Arc<SessionStore>,
+    unrecorded: Arc<Unrecorded>,
+    turns: AtomicU64,
+    recording: Recording,
+}
+
+impl DecisionState {
+    /// Fresh state over a session store (local, or backed by the shared index).
+    pub fn new(cfg: &Config, sessions: Arc<SessionStore>, recording: Recording) -> Self {
+        Self {
+            conversations: Conversations::new(PROMPT_ENDS, cfg.gate.spread_half_life_ms),
+            sessions,
+            unrecorded: Arc::default(),
+            turns: AtomicU64::new(0),
+            recording,
+        }
+    }
+
+    /// Where prompts ended and branched, and where new conversations went.
+    pub fn conversations(&self) -> &Conversations {
+        &self.conversations
+    }
+
+    /// The session store.
+    pub fn sessions(&self) -> &Arc<SessionStore> {
+        &self.sessions
+    }
+
+    /// Decisions answered but not yet in the index.
+    pub fn unrecorded(&self) -> &Arc<Unrecorded> {
+        &self.unrecorded
+    }
+
+    /// When this router's decisions reach the index.
+    pub fn recording(&self) -> Recording {
+        self.recording
+    }
+
+    /// The plan's input: each pod's matched blocks with the unrecorded decisions overlaid, whether the request starts a new conversation, and each
+    /// candidate's commitments, load, model and session flag. Takes the next round-robin turn.
+    pub fn input(
+        &self,
+        held: &mut Held<'_>,
+        req: RequestFacts,
+        pods: &[PodFacts],
+        now_ms: u64,
+    ) -> PlanInput {
+        let ids: Vec<PodId> = pods.iter().map(|p| p.id.clone()).collect();
+        let mut matched: Vec<f64> = pods.iter().map(|p| p.matched_blocks).collect();
+        held.overlay(&req.keys.keys, &ids, &mut matched);
+        let seen = match (&req.session, &req.session_pod) {
+            (None, _) => SessionSeen::None,
+            (Some(_), Some(pod)) if ids.contains(pod) => SessionSeen::Pinned,
+            (Some(_), _) => SessionSeen::Unpinned,
+        };
+        let new_conversation = self.conversations.is_new(&req.keys, &matched, seen);
+        let conversations = if new_conversation {
+            let placed = self.conversations.placed(&ids, now_ms);
+            let pinned = self.sessions.conversations(&ids, now_ms);
+            pinned.iter().zip(placed).map(|(s, p)| s.max(p)).collect()
+        } else {
+            vec![0.0; ids.len()]
+        };
+        let candidates = pods
+            .iter()
+            .zip(matched)
+            .zip(conversations)
+            .map(|((p, matched_blocks), conversations)| Candidate {
+                pod: p.id.clone(),
+                matched_blocks,
+                load: p.load,
+                session_pod: req.session_pod.as_ref() == Some(&p.id),
+                conversations,
+                model: p.model,
+            })
+            .collect();
+        PlanInput {
+            keys: req.keys,
+            body: req.body,
+            candidates,
+            session: req.session,
+            turn: self.turns.fetch_add(1, Ordering::Relaxed),
+            new_conversation,
+        }
+    }
+
+    /// Builds the input and plans it. A decision to `commit` joins the unrecorded set
+    /// ([`Recording::AfterReply`]) in the same held step that overlaid it, so two decisions
+    /// never miss each other however close together they run.
+    pub fn plan(
+        &self,
+        stages: &Stages,
+        req: RequestFacts,
+        pods: &[PodFacts],
+        now_ms: u64,
+        commit: bool,
+        rng: &mut impl Rng,
+    ) -> Planned {
+        let mut held = self.unrecorded.hold();
+        let deferred = commit && self.recording == Recording::AfterReply;
+        let keys: Option<Arc<[BlockKey]>> =
+            (deferred && !req.keys.keys.is_empty()).then(|| req.keys.keys.as_slice().into());
+        let input = self.input(&mut held, req, pods, now_ms);
+        let plan = plan(stages, input, rng);
+        // Without keys to record the set is released here, unchanged.
+        let unrecorded = keys.map(|k| (held.add(plan.ranked[0].pod.clone(), k.clone()), k));
+        Planned { plan, unrecorded }
+    }
+
+    /// Records `plan` at `now_ms`: conversations, the session's pin, the primary's load charge,
+    /// and the index when it is recorded [`Recording::InCommit`] (`index` is `None` for
+    /// policies that ignore it).
+    pub async fn commit<G>(
+        &self,
+        plan: &Plan,
+        index: Option<&dyn KvIndex>,
+        now_ms: u64,
+        charge: impl FnOnce(usize, u64, f64) -> G,
+    ) -> Committed<G> {
+        let stores = Stores {
+            index: index.filter(|_| self.recording == Recording::InCommit),
+            sessions: Some(&self.sessions),
+            conversations: Some(&self.conversations),
+        };
+        commit(plan, stores, now_ms, charge).await
+    }
+}
