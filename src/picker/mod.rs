@@ -1,5 +1,6 @@
-//! The picker: saturation gate, weighted sum of scorer outputs, random tie-break among equals;
-//! and the baseline policies (round-robin, random, least-loaded) used for comparisons.
+//! The picker: saturation gate, then one policy ranks the candidates (weighted sum, predicted
+//! TTFT, or the baselines round-robin, random and least-loaded used for comparisons), exact ties
+//! in random order. One file per policy, each behind [`RankPolicy`].
 
 use std::fmt::Write as _;
 
@@ -9,8 +10,17 @@ use rand::Rng;
 use serde::{Serialize, Serializer};
 
 use crate::config::{GateConfig, Policy, TtftConfig};
-use crate::pods::PodLoad;
-use crate::scoring::{Candidate, Prediction, ScoreInput};
+use crate::scoring::{Prediction, ScoreInput};
+
+mod gate;
+mod least_loaded;
+mod predicted_ttft;
+mod random;
+mod round_robin;
+mod spread;
+mod weighted;
+
+use gate::Verdict;
 
 /// Why the primary pod was chosen (closed set; the `reason` label of decisions).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -107,52 +117,6 @@ impl Picker {
         self
     }
 
-    /// Saturated whatever the request: its load is unknown (stale) or its KV cache is full.
-    fn unusable(&self, load: &PodLoad) -> bool {
-        let g = &self.gate;
-        g.enabled && ((g.stale_is_saturated && !load.fresh) || load.kv_usage >= g.max_kv_usage)
-    }
-
-    /// Saturated by queued work (waiting requests, this router's uncached tokens in flight):
-    /// a request whose long prefix only this pod holds may still be served sooner there.
-    fn queued_full(&self, load: &PodLoad) -> bool {
-        let g = &self.gate;
-        g.enabled
-            && (load.waiting >= g.max_waiting || load.inflight_tokens >= g.max_inflight_tokens)
-    }
-
-    /// Which candidates carry clearly more requests than the least loaded one (SGLang-style
-    /// imbalance test, per pod): more than `hot_abs` above the minimum and over `hot_rel` times
-    /// it. A shared hot prefix then spills to other pods instead of piling onto one.
-    pub fn hot(&self, loads: &[&PodLoad]) -> Vec<bool> {
-        let g = &self.gate;
-        let requests = |l: &PodLoad| l.waiting + l.running + l.inflight_requests;
-        let min = loads
-            .iter()
-            .map(|l| requests(l))
-            .fold(f64::INFINITY, f64::min);
-        loads
-            .iter()
-            .map(|l| {
-                let r = requests(l);
-                g.enabled && r - min > g.hot_abs && r > g.hot_rel * min
-            })
-            .collect()
-    }
-
-    /// `Σ weight × score` per candidate.
-    fn weighted_totals(&self, scores: &[Vec<f64>], n: usize) -> Vec<f64> {
-        (0..n)
-            .map(|i| {
-                scores
-                    .iter()
-                    .zip(&self.weights)
-                    .map(|(s, w)| w * s.get(i).copied().unwrap_or(0.0))
-                    .sum()
-            })
-            .collect()
-    }
-
     /// Ranks candidates. `scores[s][i]` is scorer `s`'s score of candidate `i`; `busy[i]` is
     /// candidate `i`'s load in [0, 1] (for least-loaded); round robin starts at candidate
     /// `turn % n`; `rng` breaks ties and drives the random policy.
@@ -164,191 +128,101 @@ impl Picker {
         turn: u64,
         rng: &mut impl Rng,
     ) -> Ranking {
-        let n = input.candidates.len();
-        let loads: Vec<&PodLoad> = input.candidates.iter().map(|c| &c.load).collect();
+        let policy = rank_policy(self.policy);
         let predictions = input.predictions();
-        let hot = self.hot(&loads);
-        let unusable: Vec<bool> = loads.iter().map(|l| self.unusable(l)).collect();
-        let busy_gate: Vec<bool> = (0..n)
-            .map(|i| hot[i] || self.queued_full(loads[i]))
-            .collect();
-        // A hot or queue-saturated pod stays eligible while it is still the cheaper place: its
-        // predicted TTFT plus the prefill it would do, against the same on the best pod that is
-        // neither. Moving a long prefix cached only there costs the fleet a second prefill of it
-        // (a conversation's history, for all its later turns too), not just this request's wait.
-        // predicted-ttft prices that work in its own ranking; counting it here as well kept hot
-        // holders past where its ranking leaves them (simulate, conversation window: 0.90 -> 0.80
-        // of pooled), so it compares TTFTs alone.
-        let work = match self.policy {
-            Policy::PredictedTtft => 0.0,
-            _ => 1.0,
-        };
-        let cost = |i: usize| predictions[i].ttft_ms + work * predictions[i].prefill_ms;
-        let coolest = (0..n)
-            .filter(|&i| !busy_gate[i] && !unusable[i])
-            .map(cost)
-            .fold(f64::INFINITY, f64::min);
-        let saturated: Vec<bool> = (0..n)
-            .map(|i| unusable[i] || (busy_gate[i] && (coolest.is_infinite() || cost(i) >= coolest)))
-            .collect();
-        let mut order: Vec<usize> = (0..n).collect();
-        // Shuffle first, then a stable sort: exact ties end up in random order.
+        let verdict = gate::judge(&self.gate, input, &predictions, policy.gate_work());
+        let mut order: Vec<usize> = (0..input.candidates.len()).collect();
+        // Shuffle first, then a stable sort: exact ties end up in random order. Here, for every
+        // policy, so a seeded run draws the same numbers whichever policy ranks.
         order.shuffle(rng);
-        let all_saturated = n > 0 && saturated.iter().all(|s| *s);
-        let gate = |i: usize| saturated[i] && !all_saturated;
-        let spread = self.gate.enabled
-            && self.gate.spread_new_conversations
-            && input.new_conversation
-            && !all_saturated;
-        let reason = match (all_saturated, spread) {
-            (true, _) => Reason::AllSaturated,
-            (false, true) => Reason::Spread,
-            (false, false) => Reason::Scored,
+        let ctx = Context {
+            input,
+            scores,
+            weights: &self.weights,
+            busy,
+            predictions: &predictions,
+            gate: &verdict,
+            ties: &self.ties,
+            turn,
         };
-        // A new conversation: ungated first, then the least committed pod, then `cost`.
-        let spread_by = |order: &mut Vec<usize>, cost: &[f64]| {
-            let commitments = commitments(input);
-            order.sort_by(|&a, &b| {
-                gate(a)
-                    .cmp(&gate(b))
-                    .then(commitments[a].total_cmp(&commitments[b]))
-                    .then(cost[a].total_cmp(&cost[b]))
-            });
-        };
-        let (totals, reason) = match self.policy {
-            Policy::Weighted => {
-                let totals = self.weighted_totals(scores, n);
-                if spread {
-                    let cost: Vec<f64> = totals.iter().map(|t| -t).collect();
-                    spread_by(&mut order, &cost);
-                } else {
-                    order.sort_by(|&a, &b| {
-                        gate(a).cmp(&gate(b)).then(totals[b].total_cmp(&totals[a]))
-                    });
-                }
-                (totals, reason)
-            }
-            Policy::PredictedTtft => {
-                // The request's wait plus the prefill work it leaves the pod with.
-                let ttft: Vec<f64> = predictions
-                    .iter()
-                    .map(|p| p.ttft_ms + self.ties.work_weight * p.prefill_ms)
-                    .collect();
-                if spread {
-                    spread_by(&mut order, &ttft);
-                } else {
-                    let best = (0..n)
-                        .filter(|&i| !gate(i))
-                        .map(|i| ttft[i])
-                        .fold(f64::INFINITY, f64::min);
-                    let band = best + self.ties.tie_ms.max(self.ties.tie_ratio * best);
-                    let tied = |i: usize| ttft[i] <= band;
-                    let weighted = self.weighted_totals(scores, n);
-                    order.sort_by(|&a, &b| {
-                        gate(a)
-                            .cmp(&gate(b))
-                            .then(tied(b).cmp(&tied(a)))
-                            .then_with(|| {
-                                if tied(a) && tied(b) {
-                                    // Near-equal predictions: the weighted score (cache affinity,
-                                    // the session's pod, load and KV usage) decides, and equal
-                                    // scores stay in random order. Falling back to the prediction
-                                    // would hand every cold request to the pod learned a hair
-                                    // faster, which is the pod that has served the most.
-                                    weighted[b].total_cmp(&weighted[a])
-                                } else {
-                                    ttft[a].total_cmp(&ttft[b])
-                                }
-                            })
-                    });
-                }
-                (ttft.iter().map(|t| -t).collect(), reason)
-            }
-            Policy::Random => (vec![0.0; n], Reason::Policy),
-            Policy::RoundRobin => {
-                let start = if n == 0 {
-                    0
-                } else {
-                    (turn % n as u64) as usize
-                };
-                order = (0..n).map(|k| (start + k) % n).collect();
-                (vec![0.0; n], Reason::Policy)
-            }
-            Policy::LeastLoaded => {
-                order.sort_by(|&a, &b| busy[a].total_cmp(&busy[b]));
-                ((0..n).map(|i| 1.0 - busy[i]).collect(), Reason::Policy)
-            }
-        };
+        let (totals, reason) = policy.order(&ctx, &mut order);
         Ranking {
             order,
             totals,
-            saturated,
+            saturated: verdict.saturated,
             reason,
             predictions,
         }
     }
 }
 
-/// What placing a new conversation on each candidate commits it to: the larger of the requests
-/// the pod carries (its own count or this router's in-flight one, often the same requests) and
-/// the live conversations on it (sessions pinned there, or recent new conversations placed there
-/// when requests name no session). When the shared prefix is at least as long as the rest of the
-/// prompt, so that warming another pod would cost more than the conversation's own text: at
-/// least one on the sole holder of the prefix (the conversation that warmed it lives there, even
-/// between its turns or when another replica routed it), and one more on a pod that would first
-/// have to prefill the prefix once two pods already hold it. So the second conversation on a
-/// long system prompt warms a second pod, and further ones go to the least committed holder
-/// until every holder carries one more than a pod that does not hold it. A short shared prefix
-/// (a few hundred tokens before a long document) is cheap to warm anywhere: conversations then
-/// spread over every pod by what each carries, so each pod's cache turns over at the same pace.
-/// A pod that prefills several times slower than the fleet's fastest (as learned) counts each
-/// commitment that many times (rounded, so learning noise breaks no tie).
-fn commitments(input: &ScoreInput) -> Vec<f64> {
-    let fastest = input
-        .candidates
-        .iter()
-        .map(|c| c.model.sec_per_token)
-        .filter(|s| s.is_finite() && *s > 0.0)
-        .fold(f64::INFINITY, f64::min);
-    let slowness = |c: &Candidate| {
-        let s = c.model.sec_per_token / fastest;
-        if s.is_finite() {
-            s.round().max(1.0)
-        } else {
-            1.0
-        }
-    };
-    let best = input
-        .candidates
-        .iter()
-        .map(|c| c.matched_blocks)
-        .fold(0.0, f64::max);
-    let shared_tokens = best * input.tokens_per_block;
-    let costly_to_warm = shared_tokens >= input.prompt_tokens - shared_tokens;
-    // A holder has at least half the best match: most of the shared prefix is warm there.
-    let holds = |m: f64| best > 0.0 && m >= best / 2.0;
-    let holders = input
-        .candidates
-        .iter()
-        .filter(|c| holds(c.matched_blocks))
-        .count();
-    input
-        .candidates
-        .iter()
-        .map(|c| {
-            let l = &c.load;
-            let mut committed = (l.waiting + l.running)
-                .max(l.inflight_requests)
-                .max(c.conversations);
-            if costly_to_warm && holders == 1 && holds(c.matched_blocks) {
-                committed = committed.max(1.0);
-            }
-            if costly_to_warm && holders >= 2 && !holds(c.matched_blocks) {
-                committed += 1.0;
-            }
-            committed * slowness(c)
-        })
-        .collect()
+/// The policy that ranks for `p`.
+fn rank_policy(p: Policy) -> &'static dyn RankPolicy {
+    match p {
+        Policy::Weighted => &weighted::Weighted,
+        Policy::PredictedTtft => &predicted_ttft::PredictedTtft,
+        Policy::RoundRobin => &round_robin::RoundRobin,
+        Policy::Random => &random::Random,
+        Policy::LeastLoaded => &least_loaded::LeastLoaded,
+    }
+}
+
+/// One routing policy: orders the candidates the gate has judged.
+pub(crate) trait RankPolicy: std::fmt::Debug + Send + Sync {
+    /// How much of a candidate's own prefill the gate adds to its predicted TTFT.
+    fn gate_work(&self) -> f64 {
+        1.0
+    }
+
+    /// Sorts `order` (shuffled: keep sorts stable so exact ties stay random) best first;
+    /// returns each candidate's total (in candidate order) and the reason.
+    fn order(&self, ctx: &Context<'_>, order: &mut Vec<usize>) -> (Vec<f64>, Reason);
+}
+
+/// What a policy ranks from: the request, the scorers' outputs and the gate's verdict.
+#[derive(Debug)]
+pub(crate) struct Context<'a> {
+    /// The request and its candidates.
+    pub input: &'a ScoreInput,
+    /// `scores[s][i]`: scorer `s`'s score of candidate `i`.
+    pub scores: &'a [Vec<f64>],
+    /// `weights[s]` applies to scorer `s`.
+    pub weights: &'a [f64],
+    /// Each candidate's load in [0, 1].
+    pub busy: &'a [f64],
+    /// Each candidate's predicted TTFT.
+    pub predictions: &'a [Prediction],
+    /// Which candidates are gated, and whether a new conversation is spread.
+    pub gate: &'a Verdict,
+    /// What `predicted-ttft` counts as a tie.
+    pub ties: &'a TtftConfig,
+    /// Round robin's position.
+    pub turn: u64,
+}
+
+impl Context<'_> {
+    /// How many candidates.
+    pub fn len(&self) -> usize {
+        self.input.candidates.len()
+    }
+
+    /// Candidate `i` is gated: ranked after every candidate that is not.
+    pub fn gated(&self, i: usize) -> bool {
+        self.gate.gated(i)
+    }
+
+    /// `Σ weight × score` per candidate.
+    pub fn weighted_totals(&self) -> Vec<f64> {
+        (0..self.len())
+            .map(|i| {
+                self.scores
+                    .iter()
+                    .zip(self.weights)
+                    .map(|(s, w)| w * s.get(i).copied().unwrap_or(0.0))
+                    .sum()
+            })
+            .collect()
+    }
 }
 
 #[cfg(test)]

@@ -1,0 +1,60 @@
+//! The prefix index and the session store (shared through Redis with `backend: redis`), and in
+//! precise mode the KV-event ingestion that feeds the index.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tracing::{info, warn};
+
+use crate::config::Config;
+use crate::index::{build_index, KvIndex, RedisMetrics};
+use crate::ingest::{self, CatchUp, IngestMetrics};
+use crate::pods::PodRegistry;
+use crate::scoring::SessionStore;
+use crate::supervise::Supervisor;
+
+/// Builds the index and the session store. Fails only on a Redis setting that cannot work.
+pub(super) fn build(
+    cfg: &Config,
+    redis: Option<RedisMetrics>,
+) -> anyhow::Result<(Arc<dyn KvIndex>, Arc<SessionStore>)> {
+    let built = build_index(cfg, redis)?;
+    let mut sessions = SessionStore::new(cfg.scorers.session.capacity, cfg.scorers.session.ttl_ms);
+    if let Some(shared) = built.sessions {
+        let budget = Duration::from_millis(cfg.index.redis.lookup_budget_ms);
+        sessions = sessions.with_shared(shared, budget);
+    }
+    Ok((built.index, Arc::new(sessions)))
+}
+
+/// Precise mode: starts the `kv_events` loop and returns the start-up catch-ups readiness waits
+/// for; `None` when KV events are off.
+pub(super) fn start_ingestion(
+    cfg: &Config,
+    supervisor: &Supervisor,
+    pods: &Arc<PodRegistry>,
+    index: &Arc<dyn KvIndex>,
+    metrics: Arc<IngestMetrics>,
+) -> Option<Arc<CatchUp>> {
+    let catch_up = cfg.kv_events.enabled.then(|| Arc::new(CatchUp::default()));
+    if let Some(catch_up) = &catch_up {
+        for model in cfg.tokenizers.iter().map(|t| t.model.as_str()) {
+            info!(model, "precise keys (tokenizer configured)");
+        }
+        if cfg.tokenizers.is_empty() {
+            warn!("KV events are on but no tokenizer is configured: request keys stay approximate and only speculative entries can match");
+        }
+        let (ev, pods, index) = (cfg.kv_events.clone(), pods.clone(), index.clone());
+        let catch_up = catch_up.clone();
+        supervisor.spawn("kv_events", move || {
+            ingest::run(
+                ev.clone(),
+                pods.clone(),
+                index.clone(),
+                metrics.clone(),
+                catch_up.clone(),
+            )
+        });
+    }
+    catch_up
+}

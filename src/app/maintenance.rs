@@ -1,0 +1,123 @@
+//! The maintenance loop: once a second, each pod's index capacity from its KV size, the index's
+//! TTL sweep, and the index, session and per-pod gauges.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+use tokio::time::{interval, Instant, MissedTickBehavior};
+use tracing::warn;
+
+use crate::config::Config;
+use crate::decide::Decider;
+use crate::index::index_capacity;
+use crate::pods::{prefill_models, PodMetrics, PodRegistry};
+use crate::scoring::SessionStore;
+use crate::telemetry::{ErrorKind, Errors};
+
+use super::Shared;
+
+/// The gauges the maintenance loop sets.
+#[derive(Debug, Clone, Default)]
+pub(super) struct MaintenanceMetrics {
+    index_entries: Gauge,
+    index_keys: Gauge,
+    sessions: Gauge,
+}
+
+impl MaintenanceMetrics {
+    pub(super) fn register(registry: &mut Registry) -> Self {
+        let m = Self::default();
+        registry.register(
+            "index_entries",
+            "(block key, pod) entries in the prefix index",
+            m.index_entries.clone(),
+        );
+        registry.register(
+            "index_keys",
+            "Distinct block keys in the prefix index",
+            m.index_keys.clone(),
+        );
+        registry.register("sessions", "Sessions remembered", m.sessions.clone());
+        m
+    }
+}
+
+/// What the maintenance loop reports to.
+#[derive(Clone)]
+pub(super) struct Gauges {
+    pub pods: PodMetrics,
+    pub maintenance: MaintenanceMetrics,
+    pub errors: Errors,
+}
+
+/// Starts the `maintenance` loop under the supervisor.
+pub(super) fn start(cfg: &Config, shared: &Shared, gauges: Gauges) {
+    let (cfg, pods, decider, sessions) = (
+        cfg.clone(),
+        shared.pods.clone(),
+        shared.decider.clone(),
+        shared.sessions.clone(),
+    );
+    shared.supervisor.spawn("maintenance", move || {
+        maintenance(
+            cfg.clone(),
+            pods.clone(),
+            decider.clone(),
+            sessions.clone(),
+            gauges.clone(),
+        )
+    });
+}
+
+/// Once a second: index capacity from each pod's KV size, TTL sweep, gauges.
+async fn maintenance(
+    cfg: Config,
+    pods: Arc<PodRegistry>,
+    decider: Arc<Decider>,
+    sessions: Arc<SessionStore>,
+    gauges: Gauges,
+) {
+    let stale_after = Duration::from_millis(cfg.pods.stale_after_ms);
+    let mut capacities = ahash::AHashMap::new();
+    let mut tick = interval(Duration::from_secs(1));
+    tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let index = decider.index();
+        let now = Instant::now();
+        let snapshot = pods.snapshot();
+        let models = prefill_models(snapshot.pods(), decider.ttft_prior());
+        for (pod, model) in snapshot.pods().iter().zip(&models) {
+            gauges.pods.observe(pod, model, now, stale_after);
+            let Some((_, sample)) = pod.last_sample() else {
+                continue;
+            };
+            let Some(blocks) = sample.num_gpu_blocks else {
+                continue;
+            };
+            let cap = index_capacity(&cfg, blocks, sample.block_size.unwrap_or(16));
+            if capacities.get(pod.id()) != Some(&cap) {
+                match index.set_capacity(pod.id(), cap).await {
+                    Ok(()) => {
+                        capacities.insert(pod.id().clone(), cap);
+                    }
+                    Err(e) => {
+                        warn!(pod = %pod.id(), error = %e, "setting index capacity failed");
+                        gauges.errors.inc(ErrorKind::Index);
+                    }
+                }
+            }
+        }
+        if let Err(e) = index.sweep(decider.now_ms()).await {
+            warn!(error = %e, "index TTL sweep failed");
+            gauges.errors.inc(ErrorKind::Index);
+        }
+        let stats = index.stats();
+        let m = &gauges.maintenance;
+        m.index_entries.set(stats.entries as i64);
+        m.index_keys.set(stats.keys as i64);
+        m.sessions.set(sessions.len() as i64);
+    }
+}

@@ -1,0 +1,117 @@
+//! Wiring: builds every component from config, starts the background loops and both servers, and
+//! shuts down on SIGINT/SIGTERM. The only place that constructs components; each has its own
+//! file, and [`run`] starts them in order.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use tracing::{info, warn};
+
+use crate::config::Config;
+use crate::decide::Decider;
+use crate::index::KvIndex;
+use crate::ingest::CatchUp;
+use crate::pods::{EngineResolver, PodRegistry};
+use crate::scoring::SessionStore;
+use crate::supervise::Supervisor;
+use crate::tokenize::TokenizerRegistry;
+
+mod admin;
+mod grpc;
+mod index;
+mod maintenance;
+mod pods;
+mod shutdown;
+mod telemetry;
+
+use maintenance::Gauges;
+use shutdown::Shutdown;
+use telemetry::Telemetry;
+
+/// Routing mode reported at startup and in `/debug/pods`.
+pub fn mode(cfg: &Config) -> &'static str {
+    match (cfg.kv_events.enabled, cfg.tokenizers.is_empty()) {
+        (false, _) => "approximate (no KV events): character blocks learned from routing decisions",
+        (true, true) => {
+            "events without tokenizer: approximate request keys, speculative matches only"
+        }
+        (true, false) => "precise: vLLM KV events + exact token blocks for models with a tokenizer",
+    }
+}
+
+/// The long-lived state the loops and servers share.
+struct Shared {
+    pods: Arc<PodRegistry>,
+    index: Arc<dyn KvIndex>,
+    sessions: Arc<SessionStore>,
+    decider: Arc<Decider>,
+    /// Starts and restarts the background loops (readiness fails while one is down).
+    supervisor: Supervisor,
+    /// Precise mode: the start-up KV-event catch-ups readiness waits for.
+    catch_up: Option<Arc<CatchUp>>,
+}
+
+/// Runs the router until a shutdown signal. `tokenizers` were loaded from `cfg.tokenizers`
+/// (see [`crate::keys::load_tokenizers`]) before any port opens.
+pub async fn run(cfg: Config, tokenizers: TokenizerRegistry) -> anyhow::Result<()> {
+    let telemetry = Telemetry::register(&cfg);
+    let pods = Arc::new(PodRegistry::with_engines(EngineResolver::new(&cfg.pods)));
+    let (index, sessions) = index::build(&cfg, telemetry.redis)?;
+    let mode = mode(&cfg);
+    let decider = Arc::new(Decider::new(
+        &cfg,
+        Arc::new(tokenizers),
+        pods.clone(),
+        index.clone(),
+        sessions.clone(),
+        telemetry.decisions.clone(),
+    ));
+    info!(mode, policy = cfg.policy.as_str(), "kv-router starting");
+    let supervisor = telemetry.supervisor;
+    let catch_up = index::start_ingestion(&cfg, &supervisor, &pods, &index, telemetry.ingest);
+    let shared = Shared {
+        pods,
+        index,
+        sessions,
+        decider,
+        supervisor,
+        catch_up,
+    };
+    let errors = telemetry.errors;
+    pods::start(
+        &cfg,
+        &shared,
+        &errors,
+        telemetry.pods.clone(),
+        telemetry.decisions,
+    )
+    .await?;
+    let gauges = Gauges {
+        pods: telemetry.pods,
+        maintenance: telemetry.maintenance,
+        errors,
+    };
+    maintenance::start(&cfg, &shared, gauges);
+    let shutdown = Shutdown::start(&cfg);
+    let grpc = grpc::start(&cfg, &shared, telemetry.extproc, &shutdown).await?;
+    let pods = shared.pods.clone();
+    let admin = admin::start(&cfg, shared, telemetry.registry, mode, &shutdown).await?;
+    let (grpc_addr, admin_addr) = (cfg.grpc_addr(), cfg.admin_addr());
+    info!(grpc = %grpc_addr, admin = %admin_addr, "kv-router listening");
+    // Serve once a pod is known healthy (or the first probes had their time): a router that has
+    // not probed yet answered 503 no_healthy_upstream where Envoy, finding the port closed, fails
+    // open (seen restarting a router under load behind the BUFFERED config).
+    let servers = async {
+        pods::first_healthy_pod(&cfg, &pods).await;
+        let (g, ()) = tokio::join!(grpc, admin);
+        g.with_context(|| format!("gRPC server on {grpc_addr}"))
+    };
+    let grace = Duration::from_millis(cfg.server.shutdown_grace_ms);
+    tokio::select! {
+        r = servers => r?,
+        () = shutdown.grace_over(grace) => warn!(grace_ms = cfg.server.shutdown_grace_ms, "shutdown grace period over: closing the remaining streams"),
+    }
+    info!("kv-router stopped");
+    Ok(())
+}

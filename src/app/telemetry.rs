@@ -1,0 +1,68 @@
+//! Telemetry: every metric family, registered once and in a fixed order (the order `/metrics`
+//! lists them in), handed out to the components that report to them.
+
+use std::sync::Arc;
+
+use prometheus_client::registry::Registry;
+
+use crate::config::{Config, IndexBackend};
+use crate::decide::DecisionMetrics;
+use crate::extproc::ExtProcMetrics;
+use crate::index::RedisMetrics;
+use crate::ingest::IngestMetrics;
+use crate::pods::PodMetrics;
+use crate::supervise::Supervisor;
+use crate::telemetry::Errors;
+
+use super::maintenance::MaintenanceMetrics;
+
+/// The registry and each component's metrics.
+pub(super) struct Telemetry {
+    /// Everything, for `/metrics`.
+    pub registry: Arc<Registry>,
+    /// KV-event ingestion (its own families, unprefixed).
+    pub ingest: Arc<IngestMetrics>,
+    /// Errors by kind, shared by every component.
+    pub errors: Errors,
+    /// Decisions.
+    pub decisions: DecisionMetrics,
+    /// ext_proc streams.
+    pub extproc: ExtProcMetrics,
+    /// Per-pod gauges.
+    pub pods: PodMetrics,
+    /// Index and session gauges.
+    pub maintenance: MaintenanceMetrics,
+    /// Background loops and their restarts.
+    pub supervisor: Supervisor,
+    /// The shared index (`backend: redis` only).
+    pub redis: Option<RedisMetrics>,
+}
+
+impl Telemetry {
+    /// Registers every family (the router's own under the `kv_router` prefix).
+    pub fn register(cfg: &Config) -> Self {
+        let mut root = Registry::default();
+        // KV-event ingestion registers its own families under the same prefix.
+        let ingest = Arc::new(IngestMetrics::register(&mut root));
+        let registry = root.sub_registry_with_prefix("kv_router");
+        let errors = Errors::register(registry);
+        let decisions = DecisionMetrics::register(registry, errors.clone());
+        let extproc = ExtProcMetrics::register(registry, errors.clone());
+        let pods = PodMetrics::register(registry);
+        let maintenance = MaintenanceMetrics::register(registry);
+        let supervisor = Supervisor::register(registry);
+        let redis =
+            (cfg.index.backend == IndexBackend::Redis).then(|| RedisMetrics::register(registry));
+        Self {
+            registry: Arc::new(root),
+            ingest,
+            errors,
+            decisions,
+            extproc,
+            pods,
+            maintenance,
+            supervisor,
+            redis,
+        }
+    }
+}

@@ -1,0 +1,307 @@
+//! The `router.yaml` schema: the root and its server, index, ingestion and logging sections,
+//! each with its serde defaults. Routing (policy, scorers, gate) is in `routing.rs`, pods in
+//! `pods.rs`; `validate.rs` checks the values.
+
+use serde::{Deserialize, Serialize};
+
+use super::{GateConfig, PodsConfig, Policy, RedisConfig, ScorersConfig};
+
+/// Root of `router.yaml`.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct Config {
+    /// Listening addresses.
+    pub listen: Listen,
+    /// Largest request body accepted (both body modes); also tonic's decode limit.
+    pub body_limit_bytes: usize,
+    /// Unparsable bodies get a 400 from the router instead of being routed by load.
+    pub strict: bool,
+    /// Also set the `x-gateway-destination-endpoint` request header (GIE compatibility).
+    pub destination_header: bool,
+    /// Fallback endpoints listed after the primary (tried in order on retry).
+    pub fallbacks: usize,
+    /// Routing policy.
+    pub policy: Policy,
+    /// How prompts are cut into block keys.
+    pub blocks: BlocksConfig,
+    /// Prefix index.
+    pub index: IndexConfig,
+    /// Scorer weights and parameters.
+    pub scorers: ScorersConfig,
+    /// Saturation gate.
+    pub gate: GateConfig,
+    /// Where pods come from and how they are watched.
+    pub pods: PodsConfig,
+    /// vLLM KV-event ingestion (precise mode).
+    pub kv_events: KvEventsConfig,
+    /// Tokenizers per model (precise mode); models without one use approximate text blocks.
+    pub tokenizers: Vec<TokenizerConfig>,
+    /// Logging.
+    pub log: LogConfig,
+    /// What callers of the `Pick` gRPC service may do.
+    pub pick_api: PickApiConfig,
+    /// gRPC server limits and shutdown.
+    pub server: ServerConfig,
+    /// Admin port access.
+    pub admin: AdminConfig,
+}
+
+/// Admin port access: `/debug/*` needs `Authorization: Bearer <token>` when a token is set;
+/// `/metrics`, `/healthz` and `/readyz` stay open (scrapers and probes).
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct AdminConfig {
+    /// The bearer token (prefer `token_file`).
+    pub token: String,
+    /// A file holding the token (e.g. a mounted Secret); wins over `token`.
+    pub token_file: Option<std::path::PathBuf>,
+}
+
+/// gRPC server limits and shutdown.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct ServerConfig {
+    /// Most concurrent HTTP/2 streams per gRPC connection (Envoy opens more connections).
+    pub max_concurrent_streams: u32,
+    /// After SIGTERM/SIGINT, readiness is NOT_SERVING but new streams are still served this long,
+    /// so gateways' health checks and endpoint updates stop choosing this replica first.
+    pub shutdown_delay_ms: u64,
+    /// Then the listeners close and in-flight streams get this long before they are closed.
+    pub shutdown_grace_ms: u64,
+    /// Request-body bytes buffered across all ext_proc streams; a chunk past it gets a 503.
+    pub max_buffered_body_bytes: usize,
+    /// TLS on the gRPC port (ext_proc, Pick, health); none of its files set: plaintext.
+    pub tls: GrpcTlsConfig,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        Self {
+            max_concurrent_streams: 4096,
+            shutdown_delay_ms: 5_000,
+            shutdown_grace_ms: 20_000,
+            max_buffered_body_bytes: 256 << 20,
+            tls: GrpcTlsConfig::default(),
+        }
+    }
+}
+
+/// TLS for the gRPC port, read at startup (rotate certificates with a rolling restart).
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct GrpcTlsConfig {
+    /// PEM certificate chain the router presents.
+    pub cert_file: Option<String>,
+    /// Its PEM private key.
+    pub key_file: Option<String>,
+    /// PEM CA that client certificates must chain to (mTLS); none: clients are not asked.
+    pub client_ca_file: Option<String>,
+}
+
+impl GrpcTlsConfig {
+    /// Whether the port serves TLS.
+    pub fn enabled(&self) -> bool {
+        self.cert_file.is_some()
+    }
+}
+
+/// The `Pick` service shares the ext_proc port, so anyone who reaches that port may call it:
+/// by default it only ranks (reads), and recording state is opt-in.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct PickApiConfig {
+    /// Accept `commit: true` (record the decision: index, session pin, in-flight load).
+    pub allow_commit: bool,
+    /// Accept a caller-chosen `subset` of endpoints.
+    pub allow_subset: bool,
+}
+
+/// vLLM KV-event ingestion.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct KvEventsConfig {
+    /// Subscribe to every pod's KV-event publisher and index its blocks exactly.
+    pub enabled: bool,
+    /// PUB endpoint template; `{ip}` and `{port}` (the pod's HTTP port) are substituted.
+    pub endpoint: String,
+    /// Replay (ROUTER) endpoint template; empty = pods run no replay socket.
+    pub replay_endpoint: String,
+    /// Topic prefix subscribed to (`""` = all messages).
+    pub topic: String,
+    /// Data-parallel ranks per pod; rank r publishes on the endpoint's port + r.
+    pub data_parallel_size: u32,
+    /// Router block size in tokens (need not equal the engine's).
+    pub block_tokens: usize,
+    /// Speculative entries (the chosen pod, right after a decision) live this long.
+    pub speculative_ttl_ms: u64,
+    /// Weight of GPU-resident blocks in the kv-cache score.
+    pub gpu_weight: f64,
+    /// Weight of CPU-offloaded blocks.
+    pub cpu_weight: f64,
+}
+
+impl Default for KvEventsConfig {
+    fn default() -> Self {
+        Self {
+            enabled: false,
+            endpoint: "tcp://{ip}:5557".into(),
+            replay_endpoint: String::new(),
+            topic: String::new(),
+            data_parallel_size: 1,
+            block_tokens: 16,
+            speculative_ttl_ms: 30_000,
+            gpu_weight: 1.0,
+            cpu_weight: 0.8,
+        }
+    }
+}
+
+/// A model's tokenizer.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct TokenizerConfig {
+    /// Model name as requests send it (LoRA adapters: their base model's tokenizer applies).
+    pub model: String,
+    /// HuggingFace `tokenizer.json` (never fetched from a hub).
+    #[serde(default)]
+    pub tokenizer_json: Option<std::path::PathBuf>,
+    /// `tokenizer_config.json` with the chat template and special tokens.
+    #[serde(default)]
+    pub tokenizer_config: Option<std::path::PathBuf>,
+    /// A standalone Jinja chat template overriding the one in `tokenizer_config`.
+    #[serde(default)]
+    pub chat_template: Option<std::path::PathBuf>,
+    /// Use the built-in pseudo tokenizer that `vllm-sim` uses (4 bytes of canonical prompt per token).
+    #[serde(default)]
+    pub builtin: bool,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            listen: Listen::default(),
+            body_limit_bytes: 64 << 20,
+            strict: false,
+            destination_header: true,
+            fallbacks: 2,
+            policy: Policy::Weighted,
+            blocks: BlocksConfig::default(),
+            index: IndexConfig::default(),
+            scorers: ScorersConfig::default(),
+            gate: GateConfig::default(),
+            pods: PodsConfig::default(),
+            kv_events: KvEventsConfig::default(),
+            tokenizers: Vec::new(),
+            log: LogConfig::default(),
+            pick_api: PickApiConfig::default(),
+            server: ServerConfig::default(),
+            admin: AdminConfig::default(),
+        }
+    }
+}
+
+/// Listening addresses.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct Listen {
+    /// ext_proc, Pick and gRPC health.
+    pub grpc: String,
+    /// Admin HTTP: /metrics, /healthz, /readyz, /debug/*.
+    pub admin: String,
+}
+
+impl Default for Listen {
+    fn default() -> Self {
+        Self {
+            grpc: "127.0.0.1:9002".into(),
+            admin: "127.0.0.1:9090".into(),
+        }
+    }
+}
+
+/// Block-key scheme (approximate mode).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct BlocksConfig {
+    /// Bytes of canonical prompt per block (64 ≈ 16 tokens, vLLM's default block).
+    pub size_chars: usize,
+    /// Most blocks keyed per request (longer prompts are keyed on their head only).
+    pub max_blocks: usize,
+}
+
+impl Default for BlocksConfig {
+    fn default() -> Self {
+        Self {
+            size_chars: 64,
+            max_blocks: 4096,
+        }
+    }
+}
+
+/// Prefix index.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct IndexConfig {
+    /// Backend: `memory` (in process) or `redis` (shared by replicas; see `redis`).
+    pub backend: IndexBackend,
+    /// Entries not refreshed for this long are ignored and swept.
+    pub ttl_ms: u64,
+    /// Per-pod capacity in blocks when the pod does not report `num_gpu_blocks`.
+    pub default_capacity_blocks: usize,
+    /// Multiplier applied to a pod's `num_gpu_blocks` (router blocks may differ in size).
+    pub capacity_factor: f64,
+    /// The shared index (`backend: redis`).
+    pub redis: RedisConfig,
+}
+
+impl Default for IndexConfig {
+    fn default() -> Self {
+        Self {
+            backend: IndexBackend::Memory,
+            ttl_ms: 3_600_000,
+            default_capacity_blocks: 31_250,
+            capacity_factor: 1.0,
+            redis: RedisConfig::default(),
+        }
+    }
+}
+
+/// Where the index lives. How it learns is `kv_events.enabled`'s choice (events, or the
+/// router's own decisions); every backend serves both and passes the `KvIndex` contract suite.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "kebab-case")]
+pub enum IndexBackend {
+    /// In process: `MemoryIndex` (decisions) or `EventIndex` (KV events).
+    Memory,
+    /// Redis/Valkey shared by replicas (`RedisIndex`), with the in-process index as fallback.
+    Redis,
+}
+
+/// Logging.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct LogConfig {
+    /// `text` or `json`.
+    pub format: LogFormat,
+    /// tracing-subscriber filter (RUST_LOG overrides).
+    pub level: String,
+}
+
+impl Default for LogConfig {
+    fn default() -> Self {
+        Self {
+            format: LogFormat::Text,
+            level: "info".into(),
+        }
+    }
+}
+
+/// Log output format.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    /// Human-readable lines.
+    Text,
+    /// One JSON object per line.
+    Json,
+}

@@ -1,0 +1,99 @@
+//! The saturation gate, shared by every policy: which candidates are saturated or hot, whether
+//! all of them are, and whether a new conversation is spread.
+
+use crate::config::GateConfig;
+use crate::pods::PodLoad;
+use crate::scoring::{Prediction, ScoreInput};
+
+use super::Reason;
+
+/// The gate's verdict on one request's candidates.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct Verdict {
+    /// Candidates the gate marked saturated.
+    pub saturated: Vec<bool>,
+    /// Every candidate is saturated: none is gated (they are ranked over all of them).
+    pub all_saturated: bool,
+    /// A new conversation, spread by commitments (see `spread.rs`).
+    pub spread: bool,
+}
+
+impl Verdict {
+    /// Candidate `i` is gated: ranked after every candidate that is not.
+    pub fn gated(&self, i: usize) -> bool {
+        self.saturated[i] && !self.all_saturated
+    }
+
+    /// The reason a scoring policy reports.
+    pub fn reason(&self) -> Reason {
+        match (self.all_saturated, self.spread) {
+            (true, _) => Reason::AllSaturated,
+            (false, true) => Reason::Spread,
+            (false, false) => Reason::Scored,
+        }
+    }
+}
+
+/// Judges the candidates. `work` is how much of each candidate's own prefill counts on top of its
+/// predicted TTFT (the policy's `RankPolicy::gate_work`).
+pub(crate) fn judge(
+    g: &GateConfig,
+    input: &ScoreInput,
+    predictions: &[Prediction],
+    work: f64,
+) -> Verdict {
+    let n = input.candidates.len();
+    let loads: Vec<&PodLoad> = input.candidates.iter().map(|c| &c.load).collect();
+    let hot = hot(g, &loads);
+    let unusable: Vec<bool> = loads.iter().map(|l| unusable(g, l)).collect();
+    let busy_gate: Vec<bool> = (0..n).map(|i| hot[i] || queued_full(g, loads[i])).collect();
+    // A hot or queue-saturated pod stays eligible while it is still the cheaper place: its
+    // predicted TTFT plus the prefill it would do, against the same on the best pod that is
+    // neither. Moving a long prefix cached only there costs the fleet a second prefill of it
+    // (a conversation's history, for all its later turns too), not just this request's wait.
+    let cost = |i: usize| predictions[i].ttft_ms + work * predictions[i].prefill_ms;
+    let coolest = (0..n)
+        .filter(|&i| !busy_gate[i] && !unusable[i])
+        .map(cost)
+        .fold(f64::INFINITY, f64::min);
+    let saturated: Vec<bool> = (0..n)
+        .map(|i| unusable[i] || (busy_gate[i] && (coolest.is_infinite() || cost(i) >= coolest)))
+        .collect();
+    let all_saturated = n > 0 && saturated.iter().all(|s| *s);
+    let spread =
+        g.enabled && g.spread_new_conversations && input.new_conversation && !all_saturated;
+    Verdict {
+        saturated,
+        all_saturated,
+        spread,
+    }
+}
+
+/// Saturated whatever the request: its load is unknown (stale) or its KV cache is full.
+fn unusable(g: &GateConfig, load: &PodLoad) -> bool {
+    g.enabled && ((g.stale_is_saturated && !load.fresh) || load.kv_usage >= g.max_kv_usage)
+}
+
+/// Saturated by queued work (waiting requests, this router's uncached tokens in flight):
+/// a request whose long prefix only this pod holds may still be served sooner there.
+fn queued_full(g: &GateConfig, load: &PodLoad) -> bool {
+    g.enabled && (load.waiting >= g.max_waiting || load.inflight_tokens >= g.max_inflight_tokens)
+}
+
+/// Which candidates carry clearly more requests than the least loaded one (SGLang-style
+/// imbalance test, per pod): more than `hot_abs` above the minimum and over `hot_rel` times
+/// it. A shared hot prefix then spills to other pods instead of piling onto one.
+fn hot(g: &GateConfig, loads: &[&PodLoad]) -> Vec<bool> {
+    let requests = |l: &PodLoad| l.waiting + l.running + l.inflight_requests;
+    let min = loads
+        .iter()
+        .map(|l| requests(l))
+        .fold(f64::INFINITY, f64::min);
+    loads
+        .iter()
+        .map(|l| {
+            let r = requests(l);
+            g.enabled && r - min > g.hot_abs && r > g.hot_rel * min
+        })
+        .collect()
+}
