@@ -431,7 +431,8 @@ async fn bodies_past_the_shared_buffer_budget_get_a_fast_503() {
     // The holder's stream ends: its bytes return to the budget (the refused stream ended at
     // its 503: it holds nothing).
     drop(holder);
-    h.wait_open_streams(0, "the holder's stream never ended").await;
+    h.wait_open_streams(0, "the holder's stream never ended")
+        .await;
     let mut next = open_full_duplex(&mut h).await;
     next.send(body(&completion(&"y".repeat(5_000)), true), None)
         .await;
@@ -466,7 +467,8 @@ async fn a_rejected_stream_waiting_for_the_gateway_is_charged_to_the_budget() {
     // The gateway closes the rejected stream: its bytes return to the budget (the refused late
     // stream ended at its 503: it holds nothing).
     drop(rejected);
-    h.wait_open_streams(0, "the rejected stream never ended").await;
+    h.wait_open_streams(0, "the rejected stream never ended")
+        .await;
     let mut next = open_full_duplex(&mut h).await;
     next.send(body(&vec![b'a'; 6_000], false), None).await;
     let r = tokio::time::timeout(Duration::from_millis(300), next.next()).await;
