@@ -99,7 +99,8 @@ mod tests {
     use super::*;
     use std::sync::atomic::{AtomicU32, Ordering};
 
-    #[tokio::test]
+    /// In paused time: the backoffs elapse as soon as every task waits, the same way each run.
+    #[tokio::test(start_paused = true)]
     async fn a_panicking_task_is_restarted_counted_and_reported_down() {
         let s = Supervisor::default();
         let runs = Arc::new(AtomicU32::new(0));
@@ -122,7 +123,10 @@ mod tests {
         assert_eq!(runs.load(Ordering::SeqCst), 3, "restarted after each panic");
         assert!(saw_down, "readiness saw the task down between runs");
         assert_eq!(s.restarts("flaky"), 2);
-        tokio::time::sleep(Duration::from_millis(50)).await;
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while !s.down().is_empty() && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
         assert!(s.down().is_empty(), "running again");
     }
 }

@@ -31,6 +31,37 @@ use tonic::Streaming;
 struct Harness {
     client: ExternalProcessorClient<tonic::transport::Channel>,
     pods: Arc<PodRegistry>,
+    /// The service's metrics (`extproc_open_streams`: what the tests wait on).
+    registry: prometheus_client::registry::Registry,
+}
+
+impl Harness {
+    /// `extproc_open_streams`: streams whose work is still alive on the server. A stream's
+    /// body-budget reservation lives in that work, so a stream no longer counted has returned
+    /// its bytes.
+    fn open_streams(&self) -> i64 {
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &self.registry).unwrap();
+        text.lines()
+            .find_map(|l| l.strip_prefix("extproc_open_streams ")?.trim().parse().ok())
+            .unwrap_or_else(|| panic!("extproc_open_streams not exported:\n{text}"))
+    }
+
+    /// Waits until the server counts `n` open streams, or fails after 5 s.
+    async fn wait_open_streams(&self, n: i64, what: &str) {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+        loop {
+            let open = self.open_streams();
+            if open == n {
+                return;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "{what}: {open} ext_proc streams still open after 5 s, expected {n}"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
 }
 
 async fn harness(limit: usize) -> Harness {
@@ -90,7 +121,11 @@ async fn harness_with_budget(limit: usize, budget: usize) -> Harness {
         .unwrap()
         .max_encoding_message_size(usize::MAX)
         .max_decoding_message_size(usize::MAX);
-    Harness { client, pods }
+    Harness {
+        client,
+        pods,
+        registry,
+    }
 }
 
 struct Stream {
@@ -366,9 +401,25 @@ async fn open_full_duplex(h: &mut Harness) -> Stream {
 #[tokio::test]
 async fn bodies_past_the_shared_buffer_budget_get_a_fast_503() {
     let mut h = harness_with_budget(1 << 20, 10_000).await;
-    let holder = open_full_duplex(&mut h).await;
+    // STREAMED: the router answers each chunk after charging it to the budget, so the holder's
+    // bytes are known to count before the late stream sends (FULL_DUPLEX sends no such answer).
+    let mut holder = Stream::open(&mut h).await;
+    holder
+        .send(
+            headers("/v1/completions", &[], false),
+            Some(BodySendMode::Streamed),
+        )
+        .await;
+    assert!(matches!(
+        holder.next().await.response,
+        Some(Out::RequestHeaders(_))
+    ));
     holder.send(body(&vec![b'a'; 6_000], false), None).await;
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    let ack = holder.next().await;
+    assert!(
+        matches!(ack.response, Some(Out::RequestBody(_))),
+        "the holder's chunk is buffered: {ack:?}"
+    );
     let mut late = open_full_duplex(&mut h).await;
     late.send(body(&vec![b'a'; 6_000], false), None).await;
     let Some(Out::ImmediateResponse(ir)) = late.next().await.response else {
@@ -377,9 +428,11 @@ async fn bodies_past_the_shared_buffer_budget_get_a_fast_503() {
     assert_eq!(ir.status.unwrap().code, 503);
     let v: serde_json::Value = serde_json::from_slice(&ir.body).unwrap();
     assert_eq!(v["error"]["code"], "router_overloaded");
-    // The holder's stream ends: its bytes return to the budget.
+    // The holder's stream ends: its bytes return to the budget (the refused stream ended at
+    // its 503: it holds nothing).
     drop(holder);
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    h.wait_open_streams(0, "the holder's stream never ended")
+        .await;
     let mut next = open_full_duplex(&mut h).await;
     next.send(body(&completion(&"y".repeat(5_000)), true), None)
         .await;
@@ -411,13 +464,29 @@ async fn a_rejected_stream_waiting_for_the_gateway_is_charged_to_the_budget() {
         panic!("the waiting stream's bytes count: immediate response")
     };
     assert_eq!(ir.status.unwrap().code, 503);
-    // The gateway closes the rejected stream: its bytes return to the budget.
+    // The gateway closes the rejected stream: its bytes return to the budget (the refused late
+    // stream ended at its 503: it holds nothing).
     drop(rejected);
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    h.wait_open_streams(0, "the rejected stream never ended")
+        .await;
     let mut next = open_full_duplex(&mut h).await;
     next.send(body(&vec![b'a'; 6_000], false), None).await;
     let r = tokio::time::timeout(Duration::from_millis(300), next.next()).await;
     assert!(r.is_err(), "buffered, not refused: {r:?}");
+    expect_decided_after_the_end(&mut next).await;
+}
+
+/// Ends `s`'s full-duplex body and checks that its first reply is the decision: a refusal of an
+/// earlier chunk would have come first, so this proves the chunk was buffered, whatever the
+/// timing of the check before it.
+async fn expect_decided_after_the_end(s: &mut Stream) {
+    s.send(body(b"", true), None).await;
+    let r = s.next().await;
+    assert!(
+        matches!(r.response, Some(Out::RequestHeaders(_))),
+        "buffered, then decided: {r:?}"
+    );
+    assert!(destination(&r).starts_with("10.1.0."), "{r:?}");
 }
 
 /// Found by fuzz/extproc: body bytes, then request headers with end_of_stream (out of order)
@@ -438,6 +507,7 @@ async fn headers_ending_the_request_after_stray_body_bytes_release_their_budget(
     next.send(body(&vec![b'a'; 6_000], false), None).await;
     let r = tokio::time::timeout(Duration::from_millis(300), next.next()).await;
     assert!(r.is_err(), "buffered, not refused: {r:?}");
+    expect_decided_after_the_end(&mut next).await;
     drop(odd);
 }
 

@@ -210,6 +210,7 @@ async fn admin_port_closes_connections_that_dribble_headers() {
             .await
             .unwrap();
         assert_eq!(ok.status(), 200);
+        // Not synchronization: the slowloris pace itself (one byte a second) is under test.
         tokio::time::sleep(Duration::from_millis(1_000)).await;
     }
 }
@@ -309,8 +310,26 @@ async fn prompts_and_session_ids_never_reach_logs_or_metrics() {
         .text()
         .await
         .unwrap();
-    tokio::time::sleep(Duration::from_millis(200)).await;
-    let logs = r.stderr_tail(100_000);
+    // The log must hold what these requests logged before it is searched for an absence: at
+    // least the decision lines of the two routed streams and of explain (the last request),
+    // and the unparsable body's line.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let logs = loop {
+        let logs = r.stderr_tail(100_000);
+        let decisions = logs
+            .lines()
+            .filter(|l| l.contains("decision") && l.contains("holder_matched"))
+            .count();
+        if decisions >= 3 && logs.contains("unparsable body") {
+            break logs;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the requests' debug lines never reached the log ({decisions} decision lines):\n{}",
+            r.stderr_tail(20)
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
     assert!(
         logs.contains("DEBUG") || logs.contains("debug"),
         "debug logging was on"

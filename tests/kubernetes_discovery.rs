@@ -284,9 +284,27 @@ async fn inference_pool_selector_and_target_ports_are_followed() {
     let src = KubernetesSource::start(cfg.clone(), vec!["m".into()], None)
         .await
         .unwrap();
-    // No such pool yet: nothing to route to.
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // No such pool yet: nothing to route to. The source has taken in the pool list (which
+    // found none) once it watches the pool: the watch follows the list's last event.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !stub
+        .requests()
+        .iter()
+        .any(|r| r.kind == Kind::Pool && r.verb == "watch")
+    {
+        assert!(
+            Instant::now() < deadline,
+            "the pool was never watched: {:?}",
+            stub.requests()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     assert!(ids(&src).await.is_empty());
+    assert!(
+        stub.requests().iter().all(|r| r.kind != Kind::Pod),
+        "no pods are watched without a pool: {:?}",
+        stub.requests()
+    );
     stub.apply(
         Kind::Pool,
         pool(NS, "vllm-pool", json!({"app": "vllm"}), &[8000, 8001]),

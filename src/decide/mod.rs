@@ -627,6 +627,7 @@ pub(crate) mod tests {
         let counter = ticks.clone();
         let ticker = tokio::spawn(async move {
             loop {
+                // Not synchronization: the ticker's own pace, counted to see the runtime run.
                 tokio::time::sleep(Duration::from_micros(200)).await;
                 counter.fetch_add(1, Ordering::Relaxed);
             }
@@ -699,6 +700,8 @@ pub(crate) mod tests {
         drop(b_pending);
         d.record(pending).await;
         assert!(d.index().stats().entries > 0);
+        // Not synchronization: the grace itself is under test, timed on the std clock the set
+        // reads (sleeping at least this long puts both landed entries past it, every run).
         tokio::time::sleep(unrecorded::GRACE + Duration::from_millis(20)).await;
         assert_eq!(
             d.state.unrecorded().len(),

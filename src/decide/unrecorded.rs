@@ -144,6 +144,7 @@ mod tests {
         u.landed(a);
         let m = overlay(&u, &[1, 2, 3, 5], &pods, &[0.0, 0.0]);
         assert_eq!(m, [3.0, 2.0], "still counted within the grace");
+        // Not synchronization: the grace itself is under test (the clock only moves forward).
         std::thread::sleep(GRACE + Duration::from_millis(20));
         let m = overlay(&u, &[1, 2, 3, 5], &pods, &[0.0, 0.0]);
         assert_eq!(m, [0.0, 2.0], "gone after it");

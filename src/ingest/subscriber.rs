@@ -753,6 +753,7 @@ mod tests {
                 } => {
                     assert_eq!(seq, want);
                     want += 1;
+                    // Not synchronization: the slow consumer that stretches the catch-up.
                     std::thread::sleep(Duration::from_millis(2));
                 }
                 other => break other,

@@ -348,6 +348,21 @@ vllm:prefix_cache_hits_total{engine="0",model_name="m"} 100.0
         Prober::new(cfg, registry.clone(), Errors::default())
     }
 
+    /// Waits until `pod` has a sample whose scrape started after `after` (any sample with
+    /// `None`) and returns that start, or fails with `what` after 5 s.
+    async fn wait_sample(pod: &Pod, after: Option<Instant>, what: &str) -> Instant {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            if let Some((t, _)) = pod.last_sample() {
+                if after.is_none_or(|a| t > a) {
+                    return t;
+                }
+            }
+            assert!(Instant::now() < deadline, "{what} (waited 5 s)");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
     #[tokio::test]
     async fn a_hostile_pod_cannot_stop_the_scrape_of_the_others() {
         let bad = metrics_server("x}{ 1\n".into()).await;
@@ -355,15 +370,20 @@ vllm:prefix_cache_hits_total{engine="0",model_name="m"} 100.0
         let registry = pods(&[bad, good]);
         let task = tokio::spawn(prober(&registry, 1 << 20).run_scrape());
         let good_pod = registry.snapshot().get(&PodId::from(good)).unwrap().clone();
-        let deadline = Instant::now() + Duration::from_secs(5);
-        while good_pod.last_sample().is_none() && Instant::now() < deadline {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-        // Several more rounds: the loop must still be alive.
-        tokio::time::sleep(Duration::from_millis(200)).await;
+        let bad_pod = registry.snapshot().get(&PodId::from(bad)).unwrap().clone();
+        // The hostile answer was read (as an empty sample): its scrape is over.
+        wait_sample(&bad_pod, None, "the hostile pod was never scraped").await;
+        // A round that started after it: the loop must still be alive.
+        let after_bad = Instant::now();
+        wait_sample(
+            &good_pod,
+            Some(after_bad),
+            "no scrape after the hostile one",
+        )
+        .await;
         assert!(!task.is_finished(), "the scrape loop died");
         let first = good_pod.last_sample().expect("the good pod was scraped").0;
-        tokio::time::sleep(Duration::from_millis(200)).await;
+        wait_sample(&good_pod, Some(first), "scrapes continue").await;
         assert!(
             good_pod.last_sample().unwrap().0 > first,
             "scrapes continue"
@@ -393,9 +413,12 @@ vllm:prefix_cache_hits_total{engine="0",model_name="m"} 100.0
         };
         let task = tokio::spawn(Prober::new(cfg, registry.clone(), Errors::default()).run_scrape());
         let good_pod = registry.snapshot().get(&PodId::from(good)).unwrap().clone();
+        // From the healthy pod's first sample (its age is undefined before), watch it for
+        // 1.2 s, a window shorter than the hanging pod's probe timeout (not synchronization:
+        // the window is the measurement).
+        wait_sample(&good_pod, None, "the healthy pod was never scraped").await;
         let mut oldest = Duration::ZERO;
-        let end = Instant::now() + Duration::from_millis(1_500);
-        tokio::time::sleep(Duration::from_millis(300)).await;
+        let end = Instant::now() + Duration::from_millis(1_200);
         while Instant::now() < end {
             let age = good_pod
                 .last_sample()
@@ -444,6 +467,7 @@ vllm:prefix_cache_hits_total{engine="0",model_name="m"} 100.0
             ..PodsConfig::default()
         };
         let task = tokio::spawn(Prober::new(cfg, registry.clone(), Errors::default()).run_scrape());
+        // Not synchronization: scrapes are counted over this 1 s window (rates are under test).
         tokio::time::sleep(Duration::from_millis(1_000)).await;
         task.abort();
         let (i, b, m) = (

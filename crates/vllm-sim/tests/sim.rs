@@ -385,7 +385,9 @@ async fn client_disconnect_frees_the_slot() {
 
 #[tokio::test]
 async fn bursts_queue_beyond_max_num_seqs() {
-    let sim = Sim::start(&["--max-num-seqs", "2", "--decode-ms-per-token", "50"]);
+    // Each request decodes for about 1 s: the first two hold both slots that long, the window
+    // in which all five are in and the other three wait.
+    let sim = Sim::start(&["--max-num-seqs", "2", "--decode-ms-per-token", "100"]);
     let sim = std::sync::Arc::new(sim);
     let mut handles = Vec::new();
     for i in 0..5 {
@@ -395,8 +397,26 @@ async fn bursts_queue_beyond_max_num_seqs() {
             sim.post("/v1/completions", &body).await.0
         }));
     }
-    tokio::time::sleep(Duration::from_millis(200)).await;
-    let (_, text) = sim.get_text("/metrics").await;
+    // Wait until all five have arrived (running + waiting = 5), instead of a fixed pause.
+    let series = |name: &str| format!("{name}{{model_name=\"sim-model\",engine=\"0\"}} ");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let text = loop {
+        let (_, text) = sim.get_text("/metrics").await;
+        let value = |name: &str| -> f64 {
+            let prefix = series(name);
+            text.lines()
+                .find_map(|l| l.strip_prefix(&prefix)?.trim().parse().ok())
+                .unwrap_or(0.0)
+        };
+        if value("vllm:num_requests_running") + value("vllm:num_requests_waiting") >= 5.0 {
+            break text;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the five requests never all arrived:\n{text}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
     assert!(
         text.contains("vllm:num_requests_running{model_name=\"sim-model\",engine=\"0\"} 2.0"),
         "{text}"
