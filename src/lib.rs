@@ -6,14 +6,15 @@
 //!
 //! ```text
 //! extproc ─► decide::Decider ─► request (parse) ─► keys (blocks / tokenize) ─► index.lookup
-//!               ─► decide::plan (scoring ─► picker; pure) ─► decide::commit ─► extproc::reply
-//!                                                              │ index.record, session, in-flight load
+//!   ─► decide::DecisionState (the one input builder) ─► decide::plan (scoring ─► picker; pure)
+//!   ─► decide::commit (session, in-flight load) ─► extproc::reply ─► index.record
 //! ```
 //! Beside it run the background services that keep its inputs fresh: `pods` (discovery, health
 //! probes, load scrapes) and, in precise mode, the KV-event ingestion into the `index`. [`app`]
 //! builds every component from a validated [`config::Config`] and starts those loops; `explain`
-//! plans without committing. [`decide::plan`] and [`decide::commit`] are public so that
-//! `kv-bench simulate` runs the very same decision in virtual time.
+//! plans without committing. [`decide::DecisionState`], [`decide::plan`] and
+//! [`decide::commit`] are public so that `kv-bench simulate` runs the very same decision in
+//! virtual time.
 //!
 //! The library is the router alone: the simulated pod (`crates/vllm-sim`), the test kit of
 //! process rigs (`crates/kv-testkit`) and the benchmarks (`crates/kv-bench`) are workspace

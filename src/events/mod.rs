@@ -15,7 +15,7 @@ pub use encode::encode_batch;
 pub(crate) use types::Medium;
 pub use types::{BlockHash, ExtraKey, KvEvent, KvEventBatch};
 
-/// A fixture payload by name (tests only; reads `shared/fixtures/vllm-kv-events`).
+/// A fixture payload by name (tests only; reads `data/vllm-kv-events`).
 #[cfg(test)]
 pub(crate) fn fixture_payload(name: &str) -> Vec<u8> {
     fixture_tests::payload(name)

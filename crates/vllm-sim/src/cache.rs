@@ -98,7 +98,6 @@ impl PrefixCache {
     }
 
     /// True when nothing is cached.
-    #[cfg(test)]
     pub fn is_empty(&self) -> bool {
         self.entries.is_empty()
     }

@@ -80,7 +80,7 @@ impl Binaries {
             }
         };
         Self::in_dir(&dir).unwrap_or_else(|e| {
-            panic!("{e:#}\nbuild the workspace's binaries of this profile first (make test does: cargo build --release --workspace --bins)")
+            panic!("{e:#}\nbuild the workspace's binaries of this profile first (`make test` runs `cargo test --release --workspace`, which builds them)")
         })
     }
 
