@@ -629,17 +629,13 @@ async fn publishes_vllm_events_and_replays_them() {
     let last = sub.log.last().unwrap().seq;
     let mut dealer = zeromq::DealerSocket::new();
     dealer.connect(sim.replay.as_ref().unwrap()).await.unwrap();
-    // Malformed requests get no reply.
+    // Malformed requests get no reply: the valid request sent right after it is answered
+    // first (the loop below checks that the first reply is seq 0's batch), so an answer to the
+    // malformed one cannot hide behind a slow publisher.
     dealer
         .send(zmsg(vec![b"".to_vec(), vec![0; 3]]))
         .await
         .unwrap();
-    assert!(
-        tokio::time::timeout(Duration::from_millis(300), dealer.recv())
-            .await
-            .is_err(),
-        "no reply to a malformed request"
-    );
     dealer
         .send(zmsg(vec![b"".to_vec(), 0u64.to_be_bytes().to_vec()]))
         .await
