@@ -37,13 +37,7 @@ fn runtime() -> Runtime {
 async fn decider() -> (Decider, Arc<PodRegistry>) {
     let mut cfg = Config::default();
     cfg.pods.static_pods = (0..2)
-        .map(|i| StaticPod {
-            address: format!("127.0.0.1:{}", 8000 + i),
-            models: vec!["m".into()],
-            labels: Default::default(),
-            kv_events_endpoint: None,
-            kv_events_replay_endpoint: None,
-        })
+        .map(|i| StaticPod::new(format!("127.0.0.1:{}", 8000 + i), &["m"]))
         .collect();
     let registry = Arc::new(PodRegistry::default());
     registry.update(

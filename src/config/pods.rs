@@ -80,6 +80,19 @@ pub struct StaticPod {
     pub kv_events_replay_endpoint: Option<String>,
 }
 
+impl StaticPod {
+    /// A pod at `address` serving `models`, with no labels or per-pod KV-event endpoints.
+    pub fn new(address: impl Into<String>, models: &[&str]) -> Self {
+        Self {
+            address: address.into(),
+            models: models.iter().map(|m| m.to_string()).collect(),
+            labels: BTreeMap::new(),
+            kv_events_endpoint: None,
+            kv_events_replay_endpoint: None,
+        }
+    }
+}
+
 /// A DNS source (Kubernetes headless Service).
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]

@@ -26,13 +26,7 @@ fn body(parts: &[&str]) -> Vec<u8> {
 async fn the_simulator_hands_plan_what_the_live_decider_hands_it() {
     let mut cfg = Config::default();
     cfg.pods.static_pods = (0..3)
-        .map(|i| StaticPod {
-            address: format!("127.0.0.1:{}", 8000 + i),
-            models: vec!["m".into()],
-            labels: Default::default(),
-            kv_events_endpoint: None,
-            kv_events_replay_endpoint: None,
-        })
+        .map(|i| StaticPod::new(format!("127.0.0.1:{}", 8000 + i), &["m"]))
         .collect();
     // Distinct loads, so no decision is a tie that two rngs could break apart.
     let samples =
