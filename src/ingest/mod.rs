@@ -333,14 +333,12 @@ mod tests {
 
     #[tokio::test]
     async fn applies_a_pods_events_and_drops_its_series_when_it_leaves() {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
         let ctx = zmq::Context::new();
         let publisher = ctx.socket(zmq::PUB).unwrap();
-        publisher.bind(&format!("tcp://127.0.0.1:{port}")).unwrap();
+        // An ephemeral port bound here: probing for a free one first races other tests.
+        publisher.bind("tcp://127.0.0.1:*").unwrap();
+        let endpoint = publisher.get_last_endpoint().unwrap().unwrap();
+        let port: u16 = endpoint.rsplit(':').next().unwrap().parse().unwrap();
         let pods = Arc::new(PodRegistry::default());
         let id = "127.0.0.1:9";
         pods.update(vec![spec(id, format!("tcp://127.0.0.1:{port}"))]);

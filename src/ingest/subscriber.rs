@@ -462,20 +462,28 @@ mod tests {
         publ: zmq::Socket,
         router: zmq::Socket,
         sent: Vec<(u64, Vec<u8>)>,
+        pub_port: u16,
+        replay_port: u16,
+    }
+
+    fn bound_port(socket: &zmq::Socket) -> u16 {
+        let ep = socket.get_last_endpoint().unwrap().unwrap();
+        ep.rsplit(':').next().unwrap().parse().unwrap()
     }
 
     impl FakeEngine {
-        fn new(pub_port: u16, replay_port: u16) -> Self {
+        /// Binds ephemeral ports itself: probing for free ones first races other tests.
+        fn new() -> Self {
             let publ = context().socket(zmq::PUB).unwrap();
-            publ.bind(&format!("tcp://127.0.0.1:{pub_port}")).unwrap();
+            publ.bind("tcp://127.0.0.1:*").unwrap();
             let router = context().socket(zmq::ROUTER).unwrap();
             router.set_rcvtimeo(10).unwrap();
             // vLLM 0.33: 2·(buffer_steps + 1), so a whole buffer queues rather than drops.
             router.set_sndhwm(20_002).unwrap();
-            router
-                .bind(&format!("tcp://127.0.0.1:{replay_port}"))
-                .unwrap();
+            router.bind("tcp://127.0.0.1:*").unwrap();
             Self {
+                pub_port: bound_port(&publ),
+                replay_port: bound_port(&router),
                 publ,
                 router,
                 sent: Vec::new(),
@@ -564,8 +572,8 @@ mod tests {
 
     #[test]
     fn an_oversized_message_is_dropped_by_libzmq_not_buffered() {
-        let (pp, rp) = (free_port(), free_port());
-        let engine = FakeEngine::new(pp, rp);
+        let engine = FakeEngine::new();
+        let (pp, rp) = (engine.pub_port, engine.replay_port);
         let spec = SubscriptionSpec {
             endpoint: format!("tcp://127.0.0.1:{pp}"),
             replay_endpoint: None,
@@ -609,8 +617,8 @@ mod tests {
 
     #[test]
     fn gaps_are_replayed_and_restarts_purge() {
-        let (pp, rp) = (free_port(), free_port());
-        let mut engine = FakeEngine::new(pp, rp);
+        let mut engine = FakeEngine::new();
+        let (pp, rp) = (engine.pub_port, engine.replay_port);
         let spec = with_replay(pp, rp);
         let (_h, mut rx) = spawn(spec, "test".into()).unwrap();
         // The catch-up finds an empty buffer.
@@ -696,8 +704,8 @@ mod tests {
 
     #[test]
     fn a_late_subscriber_catches_up_from_the_replay_buffer_and_drops_live_copies() {
-        let (pp, rp) = (free_port(), free_port());
-        let mut engine = FakeEngine::new(pp, rp);
+        let mut engine = FakeEngine::new();
+        let (pp, rp) = (engine.pub_port, engine.replay_port);
         // Published before anyone subscribed: only the replay buffer has them.
         engine.publish(0, b"p0", true);
         engine.publish(1, b"p1", true);
@@ -723,8 +731,8 @@ mod tests {
 
     #[test]
     fn a_catch_up_longer_than_the_idle_timeout_completes_while_batches_keep_coming() {
-        let (pp, rp) = (free_port(), free_port());
-        let mut engine = FakeEngine::new(pp, rp);
+        let mut engine = FakeEngine::new();
+        let (pp, rp) = (engine.pub_port, engine.replay_port);
         // More batches than the channel holds, taken slowly: the replay as a whole lasts longer
         // than REPLAY_IDLE, though it never pauses that long (it used to be cut at 2 s).
         let n = 1024 + 1200;
@@ -769,8 +777,8 @@ mod tests {
 
     #[test]
     fn a_catch_up_stops_at_an_entry_out_of_order_and_says_so() {
-        let (pp, rp) = (free_port(), free_port());
-        let mut engine = FakeEngine::new(pp, rp);
+        let mut engine = FakeEngine::new();
+        let (pp, rp) = (engine.pub_port, engine.replay_port);
         for seq in [0, 2, 1] {
             engine.publish(seq, format!("p{seq}").as_bytes(), false);
         }
@@ -785,9 +793,9 @@ mod tests {
 
     #[test]
     fn replay_accepts_the_old_layout_and_times_out_cleanly() {
-        let rp = free_port();
         let router = context().socket(zmq::ROUTER).unwrap();
-        router.bind(&format!("tcp://127.0.0.1:{rp}")).unwrap();
+        router.bind("tcp://127.0.0.1:*").unwrap();
+        let rp = bound_port(&router);
         let t = std::thread::spawn(move || {
             let frames = router.recv_multipart(0).unwrap();
             let id = frames[0].clone();

@@ -731,13 +731,13 @@ async fn evictions_name_the_stored_vllm_hashes() {
 #[tokio::test]
 async fn bytes_hashes_rank_offset_and_connect_mode() {
     // The router side binds; the sim (DP rank 1) dials port + 1, like vLLM's connect mode.
-    let probe = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let port = probe.local_addr().unwrap().port();
-    drop(probe);
+    // Bind first on an ephemeral port: probing for a free port and binding later races other tests.
     let mut sub = zeromq::SubSocket::new();
-    sub.bind(&format!("tcp://127.0.0.1:{}", port + 1))
-        .await
-        .expect("bind SUB");
+    let bound = sub.bind("tcp://127.0.0.1:0").await.expect("bind SUB");
+    let port = match bound {
+        zeromq::Endpoint::Tcp(_, p) => p - 1,
+        other => panic!("unexpected endpoint {other}"),
+    };
     sub.subscribe("").await.unwrap();
     let mut sub = Subscriber {
         sub,
