@@ -18,11 +18,18 @@ COPY src/ src/
 COPY benches/ benches/
 # every workspace member's manifest and sources must be present for cargo to load the workspace
 COPY crates/ crates/
+# The image has no .git: `make image` passes the checkout's revision for `kv-router --version`.
+ARG KV_ROUTER_GIT_REVISION=""
+ENV KV_ROUTER_GIT_REVISION=${KV_ROUTER_GIT_REVISION}
+# Debug info is dropped (the release profile keeps it for profiling: ~10x the size); symbol
+# names stay, so a panic's backtrace still names its functions.
 RUN --mount=type=cache,target=/usr/local/cargo/registry \
     --mount=type=cache,target=/build/target \
     cargo build --release --locked -p kv-router -p vllm-sim --bin kv-router --bin vllm-sim \
  && mkdir -p /out \
- && cp target/release/kv-router target/release/vllm-sim /out/
+ && strip --strip-debug -o /out/kv-router target/release/kv-router \
+ && strip --strip-debug -o /out/vllm-sim target/release/vllm-sim \
+ && /out/kv-router --version
 
 # glibc + libstdc++ (libzmq is C++), no shell, no package manager.
 FROM gcr.io/distroless/cc-debian12:nonroot

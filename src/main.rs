@@ -9,10 +9,18 @@ use kv_router::config::{Config, KubernetesOverrides};
 use kv_router::keys::load_tokenizers;
 use kv_router::tokenize::TokenizerRegistry;
 
+/// `kv-router --version`: the crate version and the git revision it was built from.
+const VERSION_LINE: &str = concat!(
+    env!("CARGO_PKG_VERSION"),
+    " (",
+    env!("KV_ROUTER_GIT_REVISION"),
+    ")"
+);
+
 #[derive(Parser)]
 #[command(
     name = "kv-router",
-    version,
+    version = VERSION_LINE,
     about = "KV-cache-aware endpoint picker for vLLM behind Envoy ext_proc"
 )]
 struct Cli {

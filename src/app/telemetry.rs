@@ -45,6 +45,7 @@ impl Telemetry {
         // KV-event ingestion registers its own families under the same prefix.
         let ingest = Arc::new(IngestMetrics::register(&mut root));
         let registry = root.sub_registry_with_prefix("kv_router");
+        crate::telemetry::register_build_info(registry);
         let errors = Errors::register(registry);
         let decisions = DecisionMetrics::register(registry, errors.clone());
         let extproc = ExtProcMetrics::register(registry, errors.clone());

@@ -7,6 +7,7 @@ use std::fmt::Write as _;
 use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue, LabelValueEncoder};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 
 use crate::config::{LogConfig, LogFormat};
@@ -100,6 +101,27 @@ impl Errors {
     }
 }
 
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct BuildLabels {
+    version: &'static str,
+    revision: &'static str,
+}
+
+/// `kv_router_build_info{version,revision} 1`: which build each replica runs (a rollout mixes two).
+pub fn register_build_info(registry: &mut Registry) {
+    let info: Family<BuildLabels, Gauge> = Family::default();
+    info.get_or_create(&BuildLabels {
+        version: crate::VERSION,
+        revision: crate::GIT_REVISION,
+    })
+    .set(1);
+    registry.register(
+        "build_info",
+        "The build: crate version and git revision",
+        info,
+    );
+}
+
 /// A pod.
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct PodLabels {
@@ -136,6 +158,25 @@ mod tests {
         assert!(
             out.contains(r#"kv_router_errors_total{kind="pod_source"} 2"#),
             "{out}"
+        );
+    }
+
+    #[test]
+    fn build_info_names_the_version_and_revision() {
+        let mut reg = Registry::default();
+        register_build_info(reg.sub_registry_with_prefix("kv_router"));
+        let mut out = String::new();
+        prometheus_client::encoding::text::encode(&mut out, &reg).unwrap();
+        let want = format!(
+            "kv_router_build_info{{version=\"{}\",revision=\"{}\"}} 1",
+            env!("CARGO_PKG_VERSION"),
+            crate::GIT_REVISION
+        );
+        assert!(out.contains(&want), "{out}");
+        let rev = crate::GIT_REVISION;
+        assert!(
+            rev == "unknown" || (rev.len() == 12 && rev.chars().all(|c| c.is_ascii_hexdigit())),
+            "{rev}"
         );
     }
 }
