@@ -34,7 +34,7 @@ pub enum Cmd {
     /// (Envoy round robin, kv-router random / least-loaded / prefix-only / weighted / precise,
     /// redis: two replicas sharing a Redis index); report hit ratio against the oracles, TTFT,
     /// load balance.
-    Compare(CompareArgs),
+    Compare(Box<CompareArgs>), // boxed: its flags make it far larger than the other variants
     /// Run every benchmark of `make bench` and write results.md, results.json and images/.
     Report(ReportArgs),
     /// Added latency through real Envoy: direct, round robin, no-op ext_proc, kv-router.
@@ -214,6 +214,15 @@ pub struct CompareArgs {
     /// With --endpoint: pod address (ip:port) whose prefix cache is reset between runs (repeatable).
     #[arg(long = "reset-pod")]
     pub reset_pods: Vec<std::net::SocketAddr>,
+    /// With --endpoint: NAME=URL (repeatable) fetched right before and right after each
+    /// endpoint's run into `--scrape-dir` as `<label>.<name>.before.prom` / `.after.prom` (names
+    /// and labels with characters other than `A-Za-z0-9._-` written with `_`): the fleet's own
+    /// counters over exactly that run, e.g. each router's decisions and each pod's requests.
+    #[arg(long = "scrape", value_parser = parse_scrape, requires_all = ["endpoints", "scrape_dir"])]
+    pub scrapes: Vec<(String, String)>,
+    /// Directory receiving the `--scrape` files.
+    #[arg(long, requires = "scrapes")]
+    pub scrape_dir: Option<PathBuf>,
     #[command(flatten)]
     pub args: WorkloadArgs,
     #[command(flatten)]
@@ -524,6 +533,14 @@ pub fn parse_endpoint(s: &str) -> Result<(String, String), String> {
     }
 }
 
+/// `NAME=URL` of `--scrape`.
+pub fn parse_scrape(s: &str) -> Result<(String, String), String> {
+    match s.split_once('=') {
+        Some((n, u)) if !n.is_empty() && u.starts_with("http") => Ok((n.into(), u.into())),
+        _ => Err(format!("expected NAME=http://host:port/path, got {s:?}")),
+    }
+}
+
 /// Rebuilds a workload's sessions for each run.
 pub type WorkloadFactory = Box<dyn Fn() -> Workload>;
 
@@ -712,5 +729,53 @@ fn positive_factor(s: &str) -> Result<f64, String> {
     match s.parse::<f64>() {
         Ok(v) if v.is_finite() && v > 0.0 => Ok(v),
         _ => Err(format!("{s:?} is not a positive number")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn compare(args: &[&str]) -> Result<CompareArgs, clap::Error> {
+        let argv = ["kv-bench", "compare"].iter().chain(args);
+        match Cli::try_parse_from(argv)?.cmd {
+            Cmd::Compare(a) => Ok(*a),
+            _ => unreachable!(),
+        }
+    }
+
+    #[test]
+    fn scrapes_need_endpoints_and_a_directory() {
+        let a = compare(&[
+            "--endpoint=kv=http://127.0.0.1:1",
+            "--scrape=sim-10.0.0.1=http://127.0.0.1:2/metrics",
+            "--scrape=router-0=http://127.0.0.1:3/metrics",
+            "--scrape-dir=/tmp/s",
+        ])
+        .unwrap();
+        assert_eq!(
+            a.scrapes,
+            [
+                ("sim-10.0.0.1".into(), "http://127.0.0.1:2/metrics".into()),
+                (
+                    "router-0".to_string(),
+                    "http://127.0.0.1:3/metrics".to_string()
+                )
+            ]
+        );
+        assert_eq!(
+            a.scrape_dir.as_deref(),
+            Some(std::path::Path::new("/tmp/s"))
+        );
+        // Without --endpoint there is no run of a fleet managed elsewhere to bracket.
+        assert!(compare(&["--scrape=a=http://h/metrics", "--scrape-dir=/tmp/s"]).is_err());
+        assert!(compare(&["--endpoint=kv=http://h:1", "--scrape=a=http://h/metrics"]).is_err());
+        assert!(compare(&["--endpoint=kv=http://h:1", "--scrape-dir=/tmp/s"]).is_err());
+        assert!(compare(&[
+            "--endpoint=kv=http://h:1",
+            "--scrape=nourl",
+            "--scrape-dir=/x"
+        ])
+        .is_err());
     }
 }

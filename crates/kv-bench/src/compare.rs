@@ -536,14 +536,84 @@ async fn scraped_gpu_blocks(pods: &[SocketAddr]) -> Option<usize> {
     seen
 }
 
+/// `--scrape`: URLs (`/metrics` of routers and pods managed elsewhere) saved right before and
+/// right after each endpoint's run, so the fleet's own counters can be compared over exactly
+/// that run (e.g. each router's decisions per pod against each pod's served requests).
+#[derive(Debug, Clone, Default)]
+pub struct Scrapes {
+    /// `(name, URL)` pairs.
+    pub targets: Vec<(String, String)>,
+    /// Where the files go (nothing is fetched without it).
+    pub dir: Option<PathBuf>,
+}
+
+/// `s` usable in a file name: every character outside `A-Za-z0-9._-` becomes `_`.
+fn file_safe(s: &str) -> String {
+    s.chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-') {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect()
+}
+
+impl Scrapes {
+    /// The file of target `name` for the run `label`, `when` = `before` or `after`.
+    pub fn path(dir: &std::path::Path, label: &str, name: &str, when: &str) -> PathBuf {
+        dir.join(format!(
+            "{}.{}.{when}.prom",
+            file_safe(label),
+            file_safe(name)
+        ))
+    }
+
+    /// Fetches every target and writes its body; any failure fails the comparison, since a
+    /// check over a missing scrape would compare nothing.
+    async fn save(&self, label: &str, when: &str) -> Result<()> {
+        let Some(dir) = &self.dir else {
+            return Ok(());
+        };
+        if self.targets.is_empty() {
+            return Ok(());
+        }
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        let client = runner::client();
+        for (name, url) in &self.targets {
+            let resp = client
+                .get(url)
+                .timeout(Duration::from_secs(10))
+                .send()
+                .await
+                .with_context(|| format!("--scrape {name}: GET {url}"))?;
+            anyhow::ensure!(
+                resp.status().is_success(),
+                "--scrape {name}: GET {url} answered {}",
+                resp.status()
+            );
+            let text = resp
+                .text()
+                .await
+                .with_context(|| format!("--scrape {name}: reading {url}"))?;
+            let path = Self::path(dir, label, name, when);
+            std::fs::write(&path, text).with_context(|| format!("writing {}", path.display()))?;
+        }
+        Ok(())
+    }
+}
+
 /// Runs `workload()` once against each `(label, base URL)` of deployments managed elsewhere
 /// ("pointed at" mode). Pod caches are reset between runs through `reset_pods` (vLLM's
-/// `POST /reset_prefix_cache`) when given. The report describes the fleet it measured: pods and
-/// blocks per pod as given, else from the `reset_pods` (their count, their `/metrics`), else the
-/// pods seen in responses; with blocks per pod unknown, no oracle is computed.
+/// `POST /reset_prefix_cache`) when given; `scrapes` are saved around each run. The report
+/// describes the fleet it measured: pods and blocks per pod as given, else from the
+/// `reset_pods` (their count, their `/metrics`), else the pods seen in responses; with blocks
+/// per pod unknown, no oracle is computed.
 pub async fn compare_endpoints(
     endpoints: &[(String, String)],
     reset_pods: &[SocketAddr],
+    scrapes: &Scrapes,
     hint: FleetHint,
     request_timeout: Duration,
     workload: impl Fn() -> Workload,
@@ -563,6 +633,7 @@ pub async fn compare_endpoints(
                 .await
                 .context("resetting pod caches")?;
         }
+        scrapes.save(label, "before").await?;
         let run = runner::run(
             workload(),
             &RunOptions {
@@ -574,6 +645,7 @@ pub async fn compare_endpoints(
             },
         )
         .await?;
+        scrapes.save(label, "after").await?;
         runs.push((label.clone(), run));
     }
     let seen: std::collections::BTreeSet<&str> = runs
@@ -648,6 +720,61 @@ mod tests {
         let oracles = done.summary.as_ref().and_then(|s| s.oracles.as_ref());
         assert!(oracles.is_some(), "the oracles replayed the bodies");
         assert!(done.run.as_ref().is_some_and(|r| r.sent.is_empty()));
+    }
+
+    #[test]
+    fn scrape_files_are_named_after_run_and_target() {
+        let dir = std::path::Path::new("/s");
+        assert_eq!(
+            Scrapes::path(
+                dir,
+                "kv-router (gateway-api)",
+                "router-kv-router-7f9c",
+                "before"
+            ),
+            dir.join("kv-router__gateway-api_.router-kv-router-7f9c.before.prom")
+        );
+        assert_eq!(
+            Scrapes::path(dir, "round-robin", "sim-10.244.1.5", "after"),
+            dir.join("round-robin.sim-10.244.1.5.after.prom")
+        );
+    }
+
+    #[tokio::test]
+    async fn scrapes_are_saved_and_a_failing_one_fails() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move {
+            use tokio::io::{AsyncReadExt, AsyncWriteExt};
+            while let Ok((mut s, _)) = listener.accept().await {
+                let mut buf = [0u8; 1024];
+                let n = s.read(&mut buf).await.unwrap_or(0);
+                let req = String::from_utf8_lossy(&buf[..n]).to_string();
+                let reply = if req.starts_with("GET /metrics ") {
+                    "HTTP/1.1 200 OK\r\ncontent-length: 6\r\nconnection: close\r\n\r\nx 1.0\n"
+                } else {
+                    "HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+                };
+                let _ = s.write_all(reply.as_bytes()).await;
+            }
+        });
+        let tmp = tempfile::tempdir().unwrap();
+        let ok = Scrapes {
+            targets: vec![("pod a".into(), format!("http://{addr}/metrics"))],
+            dir: Some(tmp.path().join("scrapes")),
+        };
+        ok.save("rr", "before").await.unwrap();
+        let written = Scrapes::path(&tmp.path().join("scrapes"), "rr", "pod a", "before");
+        assert_eq!(std::fs::read_to_string(written).unwrap(), "x 1.0\n");
+        let bad = Scrapes {
+            targets: vec![("gone".into(), format!("http://{addr}/nothing"))],
+            ..ok
+        };
+        let err = format!("{:#}", bad.save("rr", "after").await.unwrap_err());
+        assert!(
+            err.contains("--scrape gone") && err.contains("404"),
+            "{err}"
+        );
     }
 
     #[test]

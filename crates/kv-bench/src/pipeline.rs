@@ -65,6 +65,10 @@ pub async fn compare_section(
         compare::compare_endpoints(
             &a.endpoints,
             &a.reset_pods,
+            &compare::Scrapes {
+                targets: a.scrapes.clone(),
+                dir: a.scrape_dir.clone(),
+            },
             compare::FleetHint {
                 pods: a.pods,
                 gpu_blocks: a.gpu_blocks,
