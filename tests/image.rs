@@ -385,3 +385,56 @@ fn kv_router_reports_its_version_and_revision() {
         );
     }
 }
+
+#[test]
+fn manifests_and_make_image_carry_the_crate_version() {
+    let version = env!("CARGO_PKG_VERSION");
+    // Every kustomize `images:` override of kv-router's image names this release.
+    let mut seen = 0;
+    for entry in walk_yaml(&root().join("deploy")) {
+        let text = std::fs::read_to_string(&entry).unwrap();
+        if !text.contains("kind: Kustomization") && !text.contains("images:") {
+            continue;
+        }
+        let Ok(doc) = serde_yaml::from_str::<serde_yaml::Value>(&text) else {
+            continue;
+        };
+        for img in doc["images"].as_sequence().into_iter().flatten() {
+            if img["name"] == "kv-router" {
+                seen += 1;
+                assert_eq!(
+                    img["newTag"].as_str(),
+                    Some(version),
+                    "{}: kv-router's image tag is not the crate version",
+                    entry.display()
+                );
+            }
+        }
+    }
+    assert!(seen >= 1, "no kustomization sets kv-router's image");
+    // `make image` tags with it by default.
+    let out = Command::new("make")
+        .args(["-s", "-n", "image", "CONTAINER_TOOL=docker"])
+        .current_dir(root())
+        .output()
+        .unwrap();
+    let plan = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        plan.contains(&format!("-t kv-router:{version}"))
+            && plan.contains("KV_ROUTER_GIT_REVISION="),
+        "make image: {plan}"
+    );
+}
+
+fn walk_yaml(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(dir).unwrap() {
+        let p = e.unwrap().path();
+        if p.is_dir() {
+            out.extend(walk_yaml(&p));
+        } else if p.extension().is_some_and(|x| x == "yaml") {
+            out.push(p);
+        }
+    }
+    out
+}
