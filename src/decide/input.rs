@@ -109,14 +109,28 @@ impl DecisionState {
         self.recording
     }
 
-    /// The plan's input: each pod's matched blocks with the unrecorded decisions overlaid, whether the request starts a new conversation, and each
-    /// candidate's commitments, load, model and session flag. Takes the next round-robin turn.
+    /// The plan's input: each pod's matched blocks with the unrecorded decisions overlaid, whether
+    /// the request starts a new conversation, and each candidate's commitments, load, model and
+    /// session flag. Its round-robin turn is the one the next committed decision takes; reading
+    /// it moves nothing.
     pub fn input(
         &self,
         held: &mut Held<'_>,
         req: RequestFacts,
         pods: &[PodFacts],
         now_ms: u64,
+    ) -> PlanInput {
+        let turn = self.turns.load(Ordering::Relaxed);
+        self.input_at(held, req, pods, now_ms, turn)
+    }
+
+    fn input_at(
+        &self,
+        held: &mut Held<'_>,
+        req: RequestFacts,
+        pods: &[PodFacts],
+        now_ms: u64,
+        turn: u64,
     ) -> PlanInput {
         let ids: Vec<PodId> = pods.iter().map(|p| p.id.clone()).collect();
         let mut matched: Vec<f64> = pods.iter().map(|p| p.matched_blocks).collect();
@@ -152,7 +166,7 @@ impl DecisionState {
             body: req.body,
             candidates,
             session: req.session,
-            turn: self.turns.fetch_add(1, Ordering::Relaxed),
+            turn,
             new_conversation,
         }
     }
@@ -173,7 +187,14 @@ impl DecisionState {
         let deferred = commit && self.recording == Recording::AfterReply;
         let keys: Option<Arc<[BlockKey]>> =
             (deferred && !req.keys.keys.is_empty()).then(|| req.keys.keys.as_slice().into());
-        let input = self.input(&mut held, req, pods, now_ms);
+        // Only a decision that will be committed takes a turn: a rank-only Pick or an explain
+        // must not shift where the next request lands.
+        let turn = if commit {
+            self.turns.fetch_add(1, Ordering::Relaxed)
+        } else {
+            self.turns.load(Ordering::Relaxed)
+        };
+        let input = self.input_at(&mut held, req, pods, now_ms, turn);
         let plan = plan(stages, input, rng);
         // Without keys to record the set is released here, unchanged.
         let unrecorded = keys.map(|k| (held.add(plan.ranked[0].pod.clone(), k.clone()), k));

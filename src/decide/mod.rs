@@ -327,7 +327,7 @@ impl Decider {
         (decision, pending)
     }
 
-    /// What [`Decider::plan`] would hand to [`plan`] now (takes a round-robin turn, records
+    /// What [`Decider::plan`] would hand to [`plan`] now (moves no round-robin turn, records
     /// nothing): the live half of the check that the simulator builds the same input.
     pub async fn plan_input(&self, req: DecideRequest<'_>) -> Result<PlanInput, DecideError> {
         let g = self.gather(req).await?;

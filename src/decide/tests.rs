@@ -337,3 +337,32 @@ async fn body_less_requests_go_to_least_loaded() {
     assert_eq!(dec.plan.reason, Reason::NoBody);
     assert_eq!(&dec.plan.endpoints[0], reg.snapshot().pods()[1].id());
 }
+
+/// A rank-only plan (Pick without commit, explain) must not move the round-robin rotation:
+/// otherwise any caller of the Pick port shifts where the next real request lands.
+#[tokio::test]
+async fn rank_only_plans_do_not_advance_round_robin() {
+    let rr = |c: &mut Config| c.policy = crate::config::Policy::RoundRobin;
+    let body = prompt("a", "b");
+    let (probed, _) = decider(3, rr).await;
+    let (quiet, _) = decider(3, rr).await;
+    let mut got = Vec::new();
+    let mut want = Vec::new();
+    for _ in 0..3 {
+        for _ in 0..4 {
+            probed.plan(req(&body, &[])).await.unwrap();
+            probed.plan_input(req(&body, &[])).await.unwrap();
+        }
+        got.push(
+            probed.decide(req(&body, &[])).await.unwrap().plan.ranked[0]
+                .pod
+                .clone(),
+        );
+        want.push(
+            quiet.decide(req(&body, &[])).await.unwrap().plan.ranked[0]
+                .pod
+                .clone(),
+        );
+    }
+    assert_eq!(got, want, "rank-only plans moved the rotation");
+}
