@@ -214,6 +214,26 @@ fn destination(r: &ProcessingResponse) -> String {
     }
 }
 
+/// A ProcessingRequest with none of the six messages gets a clear INVALID_ARGUMENT, not a
+/// silent close (found by probing the port with an empty message).
+#[tokio::test]
+async fn an_empty_processing_request_is_answered_with_invalid_argument() {
+    let mut h = harness(1 << 20).await;
+    let mut s = Stream::open(&mut h).await;
+    s.tx.send(ProcessingRequest::default()).await.unwrap();
+    let end = tokio::time::timeout(Duration::from_secs(5), s.rx.next())
+        .await
+        .expect("an answer in time")
+        .expect("a status, not a silent end");
+    let status = end.expect_err("an error status");
+    assert_eq!(status.code(), tonic::Code::InvalidArgument);
+    assert!(
+        status.message().contains("no request"),
+        "{}",
+        status.message()
+    );
+}
+
 #[tokio::test]
 async fn buffered_strips_then_decides_in_the_body_reply() {
     let mut h = harness(1 << 20).await;

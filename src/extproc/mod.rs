@@ -138,6 +138,7 @@ impl ExternalProcessor for ExtProc {
         Ok(Response::new(Box::pin(Driven {
             run: Some(Box::pin(async move { this.run(inbound, tx).await })),
             replies: rx,
+            ending: None,
         })))
     }
 }
@@ -147,8 +148,10 @@ impl ExternalProcessor for ExtProc {
 /// task handing each reply over through a wake-up (one task switch per message fewer). Dropping
 /// it (the gateway reset the stream) drops the work and everything it holds.
 struct Driven {
-    run: Option<Pin<Box<dyn Future<Output = ()> + Send>>>,
+    run: Option<Pin<Box<dyn Future<Output = Option<Status>> + Send>>>,
     replies: mpsc::Receiver<Box<ProcessingResponse>>,
+    /// The error status the work ended with, sent after its queued replies.
+    ending: Option<Status>,
 }
 
 impl Stream for Driven {
@@ -158,13 +161,17 @@ impl Stream for Driven {
         // The work first (it may queue replies), then a queued reply; the work waiting on a
         // full queue resumes at the next poll, after a reply was taken.
         if let Some(run) = self.run.as_mut() {
-            if run.as_mut().poll(cx).is_ready() {
+            if let Poll::Ready(ending) = run.as_mut().poll(cx) {
                 self.run = None;
+                self.ending = ending;
             }
         }
-        self.replies
-            .poll_recv(cx)
-            .map(|reply| reply.map(|r| Ok(*r)))
+        match self.replies.poll_recv(cx) {
+            Poll::Ready(Some(r)) => Poll::Ready(Some(Ok(*r))),
+            // The work is done and its replies are sent: its error, if any, ends the stream.
+            Poll::Ready(None) => Poll::Ready(self.ending.take().map(Err)),
+            Poll::Pending => Poll::Pending,
+        }
     }
 }
 
@@ -216,7 +223,8 @@ type Tx = mpsc::Sender<Box<ProcessingResponse>>;
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
 
 impl ExtProc {
-    async fn run(self, mut inbound: Streaming<ProcessingRequest>, tx: Tx) {
+    /// Serves one stream; returns the error status that ends it, if one does.
+    async fn run(self, mut inbound: Streaming<ProcessingRequest>, tx: Tx) -> Option<Status> {
         self.metrics.open.inc();
         let _open = OpenStream(self.metrics.open.clone());
         let mut st = StreamState {
@@ -232,6 +240,7 @@ impl ExtProc {
             guard: None,
         };
         let mut first = true;
+        let mut ending = None;
         while let Some(msg) = inbound.next().await {
             let msg = match msg {
                 Ok(m) => m,
@@ -301,8 +310,13 @@ impl ExtProc {
                     }
                     send(&tx, reply::response_trailers_continue()).await
                 }
-                // Flow-control messages (not implemented by Envoy 1.40) and empty ones.
-                None => true,
+                // Envoy always sends one of the six; a client that does not is told so.
+                None => {
+                    ending = Some(Status::invalid_argument(
+                        "ProcessingRequest carries no request (headers, body, trailers)",
+                    ));
+                    false
+                }
             };
             if !keep_going {
                 // Ending our side first makes h2 reset the stream when the gateway's late frames
@@ -311,7 +325,8 @@ impl ExtProc {
                 st.reserved.release();
                 drop(st.guard.take());
                 // The receive buffer lives until the stream ends: wait only if the budget holds it.
-                if st.reserved.grow(st.largest_chunk) {
+                // A protocol error ends at once: it is not Envoy, and owes no late frames.
+                if ending.is_none() && st.reserved.grow(st.largest_chunk) {
                     let drain = async { while let Some(Ok(_)) = inbound.next().await {} };
                     let _ = tokio::time::timeout(DRAIN_TIMEOUT, drain).await;
                 }
@@ -320,6 +335,7 @@ impl ExtProc {
         }
         // Dropping the guard here accounts for resets and client disconnects too.
         drop(st.guard.take());
+        ending
     }
 
     async fn on_request_headers(
