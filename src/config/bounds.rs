@@ -7,7 +7,8 @@ use super::{Config, ConfigError};
 
 /// Largest config file (or layer) read; real ones are a few KiB.
 pub const MAX_YAML_BYTES: usize = 1 << 20;
-/// Deepest flow nesting (`[`/`{`) accepted; the schema itself is 5 levels deep.
+/// Deepest nesting accepted, flow (`[`/`{`), block sequence (`- - x`) or block mapping
+/// (indentation) alike; the schema itself is 5 levels deep.
 pub const MAX_YAML_DEPTH: usize = 64;
 /// Largest request body the router buffers (both body modes).
 pub const MAX_BODY_LIMIT_BYTES: usize = 1 << 30;
@@ -26,7 +27,24 @@ pub fn check_yaml_shape(text: &str) -> Result<(), ConfigError> {
         )));
     }
     let mut depth = 0usize;
+    // Block mappings nest by indentation: one level per deeper indent still open.
+    let mut indents: Vec<usize> = Vec::new();
     for line in text.lines() {
+        let body = line.trim_start();
+        if !body.is_empty() && !body.starts_with('#') {
+            let indent = line.len() - body.len();
+            while indents.last().is_some_and(|&top| top > indent) {
+                indents.pop();
+            }
+            if indents.last().is_none_or(|&top| top < indent) {
+                indents.push(indent);
+            }
+            if indents.len() > MAX_YAML_DEPTH {
+                return Err(ConfigError::Shape(format!(
+                    "nested deeper than {MAX_YAML_DEPTH} levels"
+                )));
+            }
+        }
         let mut quote: Option<char> = None;
         let mut prev = ' ';
         for c in line.chars() {
@@ -244,6 +262,15 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("nested deeper"));
+        // Block mappings by indentation: 1,400 levels once passed here and failed later as a
+        // type error; the config's own shape (a few levels) still passes.
+        let block: String = (0..1400).map(|i| format!("{}k{i}:\n", " ".repeat(i))).collect();
+        let err = Config::from_yaml(&format!("pods:\n{block}")).unwrap_err();
+        assert!(err.to_string().contains("nested deeper"), "{err}");
+        let shallow: String = (0..MAX_YAML_DEPTH - 1)
+            .map(|i| format!("{}k{i}:\n", " ".repeat(i)))
+            .collect();
+        assert!(check_yaml_shape(&shallow).is_ok());
         let huge = format!("{POD}# {}\n", "x".repeat(MAX_YAML_BYTES));
         assert!(Config::from_yaml(&huge)
             .unwrap_err()
