@@ -152,13 +152,60 @@ impl RequestError {
     }
 }
 
+/// `body` with every `\uD800`–`\uDFFF` escape that is not half of a pair replaced by
+/// `\uFFFD`; `None` when it has none.
+fn without_lone_surrogates(body: &[u8]) -> Option<Vec<u8>> {
+    fn escape_at(b: &[u8], i: usize) -> Option<u16> {
+        let hex = b.get(i..i + 6)?;
+        if hex[0] != b'\\' || hex[1] != b'u' {
+            return None;
+        }
+        u16::from_str_radix(std::str::from_utf8(&hex[2..]).ok()?, 16).ok()
+    }
+    let mut out = Vec::with_capacity(body.len());
+    let mut changed = false;
+    let mut i = 0;
+    while i < body.len() {
+        if body[i] != b'\\' {
+            out.push(body[i]);
+            i += 1;
+            continue;
+        }
+        match escape_at(body, i) {
+            Some(0xD800..=0xDBFF) if matches!(escape_at(body, i + 6), Some(0xDC00..=0xDFFF)) => {
+                out.extend_from_slice(&body[i..i + 12]);
+                i += 12;
+            }
+            Some(0xD800..=0xDFFF) => {
+                out.extend_from_slice(b"\\uFFFD");
+                changed = true;
+                i += 6;
+            }
+            // Any other escape (`\\` included) is copied whole, so its second byte is not
+            // mistaken for the start of another.
+            _ => {
+                out.extend_from_slice(&body[i..(i + 2).min(body.len())]);
+                i += 2;
+            }
+        }
+    }
+    changed.then_some(out)
+}
+
 /// Parses a request body for the API named by `path`.
 pub fn parse(path: &str, body: &[u8]) -> Result<RoutingRequest, RequestError> {
     let api = Api::from_path(path);
-    let value: Value = serde_json::from_slice(body).map_err(|e| RequestError::InvalidJson {
-        line: e.line(),
-        column: e.column(),
-    })?;
+    let value: Value = match serde_json::from_slice(body) {
+        Ok(v) => v,
+        // Python's json (vLLM's parser) accepts a lone UTF-16 surrogate escape; serde_json does
+        // not. Such a body is parsed again with each lone one read as U+FFFD.
+        Err(e) => without_lone_surrogates(body)
+            .and_then(|fixed| serde_json::from_slice(&fixed).ok())
+            .ok_or(RequestError::InvalidJson {
+                line: e.line(),
+                column: e.column(),
+            })?,
+    };
     let Value::Object(mut obj) = value else {
         return Err(RequestError::NotAnObject);
     };
@@ -303,6 +350,20 @@ fn token_ids(items: &[Value]) -> Option<Vec<u32>> {
 
 #[cfg(test)]
 mod tests {
+
+    /// The bytes Python's `json.loads` (vLLM's parser) accepts with a lone surrogate: parsed,
+    /// with the lone one as U+FFFD; a real pair and an escaped backslash are untouched.
+    #[test]
+    fn lone_surrogates_parse_as_replacement_characters() {
+        let body = br#"{"model":"m","prompt":"ab\ud800cd \udc00 \ud83d\ude00 \\ud800 e\ud83d"}"#;
+        let r = parse("/v1/completions", body).expect("vLLM accepts this body");
+        let Prompt::Text(text) = &r.prompt else {
+            panic!("a text prompt")
+        };
+        assert_eq!(text, "ab\u{FFFD}cd \u{FFFD} \u{1F600} \\ud800 e\u{FFFD}");
+        assert!(without_lone_surrogates(br#"{"p":"\ud83d\ude00 \\ud800"}"#).is_none());
+        assert!(parse("/v1/completions", br#"{"prompt":"\ud800"#).is_err());
+    }
     use super::*;
 
     fn text(r: &RoutingRequest) -> &str {
