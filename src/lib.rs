@@ -33,6 +33,7 @@ pub mod index;
 mod ingest;
 pub mod keys;
 pub(crate) mod pick_api;
+mod pick_budget;
 pub mod picker;
 pub mod pods;
 pub mod request;

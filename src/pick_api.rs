@@ -114,6 +114,7 @@ mod tests {
         let open = PickApiConfig {
             allow_commit: true,
             allow_subset: true,
+            ..PickApiConfig::default()
         };
         (PickService::new(decider.clone(), open), decider)
     }

@@ -11,10 +11,11 @@ use tokio::time::interval;
 use tonic_health::ServingStatus;
 
 use crate::config::Config;
-use crate::extproc::{ExtProc, ExtProcMetrics};
+use crate::extproc::{BodyBudget, ExtProc, ExtProcMetrics};
 use crate::ingest;
 use crate::pick_api::proto::picker_server::PickerServer;
 use crate::pick_api::PickService;
+use crate::pick_budget::Metered;
 use crate::pods::PodRegistry;
 use crate::supervise::Supervisor;
 
@@ -64,22 +65,35 @@ pub(super) async fn start(
             )
         });
     }
+    // One budget for every body buffered on this port: ext_proc bodies and Pick messages.
+    let budget = BodyBudget::new(cfg.server.max_buffered_body_bytes);
+    let errors = metrics.errors();
     let extproc = ExtProc::new(
         shared.decider.clone(),
         metrics,
         cfg.body_limit_bytes,
         cfg.destination_header,
     )
-    .with_body_budget(cfg.server.max_buffered_body_bytes);
+    .with_shared_budget(budget.clone());
     // Validated to at most 1 GiB; saturating all the same so no value can wrap the limit.
     let limit = cfg.body_limit_bytes.saturating_add(1 << 20);
-    let pick = PickService::new(shared.decider.clone(), cfg.pick_api.clone());
+    let pick_limit = cfg.pick_api.max_message_bytes;
+    let pick = Metered::new(
+        PickerServer::new(PickService::new(
+            shared.decider.clone(),
+            cfg.pick_api.clone(),
+        ))
+        .max_decoding_message_size(pick_limit),
+        budget,
+        pick_limit,
+        errors,
+    );
     Ok(grpc_builder(cfg)?
         .http2_keepalive_interval(Some(Duration::from_secs(30)))
         .max_concurrent_streams(Some(cfg.server.max_concurrent_streams))
         .add_service(health_service)
         .add_service(ExternalProcessorServer::new(extproc).max_decoding_message_size(limit))
-        .add_service(PickerServer::new(pick).max_decoding_message_size(limit))
+        .add_service(pick)
         .serve_with_shutdown(cfg.grpc_addr(), shutdown.closed()))
 }
 

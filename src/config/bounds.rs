@@ -104,6 +104,9 @@ pub(super) fn upper_bounds(cfg: &Config, bad: &mut impl FnMut(&str, &str)) {
     if !(1..=1 << 20).contains(&cfg.server.max_concurrent_streams) {
         bad("server.max_concurrent_streams", "must be in 1..=1048576");
     }
+    if !(1024..=MAX_BODY_LIMIT_BYTES).contains(&cfg.pick_api.max_message_bytes) {
+        bad("pick_api.max_message_bytes", "must be in 1024..=1073741824");
+    }
     if cfg.server.max_buffered_body_bytes < cfg.body_limit_bytes {
         bad(
             "server.max_buffered_body_bytes",
@@ -264,7 +267,9 @@ mod tests {
             .contains("nested deeper"));
         // Block mappings by indentation: 1,400 levels once passed here and failed later as a
         // type error; the config's own shape (a few levels) still passes.
-        let block: String = (0..1400).map(|i| format!("{}k{i}:\n", " ".repeat(i))).collect();
+        let block: String = (0..1400)
+            .map(|i| format!("{}k{i}:\n", " ".repeat(i)))
+            .collect();
         let err = Config::from_yaml(&format!("pods:\n{block}")).unwrap_err();
         assert!(err.to_string().contains("nested deeper"), "{err}");
         let shallow: String = (0..MAX_YAML_DEPTH - 1)

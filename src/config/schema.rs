@@ -107,13 +107,26 @@ impl GrpcTlsConfig {
 
 /// The `Pick` service shares the ext_proc port, so anyone who reaches that port may call it:
 /// by default it only ranks (reads), and recording state is opt-in.
-#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(default, deny_unknown_fields)]
 pub struct PickApiConfig {
     /// Accept `commit: true` (record the decision: index, session pin, in-flight load).
     pub allow_commit: bool,
     /// Accept a caller-chosen `subset` of endpoints.
     pub allow_subset: bool,
+    /// Largest Pick message: a prompt with its headers, not a whole ext_proc body. Each one's
+    /// announced length is reserved from `server.max_buffered_body_bytes` before it is read.
+    pub max_message_bytes: usize,
+}
+
+impl Default for PickApiConfig {
+    fn default() -> Self {
+        Self {
+            allow_commit: false,
+            allow_subset: false,
+            max_message_bytes: 16 << 20,
+        }
+    }
 }
 
 /// vLLM KV-event ingestion.

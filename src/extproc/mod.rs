@@ -56,6 +56,13 @@ pub struct ExtProcMetrics {
     errors: Errors,
 }
 
+impl ExtProcMetrics {
+    /// The error counter the streams report to.
+    pub fn errors(&self) -> Errors {
+        self.errors.clone()
+    }
+}
+
 /// Counts a stream as open until dropped.
 struct OpenStream(Gauge);
 
@@ -100,8 +107,13 @@ pub struct ExtProc {
 
 impl ExtProc {
     /// Caps the request-body bytes buffered across all streams (default: unlimited).
-    pub fn with_body_budget(mut self, bytes: usize) -> Self {
-        self.budget = BodyBudget::new(bytes);
+    pub fn with_body_budget(self, bytes: usize) -> Self {
+        self.with_shared_budget(BodyBudget::new(bytes))
+    }
+
+    /// Draws bodies from `budget`, which other services of the port share.
+    pub fn with_shared_budget(mut self, budget: BodyBudget) -> Self {
+        self.budget = budget;
         self
     }
 

@@ -573,7 +573,7 @@ mod tests {
     #[test]
     fn an_oversized_message_is_dropped_by_libzmq_not_buffered() {
         let engine = FakeEngine::new();
-        let (pp, rp) = (engine.pub_port, engine.replay_port);
+        let pp = engine.pub_port;
         let spec = SubscriptionSpec {
             endpoint: format!("tcp://127.0.0.1:{pp}"),
             replay_endpoint: None,
