@@ -21,14 +21,18 @@ use serde_yaml::Value;
 
 /// The Kubernetes version manifests are validated against (k8s-openapi feature `v1_35`).
 const KUBE_VERSION: &str = "1.35.0";
-const OVERLAYS: [&str; 6] = [
+const OVERLAYS: [&str; 8] = [
     "standalone-envoy",
     "istio-envoyfilter",
     "gateway-api",
     "sim",
     "vllm",
     "redis",
+    "redis-tls",
+    "monitoring",
 ];
+/// Overlays whose kv-router shares the Valkey index (`components/redis`).
+const SHARED_INDEX: [&str; 3] = ["redis", "redis-tls", "monitoring"];
 
 fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -99,17 +103,68 @@ fn dns_cluster(why: &str, refresh: &str) -> String {
     )
 }
 
+/// The standalone Envoy's Prometheus port (container port `stats`, scraped by
+/// `components/standalone-envoy/monitoring`).
+const STATS_PORT: u16 = 9102;
+
+/// Listener `stats`: exactly `/stats/prometheus` of the admin (which stays on 127.0.0.1, where it
+/// can also stop Envoy), every other path 404.
+fn stats_listener() -> String {
+    format!(
+        "  - name: stats                       # Prometheus: only /stats/prometheus of the loopback admin\n\
+         \x20   address: {{ socket_address: {{ address: 0.0.0.0, port_value: {STATS_PORT} }} }}\n\
+         \x20   filter_chains:\n\
+         \x20   - filters:\n\
+         \x20     - name: envoy.filters.network.http_connection_manager\n\
+         \x20       typed_config:\n\
+         \x20         \"@type\": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager\n\
+         \x20         stat_prefix: stats\n\
+         \x20         route_config:\n\
+         \x20           name: stats\n\
+         \x20           virtual_hosts:\n\
+         \x20           - name: stats\n\
+         \x20             domains: [\"*\"]\n\
+         \x20             routes:\n\
+         \x20             - match: {{ path: /stats/prometheus, headers: [ {{ name: \":method\", string_match: {{ exact: GET }} }} ] }}\n\
+         \x20               route: {{ cluster: envoy_admin }}\n\
+         \x20             - match: {{ prefix: / }}\n\
+         \x20               direct_response: {{ status: 404 }}\n\
+         \x20         http_filters:\n\
+         \x20         - name: envoy.filters.http.router\n\
+         \x20           typed_config: {{ \"@type\": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router }}\n"
+    )
+}
+
+/// The admin as an upstream of listener `stats`.
+const ADMIN_CLUSTER: &str =
+    "  - name: envoy_admin                 # the loopback admin, for listener `stats` only\n\
+\x20   type: STATIC\n\
+\x20   connect_timeout: 1s\n\
+\x20   load_assignment:\n\
+\x20     cluster_name: envoy_admin\n\
+\x20     endpoints:\n\
+\x20     - lb_endpoints:\n\
+\x20       - endpoint: { address: { socket_address: { address: 127.0.0.1, port_value: 9901 } } }\n";
+
 /// `envoy/override-host-buffered.yaml` for Kubernetes: kv_router and vllm_pool become STRICT_DNS
-/// clusters (DnsCluster) on the headless Services (one endpoint per Ready pod / replica); nothing
-/// else changes.
+/// clusters (DnsCluster) on the headless Services (one endpoint per Ready pod / replica), and
+/// listener `stats` exposes `/stats/prometheus` of the admin; nothing else changes.
 fn standalone_envoy(bundled: &str) -> String {
+    assert!(
+        bundled.contains(
+            "\nadmin:\n  address: { socket_address: { address: 127.0.0.1, port_value: 9901 } }"
+        ),
+        "{BUNDLED}: the admin moved; update ADMIN_CLUSTER in {}",
+        file!()
+    );
     let body_start = bundled
         .find("\nadmin:")
         .expect("bundled config has a top-level admin block");
     let mut t = format!(
         "# GENERATED from {BUNDLED} by tests/deploy_manifests.rs — do not edit; edit the bundled file\n\
-         # and run `KV_ROUTER_BLESS=1 cargo test --test deploy_manifests`. Only the two clusters\n\
-         # differ: kv_router and vllm_pool are strict-DNS clusters on the headless Services kv-router and vllm.\n{}",
+         # and run `KV_ROUTER_BLESS=1 cargo test --test deploy_manifests`. kv_router and vllm_pool are\n\
+         # strict-DNS clusters on the headless Services kv-router and vllm, and listener `stats` serves\n\
+         # GET /stats/prometheus of the loopback-only admin on :{STATS_PORT} (nothing else of the admin).\n{}",
         &bundled[body_start + 1..]
     );
     t = replace_once(
@@ -143,6 +198,16 @@ fn standalone_envoy(bundled: &str) -> String {
         "        - endpoint: { address: { socket_address: { address: 10.0.0.5, port_value: 8000 } } }\n        - endpoint: { address: { socket_address: { address: 10.0.0.6, port_value: 8000 } } }\n",
         "        - endpoint: { address: { socket_address: { address: vllm.llm.svc.cluster.local, port_value: 8000 } } }\n",
     );
+    t = replace_once(
+        &t,
+        "  listeners:\n",
+        &format!("  listeners:\n{}", stats_listener()),
+    );
+    t = replace_once(
+        &t,
+        "  clusters:\n",
+        &format!("  clusters:\n{ADMIN_CLUSTER}"),
+    );
     t
 }
 
@@ -159,9 +224,37 @@ fn standalone_envoy_config_is_generated_from_the_bundled_one() {
         have == want,
         "{GENERATED} is not what {BUNDLED} generates; run `KV_ROUTER_BLESS=1 cargo test --test deploy_manifests`"
     );
-    // Structurally: the bundled config with only those two clusters changed.
+    // Structurally: the bundled config with only those two clusters changed, plus the stats
+    // listener and its admin cluster (which route exactly GET /stats/prometheus to the admin).
     let mut b: Value = serde_yaml::from_str(&bundled).unwrap();
-    let g: Value = serde_yaml::from_str(&have).unwrap();
+    let mut g: Value = serde_yaml::from_str(&have).unwrap();
+    let take = |list: &mut Value, name: &str| -> Value {
+        let seq = list.as_sequence_mut().unwrap();
+        let i = seq
+            .iter()
+            .position(|x| x["name"] == name)
+            .unwrap_or_else(|| panic!("{GENERATED}: no {name}"));
+        seq.remove(i)
+    };
+    let stats = take(&mut g["static_resources"]["listeners"], "stats");
+    let admin = take(&mut g["static_resources"]["clusters"], "envoy_admin");
+    assert_eq!(
+        stats["address"]["socket_address"]["port_value"].as_u64(),
+        Some(u64::from(STATS_PORT))
+    );
+    let hcm = &stats["filter_chains"][0]["filters"][0]["typed_config"];
+    let routes = hcm["route_config"]["virtual_hosts"][0]["routes"]
+        .as_sequence()
+        .unwrap();
+    assert_eq!(routes.len(), 2, "stats routes: {routes:?}");
+    assert_eq!(routes[0]["match"]["path"], "/stats/prometheus");
+    assert_eq!(routes[0]["route"]["cluster"], "envoy_admin");
+    assert_eq!(routes[1]["direct_response"]["status"].as_u64(), Some(404));
+    assert_eq!(
+        admin["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"],
+        b["admin"]["address"],
+        "envoy_admin must be the admin's own loopback address"
+    );
     let clusters = b["static_resources"]["clusters"].as_sequence_mut().unwrap();
     for (c, host, port) in [
         ("kv_router", "kv-router.llm.svc.cluster.local", 9002),
@@ -301,31 +394,11 @@ fn unvalidated_kinds(output: &str) -> BTreeSet<String> {
 #[test]
 fn every_overlay_renders_and_validates_offline() {
     let tmp = tempfile::tempdir().unwrap();
-    let mut rendered: Vec<Rendered> = OVERLAYS
+    // Every component is in some overlay (monitoring: overlays/monitoring).
+    let rendered: Vec<Rendered> = OVERLAYS
         .iter()
         .map(|o| render(&root().join("deploy/overlays").join(o), o, tmp.path()))
         .collect();
-    // Components no overlay uses (monitoring needs the prometheus-operator CRDs) on top of base.
-    // (kustomize takes relative paths only: `up` climbs from the temp dir to `/`.)
-    let extra = tmp.path().join("monitoring-overlay");
-    fs::create_dir_all(&extra).unwrap();
-    let up = "../".repeat(extra.components().count() - 1);
-    let rel = |p: &str| {
-        format!(
-            "{up}{}",
-            root().join(p).display().to_string().trim_start_matches('/')
-        )
-    };
-    fs::write(
-        extra.join("kustomization.yaml"),
-        format!(
-            "resources: [{}]\ncomponents: [{}]\n",
-            rel("deploy/base"),
-            rel("deploy/monitoring")
-        ),
-    )
-    .unwrap();
-    rendered.push(render(&extra, "monitoring", tmp.path()));
 
     let mut failures = Vec::new();
     let files: Vec<&Path> = rendered.iter().map(|r| r.file.as_path()).collect();
@@ -368,6 +441,7 @@ fn every_overlay_renders_and_validates_offline() {
         "InferencePool",
         "HTTPRoute",
         "PodMonitor",
+        "PrometheusRule",
     ] {
         if !crd_checked.contains(want) {
             failures.push(format!(
@@ -429,13 +503,34 @@ fn every_overlay_renders_and_validates_offline() {
         if r.name == "gateway-api" {
             assert_eq!(k.pool.as_ref().map(|p| p.name.as_str()), Some("vllm-pool"));
         }
-        // The redis layer shares the index (and sessions) through the bundled Redis, with the
-        // password from the mounted Secret only.
+        // The redis layer shares the index (and sessions) through the bundled Valkey, with the
+        // password from the mounted Secret only (tests/deploy_cluster.rs follows the Secret).
         let shared = cfg.index.backend == kv_router::config::IndexBackend::Redis;
-        assert_eq!(shared, r.name == "redis", "{}: index.backend", r.name);
+        assert_eq!(
+            shared,
+            SHARED_INDEX.contains(&r.name.as_str()),
+            "{}: index.backend",
+            r.name
+        );
         if shared {
             let redis = &cfg.index.redis;
-            assert!(redis.url.contains("redis.llm.svc"), "{}", redis.url);
+            let scheme = if r.name == "redis-tls" {
+                "rediss://"
+            } else {
+                "redis://"
+            };
+            assert_eq!(
+                redis.url,
+                format!("{scheme}valkey.llm.svc.cluster.local:6379"),
+                "{}",
+                r.name
+            );
+            assert_eq!(
+                redis.tls_ca_file.is_some(),
+                r.name == "redis-tls",
+                "{}",
+                r.name
+            );
             assert_eq!(
                 redis.password_file.as_deref(),
                 Some("/var/run/secrets/redis/password")

@@ -92,7 +92,7 @@ exit 0
 "#;
 
 const KUBECTL: &str = r#"
-selector="" kustomization="" verb=""
+selector="" kustomization="" verb="" last="${*: -1}"
 while [ $# -gt 0 ]; do
   case "$1" in
     --context|-n) shift 2; continue ;;
@@ -115,7 +115,10 @@ case "$verb" in
       app.kubernetes.io/name=kv-router)
         printf 'kv-router-7f9c-a 10.244.1.20 \nkv-router-7f9c-b 10.244.2.21 \n' ;;
     esac ;;
-  port-forward) exec sleep 60 ;;
+  # Listening only after the call is logged: curl fails until then, as against a real one.
+  port-forward)
+    touch "$DEMO_OUT/port-forward-${last%%:*}"
+    exec sleep 60 ;;
 esac
 exit 0
 "#;
@@ -129,6 +132,8 @@ while [ $# -gt 0 ]; do
   esac
   shift
 done
+port="${url#http://127.0.0.1:}"; port="${port%%/*}"
+[ -e "$DEMO_OUT/port-forward-$port" ] || exit 7
 case "$url" in
   */metrics) body='vllm:cache_config_info{block_size="16",cache_dtype="auto",enable_prefix_caching="True",num_gpu_blocks="512",prefix_caching_hash_algo="sha256",engine="0"} 1.0' ;;
   *) body='{"object":"list","data":[{"id":"sim-model"}]}' ;;
