@@ -16,6 +16,7 @@ use tokio::time::Instant;
 
 use crate::decide::{DecideRequest, Decider};
 use crate::extproc::reply::Rejection;
+use crate::extproc::BodyBudget;
 use crate::ingest::CatchUp;
 use crate::pods::{prefill_models, PodRegistry};
 use crate::scoring::SessionStore;
@@ -43,6 +44,8 @@ pub struct AdminState {
     /// Largest `POST /debug/explain` input: the configured body limit plus room for its JSON
     /// wrapping (axum's own default is 2 MB).
     pub body_limit: usize,
+    /// What explain inputs being read may hold at once, all callers together.
+    pub bodies: BodyBudget,
     /// Bearer token `/debug/*` requires; `None` = open.
     pub token: Option<Arc<str>>,
     /// True once a shutdown signal arrived (readiness fails from then on).
@@ -54,7 +57,15 @@ pub fn router(state: AdminState) -> Router {
     let limit = axum::extract::DefaultBodyLimit::max(state.body_limit);
     let debug = Router::new()
         .route("/debug/pods", get(debug_pods))
-        .route("/debug/explain", post(explain).layer(limit))
+        .route(
+            "/debug/explain",
+            post(explain)
+                .layer(limit)
+                .layer(axum::middleware::from_fn_with_state(
+                    (state.bodies.clone(), state.body_limit),
+                    reserve_body,
+                )),
+        )
         .route_layer(axum::middleware::from_fn_with_state(
             state.token.clone(),
             require_token,
@@ -69,6 +80,29 @@ pub fn router(state: AdminState) -> Router {
 
 /// `/debug/*` shows pod addresses and explains decisions: with a token configured, only
 /// callers presenting it get in.
+/// An explain input's bytes are reserved from the body budget before any is read: its
+/// Content-Length, or the whole explain limit when it has none (chunked). Past the budget: 503.
+async fn reserve_body(
+    State((bodies, limit)): State<(BodyBudget, usize)>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let announced = req
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok()?.parse::<usize>().ok())
+        .unwrap_or(limit)
+        .min(limit);
+    let mut held = bodies.reservation();
+    if !held.grow(announced) {
+        let msg = json!({"error": {"message": "the router's buffered-body budget is spent (server.max_buffered_body_bytes); retry later", "type": "ServiceUnavailableError", "param": null, "code": 503}});
+        return (StatusCode::SERVICE_UNAVAILABLE, Json(msg)).into_response();
+    }
+    let response = next.run(req).await;
+    drop(held);
+    response
+}
+
 async fn require_token(
     State(token): State<Option<Arc<str>>>,
     req: axum::extract::Request,

@@ -361,6 +361,8 @@ async fn stalled_pick(
     let mut data = vec![0u8];
     data.extend_from_slice(&len.to_be_bytes());
     data.resize(5 + sent, b'x');
+    // Without capacity requested, h2 may hold the bytes back.
+    body.reserve_capacity(data.len());
     body.send_data(bytes::Bytes::from(data), false).unwrap();
     (resp, body)
 }
@@ -379,30 +381,45 @@ async fn stalled_pick_uploads_are_held_to_the_body_budget() {
     let tcp = tokio::net::TcpStream::connect(r.grpc).await.unwrap();
     let (client, conn) = h2::client::handshake(tcp).await.unwrap();
     tokio::spawn(conn);
-    let _a = stalled_pick(&client, 3 << 20, 1024).await;
-    let _b = stalled_pick(&client, 3 << 20, 1024).await;
-    let mut refused = None;
-    // The first two hold 6 of the 8 MiB; one of the next few (sent after they landed) is refused.
-    for _ in 0..4 {
-        let (resp, _keep) = stalled_pick(&client, 3 << 20, 1024).await;
-        if let Ok(Ok(resp)) = tokio::time::timeout(Duration::from_secs(3), resp).await {
-            // Trailers-only, or headers then trailers.
-            refused = resp
-                .headers()
-                .get("grpc-status")
-                .map(|s| s.to_str().unwrap().to_string());
-            if refused.is_none() {
-                let mut body = resp.into_body();
-                while body.data().await.is_some() {}
-                refused = body.trailers().await.ok().flatten().and_then(|t| {
-                    t.get("grpc-status")
-                        .map(|s| s.to_str().unwrap().to_string())
-                });
-            }
-            break;
-        }
+    // Five stalled 3 MiB messages against an 8 MiB budget: whichever land first hold 6 MiB,
+    // the other three are refused at once, whatever order the server takes them in.
+    let mut streams = Vec::new();
+    for _ in 0..5 {
+        streams.push(stalled_pick(&client, 3 << 20, 1024).await);
     }
-    assert_eq!(refused.as_deref(), Some("8"), "no RESOURCE_EXHAUSTED");
+    let mut bodies = Vec::new();
+    let mut answers = Vec::new();
+    for (resp, body) in streams {
+        bodies.push(body);
+        answers.push(async move {
+            let resp = tokio::time::timeout(Duration::from_secs(3), resp)
+                .await
+                .ok()?
+                .ok()?;
+            // Trailers-only, or headers then trailers.
+            if let Some(s) = resp.headers().get("grpc-status") {
+                return Some(s.to_str().unwrap().to_string());
+            }
+            let mut body = resp.into_body();
+            while body.data().await.is_some() {}
+            let trailers = body.trailers().await.ok()??;
+            Some(trailers.get("grpc-status")?.to_str().unwrap().to_string())
+        });
+    }
+    let mut got = futures::future::join_all(answers).await;
+    got.sort();
+    assert_eq!(
+        got,
+        [
+            None,
+            None,
+            Some("8".into()),
+            Some("8".into()),
+            Some("8".into())
+        ],
+        "two held, three refused with RESOURCE_EXHAUSTED"
+    );
+    drop(bodies);
     let metrics = reqwest::get(format!("{}/metrics", r.admin_url()))
         .await
         .unwrap()
@@ -410,7 +427,49 @@ async fn stalled_pick_uploads_are_held_to_the_body_budget() {
         .await
         .unwrap();
     assert!(
-        metrics.contains(r#"kv_router_errors_total{kind="body_budget"} 1"#),
+        metrics.contains(r#"kv_router_errors_total{kind="body_budget"} 3"#),
         "{metrics}"
     );
+}
+
+/// `POST /debug/explain` inputs being read are bounded in total, not per connection: a second
+/// stalled upload past one explain's worth is refused at once with 503 (12 such uploads once
+/// held 1.3 GB with no admin token set).
+#[tokio::test]
+async fn stalled_explain_uploads_are_bounded_in_total() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let (_pod, r) = router(|c| {
+        c.body_limit_bytes = 4 << 20;
+        c.server.max_buffered_body_bytes = 8 << 20;
+    })
+    .await;
+    let admin = r.admin_url().trim_start_matches("http://").to_string();
+    // Headers and a few body bytes only: unread bytes would turn the refused one's close into a
+    // reset that can swallow its answer.
+    let upload = |len: usize| {
+        let admin = admin.clone();
+        async move {
+            let mut s = tokio::net::TcpStream::connect(&admin).await.unwrap();
+            let head = format!(
+                "POST /debug/explain HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {len}\r\n\r\n{{\"body\": \""
+            );
+            s.write_all(head.as_bytes()).await.unwrap();
+            s
+        }
+    };
+    let status = |mut s: tokio::net::TcpStream| async move {
+        let mut buf = [0u8; 12];
+        match tokio::time::timeout(Duration::from_secs(3), s.read_exact(&mut buf)).await {
+            Ok(Ok(_)) => Some(String::from_utf8_lossy(&buf[9..12]).to_string()),
+            _ => None,
+        }
+    };
+    let first = upload(6 << 20).await;
+    let second = upload(6 << 20).await;
+    // Whichever the server took second is refused; the other, within the bound, is still being
+    // read (no answer until its bytes come).
+    let (a, b) = tokio::join!(status(first), status(second));
+    let mut got = [a, b];
+    got.sort();
+    assert_eq!(got, [None, Some("503".to_string())]);
 }

@@ -10,6 +10,7 @@ use tracing::warn;
 
 use crate::admin::{self, AdminState};
 use crate::config::Config;
+use crate::extproc::BodyBudget;
 
 use super::shutdown::Shutdown;
 use super::Shared;
@@ -28,6 +29,11 @@ pub(super) async fn start(
     if token.is_none() && !admin_addr.ip().is_loopback() {
         warn!(admin = %admin_addr, "the admin port is not on loopback and no admin.token is set: /debug/* is open to anyone who reaches it");
     }
+    // An explain input wraps a body as a JSON string: escaping may double it.
+    let explain_limit = cfg
+        .body_limit_bytes
+        .saturating_mul(2)
+        .saturating_add(1 << 20);
     let app = admin::router(AdminState {
         token,
         registry,
@@ -38,12 +44,11 @@ pub(super) async fn start(
         mode,
         supervisor: shared.supervisor,
         catch_up: shared.catch_up,
+        // Its own budget of one explain input: a caller of the admin port must not be able to
+        // spend the data plane's (ext_proc bodies would get 503s).
+        bodies: BodyBudget::new(explain_limit),
         stopping: shutdown.stopping.clone(),
-        // An explain input wraps a body as a JSON string: escaping may double it.
-        body_limit: cfg
-            .body_limit_bytes
-            .saturating_mul(2)
-            .saturating_add(1 << 20),
+        body_limit: explain_limit,
     });
     let listener = tokio::net::TcpListener::bind(admin_addr)
         .await

@@ -11,7 +11,7 @@ use tokio::time::interval;
 use tonic_health::ServingStatus;
 
 use crate::config::Config;
-use crate::extproc::{BodyBudget, ExtProc, ExtProcMetrics};
+use crate::extproc::{ExtProc, ExtProcMetrics};
 use crate::ingest;
 use crate::pick_api::proto::picker_server::PickerServer;
 use crate::pick_api::PickService;
@@ -65,8 +65,8 @@ pub(super) async fn start(
             )
         });
     }
-    // One budget for every body buffered on this port: ext_proc bodies and Pick messages.
-    let budget = BodyBudget::new(cfg.server.max_buffered_body_bytes);
+    // One budget for every body this port buffers: ext_proc bodies and Pick messages.
+    let budget = shared.bodies.clone();
     let errors = metrics.errors();
     let extproc = ExtProc::new(
         shared.decider.clone(),

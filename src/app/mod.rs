@@ -10,6 +10,7 @@ use tracing::{info, warn};
 
 use crate::config::Config;
 use crate::decide::Decider;
+use crate::extproc::BodyBudget;
 use crate::index::KvIndex;
 use crate::ingest::CatchUp;
 use crate::pods::{EngineResolver, PodRegistry};
@@ -50,6 +51,8 @@ struct Shared {
     supervisor: Supervisor,
     /// Precise mode: the start-up KV-event catch-ups readiness waits for.
     catch_up: Option<Arc<CatchUp>>,
+    /// Every request body the gRPC port buffers (ext_proc, Pick) draws from it.
+    bodies: BodyBudget,
 }
 
 /// Runs the router until a shutdown signal. `tokenizers` were loaded from `cfg.tokenizers`
@@ -77,6 +80,7 @@ pub async fn run(cfg: Config, tokenizers: TokenizerRegistry) -> anyhow::Result<(
         decider,
         supervisor,
         catch_up,
+        bodies: BodyBudget::new(cfg.server.max_buffered_body_bytes),
     };
     let errors = telemetry.errors;
     pods::start(
