@@ -473,3 +473,53 @@ async fn stalled_explain_uploads_are_bounded_in_total() {
     got.sort();
     assert_eq!(got, [None, Some("503".to_string())]);
 }
+
+/// Silent connections on the gRPC port are closed after the handshake timeout, and at the
+/// connection cap a new one (a readiness probe) evicts the oldest silent one instead of being
+/// refused: 2,000 preface-less connections once held their fds and made a readiness check time
+/// out.
+#[tokio::test]
+async fn silent_grpc_connections_are_reaped_and_never_lock_out_a_probe() {
+    use tokio::io::AsyncReadExt;
+    let (_pod, r) = router(|c| {
+        c.server.max_connections = 32;
+        c.server.handshake_timeout_ms = 1_000;
+    })
+    .await;
+    let mut silent = Vec::new();
+    for _ in 0..200 {
+        silent.push(tokio::net::TcpStream::connect(r.grpc).await.unwrap());
+    }
+    let started = Instant::now();
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", r.grpc))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut health = HealthClient::new(channel);
+    // Answered at all is the point (its status may still lag /readyz by a readiness tick).
+    health
+        .check(HealthCheckRequest {
+            service: "readiness".into(),
+        })
+        .await
+        .expect("the readiness check is answered");
+    assert!(
+        started.elapsed() < Duration::from_secs(1),
+        "the readiness check took {:?} behind 200 silent connections",
+        started.elapsed()
+    );
+    // Every silent connection is closed by the router: evicted at the cap or past its timeout.
+    // (The server's own HTTP/2 SETTINGS may come first: read to the end.)
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    for (i, mut s) in silent.into_iter().enumerate() {
+        let mut b = [0u8; 256];
+        loop {
+            match tokio::time::timeout_at(deadline, s.read(&mut b)).await {
+                Ok(Ok(0)) | Ok(Err(_)) => break,
+                Ok(Ok(_)) => continue,
+                Err(_) => panic!("silent connection {i} still open after the handshake timeout"),
+            }
+        }
+    }
+}

@@ -19,6 +19,7 @@ use crate::pick_budget::Metered;
 use crate::pods::PodRegistry;
 use crate::supervise::Supervisor;
 
+use super::conns;
 use super::shutdown::Shutdown;
 use super::Shared;
 
@@ -88,13 +89,22 @@ pub(super) async fn start(
         pick_limit,
         errors,
     );
+    let addr = cfg.grpc_addr();
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("binding gRPC listener {addr}"))?;
+    let incoming = conns::incoming(
+        listener,
+        cfg.server.max_connections,
+        Duration::from_millis(cfg.server.handshake_timeout_ms),
+    );
     Ok(grpc_builder(cfg)?
         .http2_keepalive_interval(Some(Duration::from_secs(30)))
         .max_concurrent_streams(Some(cfg.server.max_concurrent_streams))
         .add_service(health_service)
         .add_service(ExternalProcessorServer::new(extproc).max_decoding_message_size(limit))
         .add_service(pick)
-        .serve_with_shutdown(cfg.grpc_addr(), shutdown.closed()))
+        .serve_with_incoming_shutdown(incoming, shutdown.closed()))
 }
 
 /// The gRPC server, with TLS (and client-certificate verification) when configured.

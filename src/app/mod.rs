@@ -19,6 +19,7 @@ use crate::supervise::Supervisor;
 use crate::tokenize::TokenizerRegistry;
 
 mod admin;
+mod conns;
 mod grpc;
 mod index;
 mod maintenance;

@@ -113,6 +113,12 @@ pub(super) fn upper_bounds(cfg: &Config, bad: &mut impl FnMut(&str, &str)) {
             "must be at least body_limit_bytes (one full body must fit)",
         );
     }
+    if !(1..=1_000_000).contains(&cfg.server.max_connections) {
+        bad("server.max_connections", "must be in 1..=1000000");
+    }
+    if !(100..=60_000).contains(&cfg.server.handshake_timeout_ms) {
+        bad("server.handshake_timeout_ms", "must be in 100..=60000");
+    }
     if cfg.server.shutdown_delay_ms > 60_000 {
         bad("server.shutdown_delay_ms", "must be at most 60000 (1 min)");
     }

@@ -70,6 +70,11 @@ pub struct ServerConfig {
     pub shutdown_grace_ms: u64,
     /// Request-body bytes buffered across all ext_proc streams; a chunk past it gets a 503.
     pub max_buffered_body_bytes: usize,
+    /// Most gRPC connections open at once; at the cap the oldest one still in its handshake is
+    /// closed to make room, else the new one is.
+    pub max_connections: usize,
+    /// A gRPC connection that has not sent its HTTP/2 preface (or TLS hello) by then is closed.
+    pub handshake_timeout_ms: u64,
     /// TLS on the gRPC port (ext_proc, Pick, health); none of its files set: plaintext.
     pub tls: GrpcTlsConfig,
 }
@@ -81,6 +86,8 @@ impl Default for ServerConfig {
             shutdown_delay_ms: 5_000,
             shutdown_grace_ms: 20_000,
             max_buffered_body_bytes: 256 << 20,
+            max_connections: 10_000,
+            handshake_timeout_ms: 5_000,
             tls: GrpcTlsConfig::default(),
         }
     }
