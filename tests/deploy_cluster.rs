@@ -877,33 +877,6 @@ fn queries() -> Vec<(String, String)> {
     out
 }
 
-/// Every metric name a Prometheus text scrape announces (counters and histograms with suffixes).
-fn exported_names(text: &str) -> BTreeSet<String> {
-    let mut names = BTreeSet::new();
-    for l in text.lines() {
-        if let Some(t) = l.strip_prefix("# TYPE ") {
-            let mut it = t.split_whitespace();
-            let (name, ty) = (it.next().unwrap(), it.next().unwrap_or(""));
-            names.insert(name.to_string());
-            match ty {
-                "counter" => {
-                    names.insert(format!("{name}_total"));
-                }
-                "histogram" => {
-                    for s in ["_bucket", "_sum", "_count"] {
-                        names.insert(format!("{name}{s}"));
-                    }
-                }
-                _ => {}
-            }
-        } else if !l.starts_with('#') && !l.is_empty() {
-            let end = l.find(['{', ' ']).unwrap_or(l.len());
-            names.insert(l[..end].to_string());
-        }
-    }
-    names
-}
-
 /// The label names each sample of a scrape carries, by metric name.
 fn sample_labels(text: &str) -> BTreeMap<String, BTreeSet<String>> {
     let mut out: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
@@ -1105,7 +1078,7 @@ async fn alerts_and_dashboards_use_only_metrics_and_labels_that_exist() {
             .send()
             .await;
         let text = get_until_ok(&client, &format!("http://{admin}/metrics")).await;
-        let names = exported_names(&text);
+        let names = kv_testkit::e2e::exported_names(&text);
         if [
             "kv_router_decisions_total",
             "kv_router_redis_fallbacks_total",
@@ -1123,10 +1096,10 @@ async fn alerts_and_dashboards_use_only_metrics_and_labels_that_exist() {
         );
         tokio::time::sleep(Duration::from_millis(250)).await;
     };
-    let router_names = exported_names(&router_text);
+    let router_names = kv_testkit::e2e::exported_names(&router_text);
     let live_labels = sample_labels(&router_text);
     let envoy_text = get_until_ok(&client, &format!("http://{stats}/stats/prometheus")).await;
-    let envoy_names = exported_names(&envoy_text);
+    let envoy_names = kv_testkit::e2e::exported_names(&envoy_text);
     assert!(envoy_names.len() > 100, "envoy stats: {envoy_names:?}");
     // The stats port is the admin's /stats/prometheus and nothing else of the admin.
     for (method, path) in [

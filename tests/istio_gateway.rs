@@ -23,6 +23,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::deploy::{free_port, local_router_config, RouterProc, SimPod};
+use common::exported_names;
 use istio_render::{root, Gateway, MIN_ENVOY, MIN_ISTIO};
 
 const DASHBOARD: &str = "deploy/monitoring/kv-router-dashboard.json";
@@ -191,33 +192,6 @@ fn sum_samples(text: &str, name: &str) -> f64 {
         .filter(|l| l.starts_with(name))
         .map(|l| l.rsplit(' ').next().unwrap().parse::<f64>().unwrap())
         .sum()
-}
-
-/// Every metric name a scrape exposes, counting the suffixes of counters and histograms.
-fn exported_names(text: &str) -> BTreeSet<String> {
-    let mut names = BTreeSet::new();
-    for l in text.lines() {
-        if let Some(t) = l.strip_prefix("# TYPE ") {
-            let mut it = t.split_whitespace();
-            let (name, ty) = (it.next().unwrap(), it.next().unwrap_or(""));
-            names.insert(name.to_string());
-            match ty {
-                "counter" => {
-                    names.insert(format!("{name}_total"));
-                }
-                "histogram" => {
-                    for s in ["_bucket", "_sum", "_count"] {
-                        names.insert(format!("{name}{s}"));
-                    }
-                }
-                _ => {}
-            }
-        } else if !l.starts_with('#') && !l.is_empty() {
-            let end = l.find(['{', ' ']).unwrap_or(l.len());
-            names.insert(l[..end].to_string());
-        }
-    }
-    names
 }
 
 /// Metric names (or `__name__` regexes) the dashboard's queries use.

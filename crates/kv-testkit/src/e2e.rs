@@ -264,3 +264,30 @@ pub fn matched(v: &Value, pod: &str) -> u64 {
         .and_then(|r| r["matched_blocks"].as_f64())
         .map_or(0, |m| m.max(0.0) as u64)
 }
+
+/// Every metric name a scrape exposes, counting the suffixes of counters and histograms.
+pub fn exported_names(text: &str) -> std::collections::BTreeSet<String> {
+    let mut names = std::collections::BTreeSet::new();
+    for l in text.lines() {
+        if let Some(t) = l.strip_prefix("# TYPE ") {
+            let mut it = t.split_whitespace();
+            let (name, ty) = (it.next().unwrap(), it.next().unwrap_or(""));
+            names.insert(name.to_string());
+            match ty {
+                "counter" => {
+                    names.insert(format!("{name}_total"));
+                }
+                "histogram" => {
+                    for s in ["_bucket", "_sum", "_count"] {
+                        names.insert(format!("{name}{s}"));
+                    }
+                }
+                _ => {}
+            }
+        } else if !l.starts_with('#') && !l.is_empty() {
+            let end = l.find(['{', ' ']).unwrap_or(l.len());
+            names.insert(l[..end].to_string());
+        }
+    }
+    names
+}
