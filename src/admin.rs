@@ -160,6 +160,8 @@ async fn readyz(State(s): State<AdminState>) -> Response {
         (StatusCode::SERVICE_UNAVAILABLE, "no healthy pod yet").into_response()
     } else if let Some(why) = s.catch_up.as_ref().and_then(|c| c.waiting_on(&s.pods)) {
         (StatusCode::SERVICE_UNAVAILABLE, why).into_response()
+    } else if let Some(why) = s.decider.index().unready() {
+        (StatusCode::SERVICE_UNAVAILABLE, why).into_response()
     } else {
         "ready".into_response()
     }

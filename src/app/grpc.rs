@@ -55,12 +55,14 @@ pub(super) async fn start(
             shutdown.stopping.clone(),
         );
         let catch_up = shared.catch_up.clone();
+        let index = shared.decider.index().clone();
         shared.supervisor.spawn("readiness", move || {
             let (pods, sup, health_reporter) = (pods.clone(), sup.clone(), health_reporter.clone());
             readiness(
                 pods,
                 sup,
                 catch_up.clone(),
+                index.clone(),
                 health_reporter,
                 stopping.clone(),
             )
@@ -129,12 +131,13 @@ fn grpc_builder(cfg: &Config) -> anyhow::Result<tonic::transport::Server> {
         .context("server.tls: the certificate or key is not usable")
 }
 
-/// Keeps the gRPC readiness services equal to: not stopping, a healthy pod, no loop down and
-/// (precise mode) the start-up KV-event catch-ups over, as `/readyz`.
+/// Keeps the gRPC readiness services equal to: not stopping, a healthy pod, no loop down,
+/// (precise mode) the start-up KV-event catch-ups over and the index ready, as `/readyz`.
 async fn readiness(
     pods: Arc<PodRegistry>,
     supervisor: Supervisor,
     catch_up: Option<Arc<ingest::CatchUp>>,
+    index: Arc<dyn crate::index::KvIndex>,
     health_reporter: tonic_health::server::HealthReporter,
     mut stopping: tokio::sync::watch::Receiver<bool>,
 ) {
@@ -151,7 +154,8 @@ async fn readiness(
             && supervisor.down().is_empty()
             && catch_up
                 .as_ref()
-                .is_none_or(|c| c.waiting_on(&pods).is_none());
+                .is_none_or(|c| c.waiting_on(&pods).is_none())
+            && index.unready().is_none();
         if last != Some(ready) {
             let status = if ready {
                 ServingStatus::Serving

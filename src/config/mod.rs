@@ -21,7 +21,7 @@ pub use engine::{CustomEngine, EngineSetting, Preset, MAX_METRIC_NAME_BYTES};
 pub use error::{ConfigError, Problem};
 pub use kubernetes::{KubernetesConfig, KubernetesOverrides, PoolRef, PortRef};
 pub use pods::{DnsSource, PodsConfig, StaticPod};
-pub use redis::{redact_url, RedisConfig, RedisMode};
+pub use redis::{redact_url, RedisConfig, RedisLookups, RedisMode};
 pub use routing::{
     GateConfig, LoadScorerConfig, Policy, PrefixScorerConfig, ScorersConfig, SessionScorerConfig,
     TtftConfig,

@@ -14,6 +14,19 @@ pub enum RedisMode {
     Cluster,
 }
 
+/// Where a replica answers index lookups with `backend: redis`.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum RedisLookups {
+    /// From this replica's in-process copy of the shared index, kept current from the other
+    /// replicas' decisions on a Redis Stream (no Redis round trip on the decision path).
+    #[default]
+    Mirror,
+    /// One Redis round trip per decision within `lookup_budget_ms`, falling back to the
+    /// in-process index (the strictest view of the shared index, at a cost in the tail).
+    Redis,
+}
+
 /// Connection and budget of the Redis index (`index.backend: redis`).
 #[derive(Clone, Serialize, Deserialize, PartialEq)]
 #[serde(default, deny_unknown_fields)]
@@ -63,6 +76,17 @@ pub struct RedisConfig {
     pub match_cache_ms: u64,
     /// Lookup answers the match cache keeps at most.
     pub match_cache_entries: usize,
+    /// Where lookups are answered: `mirror` (in-process, kept current from a Redis Stream) or
+    /// `redis` (a round trip per decision).
+    pub lookups: RedisLookups,
+    /// Entries the mirror's stream keeps (approximately; older ones are trimmed). A replica
+    /// that falls further behind than this reloads the shared index from Redis.
+    pub stream_max_len: usize,
+    /// A mirror whose newest applied change is older than this while more are waiting reports
+    /// itself not ready.
+    pub mirror_max_lag_ms: u64,
+    /// Shared sessions the mirror keeps at most (least recently set go first).
+    pub mirror_sessions: usize,
 }
 
 impl Default for RedisConfig {
@@ -87,6 +111,10 @@ impl Default for RedisConfig {
             retry_after_ms: 1_000,
             match_cache_ms: 50,
             match_cache_entries: 4_096,
+            lookups: RedisLookups::Mirror,
+            stream_max_len: 20_000,
+            mirror_max_lag_ms: 1_000,
+            mirror_sessions: 100_000,
         }
     }
 }
@@ -120,6 +148,10 @@ impl std::fmt::Debug for RedisConfig {
             .field("retry_after_ms", &self.retry_after_ms)
             .field("match_cache_ms", &self.match_cache_ms)
             .field("match_cache_entries", &self.match_cache_entries)
+            .field("lookups", &self.lookups)
+            .field("stream_max_len", &self.stream_max_len)
+            .field("mirror_max_lag_ms", &self.mirror_max_lag_ms)
+            .field("mirror_sessions", &self.mirror_sessions)
             .finish()
     }
 }
@@ -204,6 +236,15 @@ impl RedisConfig {
         }
         if !(1..=1_000_000).contains(&self.match_cache_entries) {
             p.push(("match_cache_entries", "must be in 1..=1000000"));
+        }
+        if !(1_000..=10_000_000).contains(&self.stream_max_len) {
+            p.push(("stream_max_len", "must be in 1000..=10000000"));
+        }
+        if !(10..=600_000).contains(&self.mirror_max_lag_ms) {
+            p.push(("mirror_max_lag_ms", "must be in 10..=600000"));
+        }
+        if !(1..=10_000_000).contains(&self.mirror_sessions) {
+            p.push(("mirror_sessions", "must be in 1..=10000000"));
         }
         p
     }

@@ -34,7 +34,7 @@ pub use memory::MemoryIndex;
 pub use redis::{
     decode_lookup_reply as decode_redis_lookup_reply, member as redis_member,
     parse_member as parse_redis_member, Local, Reason as RedisFallbackReason, RedisIndex,
-    RedisMetrics, Source as RedisSource, Tuning,
+    RedisMetrics, Reload as RedisReload, Source as RedisSource, Tuning,
 };
 
 use crate::events::KvEventBatch;
@@ -149,6 +149,11 @@ pub trait KvIndex: Send + Sync + 'static {
     }
     /// Current size (of this process's view, for a shared backend).
     fn stats(&self) -> IndexStats;
+    /// Why this replica should not take traffic yet (a shared backend still loading, or too
+    /// far behind the other replicas); `None` when it may.
+    fn unready(&self) -> Option<String> {
+        None
+    }
     /// Backend name for `/debug/pods`.
     fn describe(&self) -> &'static str;
 }

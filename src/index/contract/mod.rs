@@ -408,6 +408,8 @@ mod backends {
         /// A backend on `url` whose keys no other backend of the test shares.
         pub(crate) fn redis(url: &str, prefix: String, local: Local, s: Setup) -> RedisIndex {
             let cfg = RedisConfig {
+                // Every lookup reads Redis: these tests are about what Redis holds.
+                lookups: crate::config::RedisLookups::Redis,
                 url: url.to_string(),
                 key_prefix: prefix,
                 // Generous: the checks are about behaviour, and CI runs them beside other tests.
@@ -444,6 +446,41 @@ mod backends {
             .await;
             report.assert_passed();
             assert_eq!(report.skipped, ["set_capacity_shrinks_a_pod"]);
+        }
+
+        #[tokio::test]
+        async fn a_mirrored_redis_index_passes_the_contract_in_both_modes() {
+            let server = server();
+            let url = server.url();
+            let n = AtomicUsize::new(0);
+            let prefix = || format!("mirrored{}", n.fetch_add(1, Ordering::Relaxed));
+            let mirrored = |local: Local, s: Setup| {
+                let cfg = RedisConfig {
+                    url: url.clone(),
+                    key_prefix: prefix(),
+                    write_budget_ms: 5_000,
+                    ..RedisConfig::default()
+                };
+                let tuning = Tuning {
+                    record_ttl_ms: s.ttl_ms,
+                    default_capacity: s.capacity,
+                    gpu_weight: 1.0,
+                    cpu_weight: 0.8,
+                };
+                RedisIndex::new(&cfg, local, tuning, RedisMetrics::unregistered()).unwrap()
+            };
+            let report = run("RedisIndex (mirror, approximate)", MEMORY, |s| {
+                let ix = mirrored(Local::Memory(memory(s)), s);
+                async move { ix }
+            })
+            .await;
+            report.assert_passed();
+            let report = run("RedisIndex (mirror, precise)", EVENTS, |s| {
+                let ix = mirrored(Local::Events(events(s)), s);
+                async move { ix }
+            })
+            .await;
+            report.assert_passed();
         }
     }
 }

@@ -18,6 +18,8 @@ const BUDGET_MS: u64 = 100;
 
 fn replica(urls: &[String], prefix: &str, precise: bool) -> RedisIndex {
     let cfg = RedisConfig {
+        // Every lookup reads Redis: these tests are about what Redis holds.
+        lookups: crate::config::RedisLookups::Redis,
         url: urls[0].clone(),
         mode: RedisMode::Cluster,
         cluster_seeds: urls[1..].to_vec(),

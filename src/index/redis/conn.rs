@@ -22,16 +22,20 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
 
 /// Open connections of one router to the shared index.
 pub(super) enum Conn {
-    /// One server: `lookups` spread over `pool_size` connections, writes on their own.
+    /// One server: `lookups` spread over `pool_size` connections, writes on their own, and
+    /// the mirror's blocking stream reads on a third.
     Single {
         lookups: Vec<ConnectionManager>,
         next: AtomicUsize,
         writes: ConnectionManager,
+        mirror: ConnectionManager,
     },
-    /// Redis Cluster: connected on first use (and retried after a failure).
+    /// Redis Cluster: connected on first use (and retried after a failure); the mirror's
+    /// blocking reads get connections of their own.
     Cluster {
         client: Box<ClusterClient>,
         conn: OnceCell<ClusterConnection>,
+        mirror: OnceCell<ClusterConnection>,
     },
 }
 
@@ -159,6 +163,7 @@ impl Conn {
                     lookups,
                     next: AtomicUsize::new(0),
                     writes: manager()?,
+                    mirror: manager()?,
                 })
             }
             RedisMode::Cluster => {
@@ -179,6 +184,7 @@ impl Conn {
                 Ok(Conn::Cluster {
                     client: Box::new(client),
                     conn: OnceCell::new(),
+                    mirror: OnceCell::new(),
                 })
             }
         }
@@ -203,8 +209,21 @@ impl Conn {
         }
     }
 
+    /// The connection the mirror's blocking stream reads go through (a blocked read holds up
+    /// everything behind it on its connection, so it shares none).
+    pub(super) async fn mirror(&self) -> Result<Handle, IndexError> {
+        match self {
+            Conn::Single { mirror, .. } => Ok(Handle::Single(mirror.clone())),
+            Conn::Cluster { client, mirror, .. } => mirror
+                .get_or_try_init(|| client.get_async_connection())
+                .await
+                .map(|c| Handle::Cluster(c.clone()))
+                .map_err(|e| to_index_error(&e)),
+        }
+    }
+
     async fn cluster(&self) -> Result<Handle, IndexError> {
-        let Conn::Cluster { client, conn } = self else {
+        let Conn::Cluster { client, conn, .. } = self else {
             unreachable!("called for cluster connections only");
         };
         conn.get_or_try_init(|| client.get_async_connection())

@@ -15,6 +15,8 @@ const TTL: u64 = 600_000;
 
 fn replica(url: &str) -> RedisIndex {
     let cfg = RedisConfig {
+        // Every lookup reads Redis: these tests are about what Redis holds.
+        lookups: crate::config::RedisLookups::Redis,
         url: url.to_string(),
         key_prefix: "long".into(),
         lookup_budget_ms: 1,

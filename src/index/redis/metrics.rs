@@ -21,6 +21,8 @@ pub enum Source {
     Cache,
     /// By this replica's in-process index (fail open).
     Fallback,
+    /// By this replica's mirror of the shared index (`lookups: mirror`; no round trip).
+    Mirror,
 }
 
 impl Source {
@@ -30,6 +32,7 @@ impl Source {
             Source::Redis => "redis",
             Source::Cache => "cache",
             Source::Fallback => "fallback",
+            Source::Mirror => "mirror",
         }
     }
 }
@@ -118,6 +121,33 @@ impl EncodeLabelValue for Dropped {
     }
 }
 
+/// Why a mirror loaded the shared index from Redis's hashes.
+#[derive(Debug, Clone, Copy, Hash, PartialEq, Eq)]
+pub enum Reload {
+    /// The replica started.
+    Start,
+    /// Changes it had not read were trimmed from the stream (it fell behind, or was cut off).
+    Gap,
+    /// The stream could not be read (connection lost, Redis restarted): changes published
+    /// meanwhile may be lost.
+    Reconnect,
+}
+
+impl EncodeLabelValue for Reload {
+    fn encode(&self, encoder: &mut LabelValueEncoder) -> std::fmt::Result {
+        encoder.write_str(match self {
+            Reload::Start => "start",
+            Reload::Gap => "gap",
+            Reload::Reconnect => "reconnect",
+        })
+    }
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub(crate) struct ReloadLabel {
+    pub(crate) reason: Reload,
+}
+
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub(crate) struct SourceLabel {
     pub(crate) source: Source,
@@ -144,6 +174,16 @@ pub struct RedisMetrics {
     pub(crate) writes: Counter,
     pub(crate) writes_dropped: Family<DroppedLabel, Counter>,
     pub(crate) writer_restarts: Counter,
+    pub(crate) mirror_lag: Histogram,
+    pub(crate) mirror_applied: Counter,
+    pub(crate) mirror_published: Counter,
+    pub(crate) mirror_publish_dropped: Family<DroppedLabel, Counter>,
+    pub(crate) mirror_reloads: Family<ReloadLabel, Counter>,
+    pub(crate) mirror_reload_entries: Counter,
+    pub(crate) mirror_errors: Counter,
+    pub(crate) mirror_bad_entries: Counter,
+    pub(crate) mirror_behind: Gauge,
+    pub(crate) mirror_restarts: Counter,
 }
 
 impl RedisMetrics {
@@ -158,6 +198,17 @@ impl RedisMetrics {
             writes: Counter::default(),
             writes_dropped: Family::default(),
             writer_restarts: Counter::default(),
+            // 50 µs .. ~6.5 s
+            mirror_lag: Histogram::new(exponential_buckets(50e-6, 2.0, 18)),
+            mirror_applied: Counter::default(),
+            mirror_published: Counter::default(),
+            mirror_publish_dropped: Family::default(),
+            mirror_reloads: Family::default(),
+            mirror_reload_entries: Counter::default(),
+            mirror_errors: Counter::default(),
+            mirror_bad_entries: Counter::default(),
+            mirror_behind: Gauge::default(),
+            mirror_restarts: Counter::default(),
         }
     }
 
@@ -200,6 +251,56 @@ impl RedisMetrics {
             "Times the Redis writer task died and was restarted",
             m.writer_restarts.clone(),
         );
+        registry.register(
+            "redis_mirror_lag_seconds",
+            "Time from another replica's decision (its clock) to this replica's mirror applying it",
+            m.mirror_lag.clone(),
+        );
+        registry.register(
+            "redis_mirror_applied",
+            "Other replicas' changes applied to this replica's mirror",
+            m.mirror_applied.clone(),
+        );
+        registry.register(
+            "redis_mirror_published",
+            "This replica's changes published to the mirror stream",
+            m.mirror_published.clone(),
+        );
+        registry.register(
+            "redis_mirror_publish_dropped",
+            "Changes not published to the mirror stream, by reason",
+            m.mirror_publish_dropped.clone(),
+        );
+        registry.register(
+            "redis_mirror_reloads",
+            "Times the mirror loaded the shared index from Redis, by reason (start, gap, reconnect)",
+            m.mirror_reloads.clone(),
+        );
+        registry.register(
+            "redis_mirror_reload_entries",
+            "Entries loaded into the mirror by reloads",
+            m.mirror_reload_entries.clone(),
+        );
+        registry.register(
+            "redis_mirror_errors",
+            "Failed reads of the mirror stream or snapshot (retried with backoff)",
+            m.mirror_errors.clone(),
+        );
+        registry.register(
+            "redis_mirror_bad_entries",
+            "Stream entries the mirror could not read (skipped)",
+            m.mirror_bad_entries.clone(),
+        );
+        registry.register(
+            "redis_mirror_behind",
+            "1 while the mirror is more than mirror_max_lag_ms behind with changes waiting",
+            m.mirror_behind.clone(),
+        );
+        registry.register(
+            "redis_mirror_restarts",
+            "Times the mirror task died and was restarted",
+            m.mirror_restarts.clone(),
+        );
         m
     }
 
@@ -236,6 +337,35 @@ impl RedisMetrics {
                     .get()
             })
             .sum()
+    }
+
+    /// Counts `n` changes not published for `reason`.
+    pub(crate) fn publish_dropped(&self, reason: Dropped, n: u64) {
+        if n > 0 {
+            self.mirror_publish_dropped
+                .get_or_create(&DroppedLabel { reason })
+                .inc_by(n);
+        }
+    }
+
+    /// Counts a reload for `reason` that loaded `entries`.
+    pub(crate) fn reloaded(&self, reason: Reload, entries: u64) {
+        self.mirror_reloads
+            .get_or_create(&ReloadLabel { reason })
+            .inc();
+        self.mirror_reload_entries.inc_by(entries);
+    }
+
+    /// Mirror reloads so far for `reason` (tests, benchmarks).
+    pub fn reloads(&self, reason: Reload) -> u64 {
+        self.mirror_reloads
+            .get_or_create(&ReloadLabel { reason })
+            .get()
+    }
+
+    /// Other replicas' changes this mirror applied so far.
+    pub fn mirror_applied(&self) -> u64 {
+        self.mirror_applied.get()
     }
 
     /// Lookups answered by `source` so far.

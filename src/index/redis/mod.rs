@@ -14,6 +14,9 @@ mod conn;
 #[cfg(test)]
 mod long_prompt_tests;
 mod metrics;
+mod mirror;
+#[cfg(test)]
+mod mirror_tests;
 #[cfg(test)]
 mod prop_tests;
 #[cfg(test)]
@@ -35,13 +38,14 @@ use tokio::sync::{mpsc, oneshot};
 use xxhash_rust::xxh3::Xxh3;
 
 use self::conn::{to_index_error, Conn};
-pub use self::metrics::{Reason, RedisMetrics, Source};
+pub use self::metrics::{Reason, RedisMetrics, Reload, Source};
+use self::mirror::{Change, Mirror};
 pub use self::schema::{member, parse_member};
 use self::schema::{Schema, Scripts};
 use self::writer::WriteOp;
 use super::{ApplyStats, EventIndex, IndexError, IndexStats, KvIndex, MemoryIndex};
 use crate::blocks::BlockKey;
-use crate::config::{RedisConfig, RedisMode};
+use crate::config::{RedisConfig, RedisLookups, RedisMode};
 use crate::events::KvEventBatch;
 use crate::pods::PodId;
 use crate::scoring::SharedSessions;
@@ -50,6 +54,8 @@ use crate::scoring::SharedSessions;
 const GENERATIONS: usize = 4_096;
 /// Timeouts in a row before lookups pause on Redis (one slow answer is not an outage).
 const TIMEOUTS_BEFORE_PAUSE: u32 = 3;
+/// How long `flush` waits for the mirror to apply what the stream holds.
+const MIRROR_SYNC: Duration = Duration::from_secs(10);
 
 /// This replica's own index: answers when Redis cannot, and (precise mode) turns KV events
 /// into the per-key changes written to Redis.
@@ -123,6 +129,8 @@ pub(crate) struct Shared {
     generations: Box<[AtomicU64]>,
     global_generation: AtomicU64,
     clock_offset: OnceLock<i64>,
+    /// When this index was made: the router's monotonic clock starts about then.
+    created: Instant,
     /// Writes were dropped since the last resync (precise mode rewrites event state then).
     lost_writes: AtomicBool,
     /// The last write batch reached Redis (so a resync can).
@@ -134,13 +142,30 @@ impl Shared {
     /// Unix milliseconds for the router's monotonic `now_ms`, fixed at first use so entries from
     /// different replicas compare on one (NTP-synchronised) clock.
     fn wall(&self, now_ms: u64) -> u64 {
-        let offset = *self.clock_offset.get_or_init(|| {
-            let unix = SystemTime::now()
-                .duration_since(UNIX_EPOCH)
-                .map_or(0, |d| d.as_millis() as i64);
-            unix - now_ms as i64
-        });
+        let offset = *self
+            .clock_offset
+            .get_or_init(|| Self::unix_ms() - now_ms as i64);
         (now_ms as i64).saturating_add(offset).max(0) as u64
+    }
+
+    /// The router's monotonic milliseconds for unix ms `wall` (another replica's time): before
+    /// this replica's first decision fixes the offset, its clock is taken to start at `created`.
+    fn mono(&self, wall: u64) -> u64 {
+        let offset = *self
+            .clock_offset
+            .get_or_init(|| Self::unix_ms() - self.created.elapsed().as_millis() as i64);
+        (wall as i64).saturating_sub(offset).max(0) as u64
+    }
+
+    /// Unix milliseconds now (lags and expiries between replicas).
+    fn wall_now(&self) -> u64 {
+        Self::unix_ms().max(0) as u64
+    }
+
+    fn unix_ms() -> i64 {
+        SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as i64)
     }
 
     /// A snapshot that changes whenever this replica writes any of `keys` (or forgets a pod):
@@ -273,6 +298,8 @@ pub struct RedisIndex {
     shared: Arc<Shared>,
     local: Arc<Local>,
     tx: mpsc::Sender<WriteOp>,
+    /// `lookups: mirror`: the stream publisher and reader keeping `local` current.
+    mirror: Option<Arc<Mirror>>,
 }
 
 impl RedisIndex {
@@ -307,6 +334,7 @@ impl RedisIndex {
             generations: (0..GENERATIONS).map(|_| AtomicU64::new(0)).collect(),
             global_generation: AtomicU64::new(0),
             clock_offset: OnceLock::new(),
+            created: Instant::now(),
             lost_writes: AtomicBool::new(false),
             writes_ok: AtomicBool::new(true),
             metrics,
@@ -327,10 +355,14 @@ impl RedisIndex {
                 }
             }
         });
+        let local = Arc::new(local);
+        let mirror = (cfg.lookups == RedisLookups::Mirror)
+            .then(|| Mirror::start(cfg, shared.clone(), local.clone()));
         Ok(Self {
             shared,
-            local: Arc::new(local),
+            local,
             tx,
+            mirror,
         })
     }
 
@@ -344,6 +376,7 @@ impl RedisIndex {
         Arc::new(sessions::RedisSessions {
             shared: self.shared.clone(),
             tx: self.tx.clone(),
+            mirror: self.mirror.clone(),
         })
     }
 
@@ -410,6 +443,12 @@ impl KvIndex for RedisIndex {
         let sh = &self.shared;
         if keys.is_empty() || pods.is_empty() {
             return Ok(vec![0.0; pods.len()]);
+        }
+        if self.mirror.is_some() {
+            // Fixes the clock offset at this replica's first decision, as a record would.
+            sh.wall(now_ms);
+            sh.metrics.looked_up(Source::Mirror);
+            return self.local.index().lookup(keys, pods, now_ms).await;
         }
         let generation = sh.generation(keys);
         let wall = sh.wall(now_ms);
@@ -480,14 +519,23 @@ impl KvIndex for RedisIndex {
         for &k in keys {
             self.shared.wrote(k);
         }
+        let wall = self.shared.wall(now_ms);
+        if let Some(m) = &self.mirror {
+            let keys = keys.to_vec();
+            m.publish(
+                &self.shared,
+                Change::Record {
+                    pod: pod.clone(),
+                    keys,
+                    wall,
+                },
+            );
+        }
         self.enqueue(WriteOp::Record {
             pod: pod.clone(),
             root,
             keys: keys.to_vec(),
-            expiry: self
-                .shared
-                .wall(now_ms)
-                .saturating_add(self.shared.tuning.record_ttl_ms),
+            expiry: wall.saturating_add(self.shared.tuning.record_ttl_ms),
         });
         Ok(())
     }
@@ -581,15 +629,27 @@ impl KvIndex for RedisIndex {
             .await
             .map_err(|_| IndexError::Connection("redis writer stopped".into()))?;
         wait.await
-            .map_err(|_| IndexError::Connection("redis writer stopped".into()))
+            .map_err(|_| IndexError::Connection("redis writer stopped".into()))?;
+        match &self.mirror {
+            Some(m) => m.sync(&self.shared, MIRROR_SYNC).await,
+            None => Ok(()),
+        }
     }
 
     fn stats(&self) -> IndexStats {
         self.local.index().stats()
     }
 
+    fn unready(&self) -> Option<String> {
+        self.mirror.as_ref().and_then(|m| m.unready())
+    }
+
     fn describe(&self) -> &'static str {
-        "redis (shared by replicas; this replica's in-process index answers when Redis cannot)"
+        if self.mirror.is_some() {
+            "redis (shared by replicas; answered from this replica's mirror, kept current from a Redis stream)"
+        } else {
+            "redis (shared by replicas; this replica's in-process index answers when Redis cannot)"
+        }
     }
 }
 

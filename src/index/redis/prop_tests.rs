@@ -63,6 +63,8 @@ fn ops(precise: bool) -> impl Strategy<Value = Vec<Op>> {
 
 fn shared(url: &str, prefix: String, local: Local, ttl: u64, cap: usize) -> RedisIndex {
     let cfg = RedisConfig {
+        // Every lookup reads Redis: these tests are about what Redis holds.
+        lookups: crate::config::RedisLookups::Redis,
         url: url.to_string(),
         key_prefix: prefix,
         lookup_budget_ms: 2_000,

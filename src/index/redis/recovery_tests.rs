@@ -56,6 +56,8 @@ fn free_port() -> u16 {
 
 fn precise(port: u16) -> RedisIndex {
     let cfg = RedisConfig {
+        // Every lookup reads Redis: these tests are about what Redis holds.
+        lookups: crate::config::RedisLookups::Redis,
         url: format!("redis://127.0.0.1:{port}"),
         lookup_budget_ms: 500,
         write_budget_ms: 500,

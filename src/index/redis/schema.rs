@@ -15,6 +15,9 @@
 //! - `P:pod:{T}:ev` set of `RK`: the pod's event-fed entries, for cleanup.
 //! - `P:s:S` string: the pod a session (by the xxh3-64 of its id) was last sent to, expiring
 //!   after the session TTL.
+//! - `P:log` stream: every replica's decisions and session pins, in order, trimmed to
+//!   `stream_max_len`; each replica applies the others' to its in-process mirror.
+//! - `P:pods` set: the pods with recorded entries (where a mirror's snapshot starts).
 
 use redis::Script;
 use xxhash_rust::xxh3::xxh3_64;
@@ -80,6 +83,16 @@ impl Schema {
 }
 
 impl Schema {
+    /// The stream of changes every replica's mirror applies (one key: one slot in a cluster).
+    pub(super) fn stream(&self) -> String {
+        format!("{}:log", self.prefix)
+    }
+
+    /// The pods with recorded entries.
+    pub(super) fn pods(&self) -> String {
+        format!("{}:pods", self.prefix)
+    }
+
     /// A shared session (by the hash of its id) → its pod.
     pub(super) fn session(&self, hash: u64) -> String {
         format!("{}:s:{hash:016x}", self.prefix)

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use async_trait::async_trait;
 use tokio::sync::mpsc;
 
+use super::mirror::{Change, Mirror};
 use super::writer::WriteOp;
 use super::Shared;
 use crate::pods::PodId;
@@ -16,11 +17,16 @@ use crate::scoring::{SessionKey, SharedSessions};
 pub(super) struct RedisSessions {
     pub(super) shared: Arc<Shared>,
     pub(super) tx: mpsc::Sender<WriteOp>,
+    /// `lookups: mirror`: sessions answered here, kept current from the stream.
+    pub(super) mirror: Option<Arc<Mirror>>,
 }
 
 #[async_trait]
 impl SharedSessions for RedisSessions {
     async fn get(&self, key: SessionKey) -> Option<PodId> {
+        if let Some(m) = &self.mirror {
+            return m.session(key.hash(), self.shared.wall_now());
+        }
         if self.shared.paused() {
             return None;
         }
@@ -34,6 +40,17 @@ impl SharedSessions for RedisSessions {
     }
 
     fn set(&self, key: SessionKey, pod: &PodId, ttl_ms: u64) {
+        if let Some(m) = &self.mirror {
+            let wall = self.shared.wall_now();
+            m.pin(key.hash(), pod.clone(), wall.saturating_add(ttl_ms));
+            let change = Change::Session {
+                hash: key.hash(),
+                pod: pod.clone(),
+                ttl_ms,
+                wall,
+            };
+            m.publish(&self.shared, change);
+        }
         let op = WriteOp::Session {
             key: key.hash(),
             pod: pod.clone(),
@@ -63,6 +80,8 @@ mod tests {
         let cfg = RedisConfig {
             url: url.to_string(),
             key_prefix: "sessions".into(),
+            // Each lookup reads Redis: what a replica knows comes from Redis alone.
+            lookups: crate::config::RedisLookups::Redis,
             lookup_budget_ms: 1_000,
             retry_after_ms: 1,
             ..RedisConfig::default()

@@ -63,6 +63,8 @@ async fn tls_front(cert: rcgen::Certificate, key: KeyPair, backend: std::net::So
 
 fn replica(port: u16, ca_file: &std::path::Path) -> RedisIndex {
     let cfg = RedisConfig {
+        // Every lookup reads Redis: these tests are about what Redis holds.
+        lookups: crate::config::RedisLookups::Redis,
         url: format!("rediss://127.0.0.1:{port}"),
         tls_ca_file: Some(ca_file.display().to_string()),
         lookup_budget_ms: 1_000,

@@ -270,6 +270,12 @@ async fn record(
             }
             popped.extend(inv.invoke_async::<Vec<Vec<u8>>>(&mut con).await?);
         }
+        // Where a mirror's snapshot finds the pod.
+        redis::cmd("SADD")
+            .arg(shared.schema.pods())
+            .arg(pod.as_str())
+            .query_async::<i64>(&mut con)
+            .await?;
         Ok::<_, redis::RedisError>(popped)
     };
     let (a, b) = tokio::join!(join_all(entries), recency);
@@ -467,6 +473,12 @@ async fn forget(
     }
     redis::cmd("DEL")
         .arg(shared.schema.meta(pod))
+        .query_async::<i64>(&mut con)
+        .await
+        .map_err(|e| to_index_error(&e))?;
+    redis::cmd("SREM")
+        .arg(shared.schema.pods())
+        .arg(pod.as_str())
         .query_async::<i64>(&mut con)
         .await
         .map_err(|e| to_index_error(&e))?;

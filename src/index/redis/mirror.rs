@@ -1,0 +1,705 @@
+//! The mirror (`lookups: mirror`): each replica answers lookups from its own in-process index,
+//! which also applies every other replica's decisions, so no decision waits on Redis.
+//!
+//! - A replica publishes each decision's record and each session pin on the stream `P:log`
+//!   (one `XADD`, `MAXLEN ~ stream_max_len`), off the request path, beside the writes to the
+//!   hashes that stay the shared truth.
+//! - A reader task follows the stream with blocking `XREAD`s on a connection of its own and
+//!   applies the other replicas' entries to the in-process index and session map.
+//! - At start, after a connection error, and when entries it had not read were trimmed (it
+//!   fell behind by more than the stream keeps), it loads the shared index from the pods' recency
+//!   sets and entry hashes (no `SCAN`), then reads on from the stream position taken before
+//!   the load. Loading merges: it never clears what the replica knows.
+//!
+//! Precise mode: every replica subscribes to every pod's KV events itself, so only the
+//! speculative records travel on the stream.
+//!
+//! Who may call: nobody; the stream is written and read by router replicas only. Anyone who can
+//! write it can steer routing, as with every key under the prefix. Entries are bounded before
+//! they are applied: at most [`MAX_KEYS`] keys and a pod name of at most [`MAX_POD`] bytes;
+//! others are skipped and counted.
+
+use std::collections::HashMap;
+use std::num::NonZeroUsize;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures::future::join_all;
+use lru::LruCache;
+use parking_lot::Mutex;
+use redis::streams::{StreamId, StreamRangeReply, StreamReadReply};
+use redis::Value;
+use tokio::sync::{mpsc, oneshot, watch};
+use tracing::{info, warn};
+
+use super::conn::{to_index_error, Handle};
+use super::metrics::{Dropped, Reload};
+use super::schema::parse_member;
+use super::{Local, Shared};
+use crate::blocks::BlockKey;
+use crate::config::RedisConfig;
+use crate::index::{IndexError, KvIndex};
+use crate::pods::PodId;
+
+/// Entries read per `XREAD`.
+const BATCH: usize = 512;
+/// How long one `XREAD` waits for new entries (well under the connection's response timeout).
+const BLOCK_MS: u64 = 250;
+/// Most keys one stream entry may carry (a prompt has at most `blocks.max_blocks` ≤ 2^20, but
+/// the default is 4,096; more than this is not a prompt this router wrote).
+pub(super) const MAX_KEYS: usize = 1 << 20;
+/// Longest pod name accepted from the stream.
+pub(super) const MAX_POD: usize = 512;
+/// Recency-set members loaded per round trip.
+const LOAD_CHUNK: isize = 5_000;
+/// Changes published per batch.
+const PUBLISH_BATCH: usize = 256;
+/// How much of the stream before a load's position is read again after it.
+const LOAD_REWIND: Duration = Duration::from_secs(5);
+/// A replica that cannot load the shared index at start routes on its own after this (fail
+/// open: Redis down must never keep every replica unready).
+const LOAD_GRACE: Duration = Duration::from_secs(10);
+
+/// A stream entry id, ordered as Redis orders them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Default)]
+pub(super) struct EntryId(u64, u64);
+
+impl EntryId {
+    pub(super) fn parse(s: &str) -> Option<Self> {
+        let (ms, seq) = s.split_once('-')?;
+        Some(Self(ms.parse().ok()?, seq.parse().ok()?))
+    }
+
+    fn render(self) -> String {
+        format!("{}-{}", self.0, self.1)
+    }
+}
+
+/// A change one replica publishes for the others.
+#[derive(Debug, Clone, PartialEq)]
+pub(super) enum Change {
+    /// A decision: `pod` was sent `keys` at `wall` (unix ms).
+    Record {
+        pod: PodId,
+        keys: Vec<BlockKey>,
+        wall: u64,
+    },
+    /// A session (by hash) now goes to `pod`, for `ttl_ms` of idleness from `wall`.
+    Session {
+        hash: u64,
+        pod: PodId,
+        ttl_ms: u64,
+        wall: u64,
+    },
+}
+
+enum Publish {
+    Change(Change),
+    Flush(oneshot::Sender<()>),
+}
+
+/// The fields of a change's stream entry (`origin` names the replica that wrote it).
+fn fields(origin: u64, c: &Change) -> Vec<(&'static str, Vec<u8>)> {
+    let o = format!("{origin:016x}").into_bytes();
+    match c {
+        Change::Record { pod, keys, wall } => vec![
+            ("o", o),
+            ("t", b"r".to_vec()),
+            ("w", wall.to_string().into_bytes()),
+            ("p", pod.as_str().as_bytes().to_vec()),
+            ("k", keys.iter().flat_map(|k| k.0.to_le_bytes()).collect()),
+        ],
+        Change::Session {
+            hash,
+            pod,
+            ttl_ms,
+            wall,
+        } => vec![
+            ("o", o),
+            ("t", b"s".to_vec()),
+            ("w", wall.to_string().into_bytes()),
+            ("p", pod.as_str().as_bytes().to_vec()),
+            ("s", format!("{hash:016x}").into_bytes()),
+            ("l", ttl_ms.to_string().into_bytes()),
+        ],
+    }
+}
+
+/// A stream entry's origin and change; `None` for anything this router would not write.
+pub(super) fn parse_entry(map: &HashMap<String, Value>) -> Option<(u64, Change)> {
+    let bytes = |f: &str| match map.get(f)? {
+        Value::BulkString(b) => Some(b.as_slice()),
+        Value::SimpleString(s) => Some(s.as_bytes()),
+        _ => None,
+    };
+    let text = |f: &str| std::str::from_utf8(bytes(f)?).ok();
+    let hex = |f: &str| u64::from_str_radix(text(f).filter(|s| s.len() == 16)?, 16).ok();
+    let number = |f: &str| text(f)?.parse::<u64>().ok();
+    let origin = hex("o")?;
+    let wall = number("w")?;
+    let pod = text("p").filter(|p| !p.is_empty() && p.len() <= MAX_POD)?;
+    let pod = PodId::new(pod);
+    let change = match text("t")? {
+        "r" => {
+            let k = bytes("k")?;
+            if k.is_empty() || k.len() % 8 != 0 || k.len() / 8 > MAX_KEYS {
+                return None;
+            }
+            let keys = k
+                .chunks_exact(8)
+                .map(|c| BlockKey(u64::from_le_bytes(c.try_into().expect("8 bytes"))))
+                .collect();
+            Change::Record { pod, keys, wall }
+        }
+        "s" => Change::Session {
+            hash: hex("s")?,
+            pod,
+            ttl_ms: number("l")?,
+            wall,
+        },
+        _ => return None,
+    };
+    Some((origin, change))
+}
+
+/// This replica's mirror: the publisher's queue, the session map, and where the reader is.
+pub(super) struct Mirror {
+    origin: u64,
+    tx: mpsc::Sender<Publish>,
+    sessions: Mutex<LruCache<u64, (PodId, u64)>>,
+    /// The last stream entry applied (or the position a load started from).
+    applied: watch::Sender<EntryId>,
+    /// The first load finished (or was given up after [`LOAD_GRACE`]).
+    loaded: AtomicBool,
+    /// How far (ms) the newest applied entry was behind while more were waiting; 0 when current.
+    behind_ms: AtomicU64,
+    max_len: usize,
+    max_lag_ms: u64,
+}
+
+impl Mirror {
+    /// Starts the publisher and the reader (each restarted if it panics, and counted).
+    pub(super) fn start(cfg: &RedisConfig, shared: Arc<Shared>, local: Arc<Local>) -> Arc<Self> {
+        let (tx, rx) = mpsc::channel(cfg.write_queue.max(1));
+        let mirror = Arc::new(Self {
+            origin: rand::random(),
+            tx,
+            sessions: Mutex::new(LruCache::new(
+                NonZeroUsize::new(cfg.mirror_sessions.max(1)).expect("max(1)"),
+            )),
+            applied: watch::Sender::new(EntryId::default()),
+            loaded: AtomicBool::new(false),
+            behind_ms: AtomicU64::new(0),
+            max_len: cfg.stream_max_len,
+            max_lag_ms: cfg.mirror_max_lag_ms,
+        });
+        let rx = Arc::new(tokio::sync::Mutex::new(rx));
+        let (sh, m) = (shared.clone(), mirror.clone());
+        supervise(shared.clone(), move || {
+            publish(sh.clone(), m.clone(), rx.clone())
+        });
+        let (sh, m) = (shared.clone(), mirror.clone());
+        supervise(shared, move || read(sh.clone(), m.clone(), local.clone()));
+        mirror
+    }
+
+    /// Queues `change` for the other replicas (never waits; a full queue drops and counts).
+    pub(super) fn publish(&self, shared: &Shared, change: Change) {
+        if self.tx.try_send(Publish::Change(change)).is_err() {
+            shared.metrics.publish_dropped(Dropped::QueueFull, 1);
+        }
+    }
+
+    /// Pins a session here (this replica's own pins, and the others' from the stream).
+    pub(super) fn pin(&self, hash: u64, pod: PodId, expiry: u64) {
+        self.sessions.lock().put(hash, (pod, expiry));
+    }
+
+    /// The session's pod, unless it expired by `wall` (unix ms).
+    pub(super) fn session(&self, hash: u64, wall: u64) -> Option<PodId> {
+        let mut s = self.sessions.lock();
+        match s.get(&hash) {
+            Some((pod, expiry)) if wall < *expiry => Some(pod.clone()),
+            Some(_) => {
+                s.pop(&hash);
+                None
+            }
+            None => None,
+        }
+    }
+
+    /// Why this replica should not take traffic yet, if it should not.
+    pub(super) fn unready(&self) -> Option<String> {
+        if !self.loaded.load(Ordering::Acquire) {
+            return Some("loading the shared index from Redis".into());
+        }
+        let behind = self.behind_ms.load(Ordering::Acquire);
+        (behind > self.max_lag_ms).then(|| {
+            format!(
+                "the shared index mirror is {behind} ms behind (mirror_max_lag_ms {})",
+                self.max_lag_ms
+            )
+        })
+    }
+
+    /// Waits until this replica's changes queued so far are published, and everything on the
+    /// stream now is applied here (within `deadline`).
+    pub(super) async fn sync(&self, shared: &Shared, deadline: Duration) -> Result<(), IndexError> {
+        let (done, wait) = oneshot::channel();
+        let stopped = || IndexError::Connection("mirror publisher stopped".into());
+        self.tx
+            .send(Publish::Flush(done))
+            .await
+            .map_err(|_| stopped())?;
+        wait.await.map_err(|_| stopped())?;
+        let Ok(head) = newest(shared, &mut shared.conn.lookup().await?).await else {
+            // Redis unreachable: nothing to catch up with.
+            return Ok(());
+        };
+        let mut applied = self.applied.subscribe();
+        let reached = tokio::time::timeout(deadline, applied.wait_for(|a| *a >= head)).await;
+        if matches!(reached, Ok(Ok(_))) {
+            Ok(())
+        } else {
+            Err(IndexError::Timeout(deadline))
+        }
+    }
+}
+
+/// Runs `task` until it returns, restarting it (counted) whenever it panics.
+fn supervise<F, Fut>(shared: Arc<Shared>, task: F)
+where
+    F: Fn() -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
+    tokio::spawn(async move {
+        loop {
+            match tokio::spawn(task()).await {
+                Err(e) if e.is_panic() => {
+                    shared.metrics.mirror_restarts.inc();
+                    tracing::error!("redis mirror task panicked; restarting");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                _ => return,
+            }
+        }
+    });
+}
+
+/// Drains the publish queue in batches: one pipelined round trip of `XADD`s per batch.
+async fn publish(
+    shared: Arc<Shared>,
+    mirror: Arc<Mirror>,
+    rx: Arc<tokio::sync::Mutex<mpsc::Receiver<Publish>>>,
+) {
+    let mut rx = rx.lock().await;
+    let mut batch = Vec::with_capacity(PUBLISH_BATCH);
+    loop {
+        if rx.recv_many(&mut batch, PUBLISH_BATCH).await == 0 {
+            return;
+        }
+        let mut changes = Vec::new();
+        for p in batch.drain(..) {
+            match p {
+                Publish::Change(c) => changes.push(c),
+                Publish::Flush(done) => {
+                    send(&shared, &mirror, std::mem::take(&mut changes)).await;
+                    let _ = done.send(());
+                }
+            }
+        }
+        send(&shared, &mirror, changes).await;
+    }
+}
+
+async fn send(shared: &Shared, mirror: &Mirror, changes: Vec<Change>) {
+    if changes.is_empty() {
+        return;
+    }
+    let n = changes.len() as u64;
+    let blocks = changes
+        .iter()
+        .map(|c| match c {
+            Change::Record { keys, .. } => keys.len(),
+            Change::Session { .. } => 1,
+        })
+        .sum();
+    let con = match shared.conn.lookup().await {
+        Ok(c) => c,
+        Err(_) => return shared.metrics.publish_dropped(Dropped::Error, n),
+    };
+    let key = shared.schema.stream();
+    let adds = changes.iter().map(|c| {
+        let mut cmd = redis::cmd("XADD");
+        cmd.arg(&key)
+            .arg("MAXLEN")
+            .arg("~")
+            .arg(mirror.max_len)
+            .arg("*");
+        for (f, v) in fields(mirror.origin, c) {
+            cmd.arg(f).arg(v);
+        }
+        let mut con = con.clone();
+        async move { cmd.query_async::<String>(&mut con).await }
+    });
+    let budget = shared.write_budget_for(blocks);
+    match tokio::time::timeout(budget, join_all(adds)).await {
+        Ok(results) => {
+            let failed = results.iter().filter(|r| r.is_err()).count() as u64;
+            shared.metrics.mirror_published.inc_by(n - failed);
+            shared.metrics.publish_dropped(Dropped::Error, failed);
+        }
+        Err(_) => shared.metrics.publish_dropped(Dropped::Timeout, n),
+    }
+}
+
+/// The id of the stream's newest entry (`0-0` when there is none).
+async fn newest(shared: &Shared, con: &mut Handle) -> Result<EntryId, IndexError> {
+    let r: StreamRangeReply = redis::cmd("XREVRANGE")
+        .arg(shared.schema.stream())
+        .arg("+")
+        .arg("-")
+        .arg("COUNT")
+        .arg(1)
+        .query_async(con)
+        .await
+        .map_err(|e| to_index_error(&e))?;
+    Ok(r.ids
+        .first()
+        .and_then(|e| EntryId::parse(&e.id))
+        .unwrap_or_default())
+}
+
+/// Whether entries after `pos` were trimmed before this replica read them.
+pub(super) async fn trimmed_past(
+    shared: &Shared,
+    con: &mut Handle,
+    pos: EntryId,
+) -> Result<bool, IndexError> {
+    let info: redis::RedisResult<HashMap<String, Value>> = redis::cmd("XINFO")
+        .arg("STREAM")
+        .arg(shared.schema.stream())
+        .query_async(con)
+        .await;
+    let info = match info {
+        Ok(i) => i,
+        // No stream (yet, or any more): nothing newer than `pos` can have been trimmed unless
+        // the stream was dropped, which a reconnect's reload covers.
+        Err(e) if e.code() == Some("ERR") => return Ok(false),
+        Err(e) => return Err(to_index_error(&e)),
+    };
+    let id = |field: &str| match info.get(field) {
+        Some(Value::BulkString(b)) => std::str::from_utf8(b).ok().and_then(EntryId::parse),
+        Some(Value::SimpleString(s)) => EntryId::parse(s),
+        _ => None,
+    };
+    // Trimming moves the oldest entry on (`max-deleted-entry-id` counts XDEL only): an oldest
+    // entry newer than `pos` means entries this replica had not read are gone. At the exact
+    // boundary this reloads once without need; the check runs only on a full batch.
+    let first = id("recorded-first-entry-id").or_else(|| match info.get("first-entry") {
+        Some(Value::Array(e)) => e.first().and_then(|v| match v {
+            Value::BulkString(b) => std::str::from_utf8(b).ok().and_then(EntryId::parse),
+            _ => None,
+        }),
+        _ => None,
+    });
+    let count = |field: &str| match info.get(field) {
+        Some(Value::Int(n)) => Some(*n),
+        _ => None,
+    };
+    // Nothing ever trimmed (Redis 7+ says so): no gap, even when `pos` predates the stream.
+    if let (Some(added), Some(len)) = (count("entries-added"), count("length")) {
+        if added <= len {
+            return Ok(false);
+        }
+    } else if pos == EntryId::default() {
+        return Ok(false);
+    }
+    Ok(first.is_some_and(|first| first > pos))
+}
+
+/// Applies another replica's change to this replica's index and session map.
+async fn apply(shared: &Shared, mirror: &Mirror, local: &Local, change: Change) {
+    match change {
+        Change::Record { pod, keys, wall } => {
+            let now = shared.mono(wall);
+            match local {
+                Local::Memory(m) => {
+                    let _ = m.record(&pod, &keys, now).await;
+                }
+                Local::Events(ev) => {
+                    ev.record_past(&pod, &keys, ev.held_prefix(&pod, &keys), now);
+                }
+            }
+        }
+        Change::Session {
+            hash,
+            pod,
+            ttl_ms,
+            wall,
+        } => mirror.pin(hash, pod, wall.saturating_add(ttl_ms)),
+    }
+}
+
+/// Loads every pod's recorded entries from Redis into `local`, oldest first, and answers the
+/// stream position taken before the load (entries after it are read from the stream) and the
+/// entries loaded.
+async fn load(shared: &Shared, local: &Local) -> Result<(EntryId, u64), IndexError> {
+    let mut con = shared.conn.write().await?;
+    // Rewound: an entry is published before its hashes are written, so the last seconds of the
+    // stream are read again (applying an entry twice only refreshes it).
+    let newest = newest(shared, &mut con).await?;
+    let rewind = (shared.write_budget * 2).max(LOAD_REWIND).as_millis() as u64;
+    let from = match newest {
+        EntryId(0, 0) => newest,
+        EntryId(ms, _) => EntryId(ms.saturating_sub(rewind), 0),
+    };
+    let pods: Vec<Vec<u8>> = redis::cmd("SMEMBERS")
+        .arg(shared.schema.pods())
+        .query_async(&mut con)
+        .await
+        .map_err(|e| to_index_error(&e))?;
+    let (wall_now, ttl) = (shared.wall_now(), shared.tuning.record_ttl_ms);
+    let mut loaded = 0u64;
+    for pod in pods {
+        let Some(pod) = std::str::from_utf8(&pod)
+            .ok()
+            .filter(|p| !p.is_empty() && p.len() <= MAX_POD)
+            .map(PodId::new)
+        else {
+            continue;
+        };
+        let lru = shared.schema.lru(&pod);
+        let mut start = 0isize;
+        loop {
+            let members: Vec<Vec<u8>> = redis::cmd("ZRANGE")
+                .arg(&lru)
+                .arg(start)
+                .arg(start + LOAD_CHUNK - 1)
+                .query_async(&mut con)
+                .await
+                .map_err(|e| to_index_error(&e))?;
+            let entries: Vec<(u64, BlockKey)> =
+                members.iter().filter_map(|m| parse_member(m)).collect();
+            let expiries = join_all(entries.iter().map(|&(root, key)| {
+                let mut con = con.clone();
+                let k = shared.schema.recorded(root, key);
+                let pod = pod.clone();
+                async move {
+                    redis::cmd("HGET")
+                        .arg(k)
+                        .arg(pod.as_str())
+                        .query_async::<Option<u64>>(&mut con)
+                        .await
+                }
+            }))
+            .await;
+            for ((_, key), expiry) in entries.iter().zip(expiries) {
+                let expiry = expiry.map_err(|e| to_index_error(&e))?;
+                if let Some(expiry) = expiry.filter(|&e| e > wall_now) {
+                    let at = shared.mono(expiry.saturating_sub(ttl));
+                    match local {
+                        Local::Memory(m) => m.record(&pod, &[*key], at).await?,
+                        Local::Events(ev) => {
+                            ev.record_past(&pod, &[*key], ev.held_prefix(&pod, &[*key]), at);
+                        }
+                    }
+                    loaded += 1;
+                }
+            }
+            if (members.len() as isize) < LOAD_CHUNK {
+                break;
+            }
+            start += LOAD_CHUNK;
+        }
+    }
+    Ok((from, loaded))
+}
+
+/// Follows the stream, applying the other replicas' changes; loads from Redis at start, after
+/// a connection error and after a gap.
+async fn read(shared: Arc<Shared>, mirror: Arc<Mirror>, local: Arc<Local>) {
+    let started = Instant::now();
+    let mut pos: Option<EntryId> = None;
+    let mut reason = if mirror.loaded.load(Ordering::Acquire) {
+        Reload::Reconnect
+    } else {
+        Reload::Start
+    };
+    let mut backoff = Duration::from_millis(50);
+    let key = shared.schema.stream();
+    loop {
+        let Some(from) = pos else {
+            match load(&shared, &local).await {
+                Ok((from, n)) => {
+                    shared.metrics.reloaded(reason, n);
+                    info!(entries = n, reason = ?reason, "redis mirror loaded the shared index");
+                    pos = Some(from);
+                    mirror.applied.send_replace(from);
+                    mirror.loaded.store(true, Ordering::Release);
+                    backoff = Duration::from_millis(50);
+                }
+                Err(e) => {
+                    shared.metrics.mirror_errors.inc();
+                    if started.elapsed() > LOAD_GRACE && !mirror.loaded.swap(true, Ordering::AcqRel)
+                    {
+                        warn!(error = %e, "redis mirror could not load the shared index; routing on this replica's own until it can");
+                    }
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(Duration::from_secs(2));
+                }
+            }
+            continue;
+        };
+        let read = async {
+            let mut con = shared.conn.mirror().await?;
+            let reply: Option<StreamReadReply> = redis::cmd("XREAD")
+                .arg("COUNT")
+                .arg(BATCH)
+                .arg("BLOCK")
+                .arg(BLOCK_MS)
+                .arg("STREAMS")
+                .arg(&key)
+                .arg(from.render())
+                .query_async(&mut con)
+                .await
+                .map_err(|e| to_index_error(&e))?;
+            let entries: Vec<StreamId> = reply
+                .map(|r| r.keys.into_iter().flat_map(|k| k.ids).collect())
+                .unwrap_or_default();
+            // A full batch may mean this replica fell behind far enough to lose entries.
+            if entries.len() >= BATCH && trimmed_past(&shared, &mut con, from).await? {
+                return Ok(None);
+            }
+            Ok::<_, IndexError>(Some(entries))
+        };
+        let entries = match read.await {
+            Ok(Some(entries)) => entries,
+            Ok(None) => {
+                pos = None;
+                reason = Reload::Gap;
+                continue;
+            }
+            Err(e) => {
+                tracing::debug!(error = %e, "redis mirror read failed; reloading once it can");
+                shared.metrics.mirror_errors.inc();
+                pos = None;
+                reason = Reload::Reconnect;
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_secs(2));
+                continue;
+            }
+        };
+        let full = entries.len() >= BATCH;
+        let mut last = from;
+        let mut newest_wall = None;
+        for e in entries {
+            if let Some(id) = EntryId::parse(&e.id) {
+                last = last.max(id);
+            }
+            match parse_entry(&e.map) {
+                Some((origin, _)) if origin == mirror.origin => {}
+                Some((_, change)) => {
+                    let wall = match &change {
+                        Change::Record { wall, .. } | Change::Session { wall, .. } => *wall,
+                    };
+                    let lag = shared.wall_now().saturating_sub(wall);
+                    shared.metrics.mirror_lag.observe(lag as f64 / 1e3);
+                    newest_wall = Some(wall);
+                    apply(&shared, &mirror, &local, change).await;
+                    shared.metrics.mirror_applied.inc();
+                }
+                None => {
+                    shared.metrics.mirror_bad_entries.inc();
+                }
+            }
+        }
+        let behind = match (full, newest_wall) {
+            (true, Some(w)) => shared.wall_now().saturating_sub(w).max(1),
+            _ => 0,
+        };
+        mirror.behind_ms.store(behind, Ordering::Release);
+        shared
+            .metrics
+            .mirror_behind
+            .set(i64::from(behind > mirror.max_lag_ms));
+        pos = Some(last);
+        mirror.applied.send_replace(last);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn as_map(fields: Vec<(&'static str, Vec<u8>)>) -> HashMap<String, Value> {
+        fields
+            .into_iter()
+            .map(|(f, v)| (f.to_string(), Value::BulkString(v)))
+            .collect()
+    }
+
+    #[test]
+    fn changes_survive_the_stream_encoding() {
+        for c in [
+            Change::Record {
+                pod: PodId::new("10.0.0.1:8000"),
+                keys: vec![
+                    BlockKey(1),
+                    BlockKey(u64::MAX),
+                    BlockKey(0x0123_4567_89ab_cdef),
+                ],
+                wall: 1_700_000_000_123,
+            },
+            Change::Session {
+                hash: 0xfeed_beef,
+                pod: PodId::new("pod-b"),
+                ttl_ms: 600_000,
+                wall: 5,
+            },
+        ] {
+            assert_eq!(parse_entry(&as_map(fields(42, &c))), Some((42, c.clone())));
+        }
+    }
+
+    #[test]
+    fn foreign_or_oversized_entries_are_refused() {
+        let good = Change::Record {
+            pod: PodId::new("p"),
+            keys: vec![BlockKey(7)],
+            wall: 1,
+        };
+        let base = fields(1, &good);
+        let with = |f: &str, v: &[u8]| {
+            let mut m = as_map(base.clone());
+            m.insert(f.to_string(), Value::BulkString(v.to_vec()));
+            m
+        };
+        for bad in [
+            with("k", b"1234567"),
+            with("k", b""),
+            with("o", b"not-hex"),
+            with("t", b"z"),
+            with("w", b"-1"),
+            with("p", &[b'x'; MAX_POD + 1]),
+            with("p", b""),
+            with("p", &[0xff, 0xfe]),
+        ] {
+            assert_eq!(parse_entry(&bad), None);
+        }
+        let mut missing = as_map(base);
+        missing.remove("p");
+        assert_eq!(parse_entry(&missing), None);
+    }
+
+    #[test]
+    fn entry_ids_order_as_redis_orders_them() {
+        let a = EntryId::parse("1700000000000-9").unwrap();
+        let b = EntryId::parse("1700000000001-0").unwrap();
+        assert!(a < b && EntryId::default() < a);
+        assert_eq!(a.render(), "1700000000000-9");
+        assert_eq!(EntryId::parse("12"), None);
+        assert_eq!(EntryId::parse("a-1"), None);
+    }
+}

@@ -1,0 +1,299 @@
+//! The mirror over a real server: replicas agree within the staleness bound under load, a late
+//! replica loads what the others wrote, a replica cut off from Redis converges once it is back,
+//! and a stream trimmed past a reader is detected as a gap.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio::net::{TcpListener, TcpStream};
+
+use super::mirror::{trimmed_past, EntryId};
+use crate::blocks::BlockKey;
+use crate::config::RedisConfig;
+use crate::index::contract::{doc_keys, pods};
+use crate::index::{KvIndex, Local, MemoryIndex, RedisIndex, RedisMetrics, RedisReload, Tuning};
+use crate::pods::PodId;
+use kv_testkit::deploy::{find_redis_server, RedisProc};
+
+const BT: usize = 4;
+/// The staleness the docs state (`mirror_max_lag_ms`' default): one replica's decision is seen
+/// by the others within it, even on a loaded 2-core test machine.
+const BOUND: Duration = Duration::from_millis(1_000);
+
+fn config(url: &str, prefix: &str, max_len: usize) -> RedisConfig {
+    RedisConfig {
+        url: url.to_string(),
+        key_prefix: prefix.to_string(),
+        stream_max_len: max_len,
+        write_budget_ms: 5_000,
+        ..RedisConfig::default()
+    }
+}
+
+fn replica(cfg: &RedisConfig) -> RedisIndex {
+    let tuning = Tuning {
+        record_ttl_ms: 600_000,
+        default_capacity: 1_000_000,
+        gpu_weight: 1.0,
+        cpu_weight: 0.8,
+    };
+    let local = Local::Memory(MemoryIndex::new(600_000, 1_000_000));
+    RedisIndex::new(cfg, local, tuning, RedisMetrics::unregistered()).unwrap()
+}
+
+fn server() -> RedisProc {
+    let bin = find_redis_server().unwrap_or_else(|e| panic!("{e:#}"));
+    RedisProc::start(&bin).unwrap()
+}
+
+/// Waits (deadline `within`) until `index` sees `keys` fully held by `pod` among `candidates`.
+async fn sees(index: &RedisIndex, keys: &[BlockKey], candidates: &[PodId], pod: usize) -> bool {
+    let got = index.lookup(keys, candidates, 1).await.unwrap();
+    got[pod] == keys.len() as f64
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_replicas_agree_within_the_staleness_bound_under_load() {
+    let srv = server();
+    let cfg = config(&srv.url(), "mirror-load", 100_000);
+    let (a, b) = (Arc::new(replica(&cfg)), Arc::new(replica(&cfg)));
+    let p = pods(4);
+    // Load beside the measurement: B records long prompts as fast as it can.
+    let stop = Arc::new(AtomicBool::new(false));
+    let load = {
+        let (b, p, stop) = (b.clone(), p.clone(), stop.clone());
+        tokio::spawn(async move {
+            let mut d = 10_000u64;
+            while !stop.load(Ordering::Relaxed) && d < 13_000 {
+                b.record(&p[(d % 4) as usize], &doc_keys(d, 256, BT), 1)
+                    .await
+                    .unwrap();
+                d += 1;
+                tokio::task::yield_now().await;
+            }
+            d - 10_000
+        })
+    };
+    let mut delays = Vec::new();
+    for d in 0..60u64 {
+        let keys = doc_keys(d, 64, BT);
+        let pod = (d % 4) as usize;
+        a.record(&p[pod], &keys, 1).await.unwrap();
+        let t = Instant::now();
+        while !sees(&b, &keys, &p, pod).await {
+            assert!(
+                t.elapsed() < BOUND * 5,
+                "replica B never saw A's decision {d}"
+            );
+            tokio::task::yield_now().await;
+        }
+        delays.push(t.elapsed());
+    }
+    stop.store(true, Ordering::Relaxed);
+    let loaded = load.await.unwrap();
+    delays.sort();
+    let p99 = delays[delays.len() * 99 / 100];
+    assert!(
+        p99 <= BOUND,
+        "p99 {p99:?} > {BOUND:?} (p50 {:?}, {loaded} concurrent records)",
+        delays[delays.len() / 2]
+    );
+    assert!(loaded > 0, "the load ran");
+    // Once both are synced, they answer every prompt alike, and nothing went to Redis.
+    a.flush().await.unwrap();
+    b.flush().await.unwrap();
+    for d in (0..60).chain(10_000..10_000 + loaded.min(200)) {
+        let keys = doc_keys(d, 64, BT);
+        assert_eq!(
+            a.lookup(&keys, &p, 2).await.unwrap(),
+            b.lookup(&keys, &p, 2).await.unwrap(),
+            "prompt {d}"
+        );
+    }
+    assert_eq!(b.metrics().lookups(crate::index::RedisSource::Redis), 0);
+    eprintln!(
+        "mirror staleness under load: p50 {:?}, p99 {p99:?}, {loaded} concurrent records",
+        delays[delays.len() / 2]
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_replica_loads_the_shared_index_then_follows_the_stream() {
+    let srv = server();
+    let cfg = config(&srv.url(), "mirror-late", 100_000);
+    let a = replica(&cfg);
+    let p = pods(3);
+    for d in 0..200u64 {
+        a.record(&p[(d % 3) as usize], &doc_keys(d, 8, BT), 1)
+            .await
+            .unwrap();
+    }
+    a.flush().await.unwrap();
+    let b = replica(&cfg);
+    assert!(b.unready().is_some(), "not ready before it loaded");
+    b.flush().await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while b.unready().is_some() {
+        assert!(Instant::now() < deadline, "{:?}", b.unready());
+        tokio::task::yield_now().await;
+    }
+    assert_eq!(b.metrics().reloads(RedisReload::Start), 1);
+    for d in 0..200u64 {
+        let keys = doc_keys(d, 8, BT);
+        let mut want = vec![0.0; 3];
+        want[(d % 3) as usize] = 8.0;
+        assert_eq!(b.lookup(&keys, &p, 2).await.unwrap(), want, "prompt {d}");
+    }
+    // And what A decides next arrives over the stream.
+    a.record(&p[0], &doc_keys(500, 8, BT), 3).await.unwrap();
+    a.flush().await.unwrap();
+    b.flush().await.unwrap();
+    assert_eq!(
+        b.lookup(&doc_keys(500, 8, BT), &p, 4).await.unwrap(),
+        vec![8.0, 0.0, 0.0]
+    );
+    assert!(b.metrics().mirror_applied() >= 1);
+}
+
+/// A TCP proxy to Redis that can be cut (every connection dropped, new ones refused).
+struct Cuttable {
+    port: u16,
+    up: Arc<AtomicBool>,
+}
+
+impl Cuttable {
+    async fn to(backend: std::net::SocketAddr) -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let up = Arc::new(AtomicBool::new(true));
+        let flag = up.clone();
+        tokio::spawn(async move {
+            while let Ok((mut client, _)) = listener.accept().await {
+                if !flag.load(Ordering::Acquire) {
+                    continue;
+                }
+                let flag = flag.clone();
+                tokio::spawn(async move {
+                    let Ok(mut server) = TcpStream::connect(backend).await else {
+                        return;
+                    };
+                    let copy = tokio::io::copy_bidirectional(&mut client, &mut server);
+                    tokio::pin!(copy);
+                    // Polls the flag so a cut drops connections that are idle too.
+                    loop {
+                        tokio::select! {
+                            _ = &mut copy => return,
+                            _ = tokio::time::sleep(Duration::from_millis(20)) => {
+                                if !flag.load(Ordering::Acquire) {
+                                    return;
+                                }
+                            }
+                        }
+                    }
+                });
+            }
+        });
+        Self { port, up }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_cut_off_from_redis_converges_from_the_snapshot_once_back() {
+    let srv = server();
+    let proxy = Cuttable::to(srv.addr).await;
+    let direct = config(&srv.url(), "mirror-cut", 1_000);
+    let via_proxy = config(
+        &format!("redis://127.0.0.1:{}", proxy.port),
+        "mirror-cut",
+        1_000,
+    );
+    let (a, b) = (replica(&direct), replica(&via_proxy));
+    let p = pods(2);
+    a.flush().await.unwrap();
+    b.flush().await.unwrap();
+    proxy.up.store(false, Ordering::Release);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while b.metrics().mirror_errors.get() == 0 {
+        assert!(
+            Instant::now() < deadline,
+            "B's mirror never lost its connection"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // More than the stream keeps: B cannot catch up from it.
+    for d in 0..3_000u64 {
+        a.record(&p[(d % 2) as usize], &doc_keys(d, 4, BT), 1)
+            .await
+            .unwrap();
+    }
+    a.flush().await.unwrap();
+    assert!(
+        b.lookup(&doc_keys(0, 4, BT), &p, 2).await.unwrap() == vec![0.0, 0.0],
+        "B was cut off"
+    );
+    proxy.up.store(true, Ordering::Release);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        if b.flush().await.is_ok()
+            && b.metrics().reloads(RedisReload::Reconnect) >= 1
+            && b.lookup(&doc_keys(0, 4, BT), &p, 2).await.unwrap() == vec![4.0, 0.0]
+        {
+            break;
+        }
+        assert!(Instant::now() < deadline, "B never converged");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    for d in 0..3_000u64 {
+        let mut want = vec![0.0; 2];
+        want[(d % 2) as usize] = 4.0;
+        assert_eq!(
+            b.lookup(&doc_keys(d, 4, BT), &p, 2).await.unwrap(),
+            want,
+            "prompt {d}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn a_stream_trimmed_past_a_reader_is_a_gap() {
+    let srv = server();
+    let cfg = config(&srv.url(), "mirror-gap", 1_000);
+    let index = replica(&cfg);
+    let shared = &index.shared;
+    let mut con = shared.conn.write().await.unwrap();
+    assert!(!trimmed_past(shared, &mut con, EntryId::default())
+        .await
+        .unwrap());
+    let mut ids = Vec::new();
+    let add = |i: usize| {
+        let mut c = redis::cmd("XADD");
+        c.arg(shared.schema.stream())
+            .arg("MAXLEN")
+            .arg(1_000)
+            .arg("*")
+            .arg("x")
+            .arg(i);
+        c
+    };
+    // Entries nobody trimmed are no gap, even for a reader that started before the stream.
+    for i in 0..600 {
+        let id: String = add(i).query_async(&mut con).await.unwrap();
+        ids.push(EntryId::parse(&id).unwrap());
+    }
+    assert!(!trimmed_past(shared, &mut con, EntryId::default())
+        .await
+        .unwrap());
+    for i in 600..3_000 {
+        let id: String = add(i).query_async(&mut con).await.unwrap();
+        ids.push(EntryId::parse(&id).unwrap());
+    }
+    assert!(trimmed_past(shared, &mut con, ids[10]).await.unwrap());
+    assert!(trimmed_past(shared, &mut con, EntryId::default())
+        .await
+        .unwrap());
+    assert!(trimmed_past(shared, &mut con, ids[1_998]).await.unwrap());
+    assert!(!trimmed_past(shared, &mut con, ids[2_000]).await.unwrap());
+    assert!(!trimmed_past(shared, &mut con, ids[2_500]).await.unwrap());
+    assert!(!trimmed_past(shared, &mut con, ids[2_999]).await.unwrap());
+}
