@@ -26,7 +26,7 @@ use common::deploy::{
 };
 use common::runner::StreamOutcome;
 use common::{bins, completion, envoy_bin, matched, metric, post_to, served_by, text, FAST_SIM};
-use kv_router::config::{Config, IndexBackend, TokenizerConfig};
+use kv_router::config::{Config, IndexBackend, RedisLookups, TokenizerConfig};
 use serde_json::{json, Value};
 
 const BUFFERED: &str = "override-host-buffered.yaml";
@@ -284,16 +284,17 @@ impl Replicas {
         sum
     }
 
-    /// Asserts that each replica committed decisions and answered lookups from Redis.
-    async fn assert_both_decided_through_redis(&self) {
+    /// Asserts that each replica committed decisions and answered lookups from the shared index
+    /// (`source`: `redis`, a round trip each, or `mirror`).
+    async fn assert_both_decided_through(&self, source: &str) {
         for i in 0..self.routers.len() {
             let m = self.metrics(i).await;
             let decisions = metric(&m, "kv_router_decisions_total", &[]);
-            let from_redis = metric(&m, "kv_router_redis_lookups_total", &[("source", "redis")]);
+            let from_redis = metric(&m, "kv_router_redis_lookups_total", &[("source", source)]);
             assert!(
                 decisions > 0.0 && from_redis > 0.0,
-                "replica {i} made {decisions} decisions, {from_redis} Redis lookups: Envoy did \
-                 not spread the ext_proc streams or the replica did not use Redis\n{}{}",
+                "replica {i} made {decisions} decisions, {from_redis} lookups from {source}: Envoy \
+                 did not spread the ext_proc streams or the replica did not use the shared index\n{}{}",
                 redis_lines(&m),
                 self.diag()
             );
@@ -364,12 +365,18 @@ async fn a_conversation_stays_on_one_pod_whichever_replica_decides() {
             d.diag()
         );
     }
-    d.assert_both_decided_through_redis().await;
+    d.assert_both_decided_through("mirror").await;
 }
 
 #[tokio::test]
 async fn precise_replicas_agree_after_events() {
-    let d = Replicas::start(true, roomy_budget).await;
+    // Replica 1 hears no KV events, so only Redis lookups can tell it (a mirror carries the
+    // decisions, not event state: every mirrored replica subscribes to the events itself).
+    let d = Replicas::start(true, |c| {
+        roomy_budget(c);
+        c.index.redis.lookups = RedisLookups::Redis;
+    })
+    .await;
     // The prompt reaches pod 2 directly (not through a router): only its KV events tell, and
     // only replica 0 hears them; replica 1 must learn them from Redis.
     let target = d.pods[2].sim.addr.to_string();
@@ -409,7 +416,7 @@ async fn precise_replicas_agree_after_events() {
             d.diag()
         );
     }
-    d.assert_both_decided_through_redis().await;
+    d.assert_both_decided_through("redis").await;
 }
 
 /// Requests sent back to back (two at a time) until `stop`; returns every outcome.
@@ -464,6 +471,8 @@ async fn redis_killed_restarted_and_slowed_never_fails_a_request() {
     let bin = redis_bin();
     let d = Arc::new(
         Replicas::start(false, |c| {
+            // The round-trip mode's fail-open (the mirror's is the next test).
+            c.index.redis.lookups = RedisLookups::Redis;
             // Come back to Redis quickly after a failure, so recovery fits the test's bounds.
             c.index.redis.retry_after_ms = 200;
         })
@@ -567,7 +576,112 @@ async fn redis_killed_restarted_and_slowed_never_fails_a_request() {
         timeouts
     );
     // No decision waited for the stalled Redis: every one took well under the 300 ms stall.
-    d.assert_both_decided_through_redis().await;
+    d.assert_both_decided_through("redis").await;
+    for i in 0..d.routers.len() {
+        let m = d.metrics(i).await;
+        let all = metric(&m, "kv_router_decision_duration_seconds_count", &[]);
+        let (le, fast) = bucket_at_most(&m, "kv_router_decision_duration_seconds", 0.15);
+        assert_eq!(
+            fast,
+            all,
+            "replica {i}: a decision took longer than {le} s while Redis stalled for 0.3 s{}",
+            d.diag()
+        );
+    }
+    assert!(
+        started.elapsed() < Duration::from_secs(60),
+        "fault test took {:?}",
+        started.elapsed()
+    );
+}
+
+/// Whether replica `i` answers `/readyz` with 200.
+async fn ready(d: &Replicas, i: usize) -> bool {
+    let url = format!("{}/readyz", d.routers[i].admin_url());
+    d.client
+        .get(url)
+        .send()
+        .await
+        .is_ok_and(|r| r.status().is_success())
+}
+
+#[tokio::test]
+async fn mirrored_replicas_never_wait_on_a_killed_restarted_or_stalled_redis() {
+    let started = Instant::now();
+    let bin = redis_bin();
+    let d = Arc::new(Replicas::start(false, |_| {}).await);
+    let stop = Arc::new(AtomicBool::new(false));
+    let load = background_load(&d, &stop);
+    const LOOKUPS: &str = "kv_router_redis_lookups_total";
+    const APPLIED: &str = "kv_router_redis_mirror_applied_total";
+    const RELOADS: &str = "kv_router_redis_mirror_reloads_total";
+    // Each replica applies the other's decisions.
+    for i in 0..d.routers.len() {
+        let deadline = Instant::now() + POLL;
+        while metric(&d.metrics(i).await, APPLIED, &[]) < 2.0 {
+            assert!(
+                Instant::now() < deadline,
+                "replica {i} applied no decision of the other:\n{}{}",
+                redis_lines(&d.metrics(i).await),
+                d.diag()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    // 1. Redis dies: requests go on, and both replicas stay ready (Redis down is no reason to
+    // take every replica out at once).
+    let redis_addr = d.redis_addr;
+    d.redis.lock().unwrap().kill();
+    let decided = d.total(LOOKUPS, &[("source", "mirror")]).await;
+    wait_total(&d, "decisions without Redis", LOOKUPS, &[("source", "mirror")], |v| {
+        v >= decided + 8.0
+    })
+    .await;
+    for i in 0..d.routers.len() {
+        assert!(ready(&d, i).await, "replica {i} unready without Redis{}", d.diag());
+    }
+
+    // 2. Redis comes back empty: each mirror reloads by itself and follows the stream again.
+    let dir = tempfile::tempdir().expect("temp dir");
+    *d.redis.lock().unwrap() = Redis::restart_on(&bin, redis_addr, dir.path());
+    wait_total(&d, "reloads after the restart", RELOADS, &[("reason", "reconnect")], |v| {
+        v >= 2.0
+    })
+    .await;
+    let applied = d.total(APPLIED, &[]).await;
+    wait_total(&d, "decisions applied after the restart", APPLIED, &[], |v| {
+        v >= applied + 4.0
+    })
+    .await;
+
+    // 3. Redis stalls (DEBUG SLEEP): no decision waits for it.
+    for _ in 0..3 {
+        let sleeper =
+            std::thread::spawn(move || redis_command(redis_addr, &["DEBUG", "SLEEP", "0.3"]));
+        let deadline = Instant::now() + Duration::from_secs(1);
+        while !sleeper.is_finished() && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let reply = sleeper.join().expect("sleeper thread");
+        assert_eq!(reply.as_deref().ok(), Some("+OK"), "DEBUG SLEEP: {reply:?}");
+    }
+
+    stop.store(true, Ordering::Relaxed);
+    let outcomes = load.await.expect("load task");
+    let failed: Vec<_> = outcomes.iter().filter(|o| !o.ok()).collect();
+    assert!(
+        failed.is_empty(),
+        "{} of {} requests failed while Redis was killed, restarted and slowed; first: {:?} {:?}{}",
+        failed.len(),
+        outcomes.len(),
+        failed[0].status,
+        failed[0].error,
+        d.diag()
+    );
+    assert_eq!(d.total(LOOKUPS, &[("source", "redis")]).await, 0.0);
+    assert_eq!(d.total("kv_router_redis_fallbacks_total", &[]).await, 0.0);
+    d.assert_both_decided_through("mirror").await;
     for i in 0..d.routers.len() {
         let m = d.metrics(i).await;
         let all = metric(&m, "kv_router_decision_duration_seconds_count", &[]);
