@@ -69,6 +69,24 @@ fn load(
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
+extern "C" {
+    fn mi_option_set(option: std::ffi::c_int, value: std::ffi::c_long);
+}
+
+/// `mi_option_purge_delay` in the bundled mimalloc v3's `mi_option_t`.
+const MI_OPTION_PURGE_DELAY: std::ffi::c_int = 15;
+
+/// Freed pages go back to the OS at once, not after mimalloc's default 1 s delay, which only
+/// elapses with further allocator activity: after a Pick or explain flood RSS stayed 3-5× its
+/// pre-flood level for over 60 s; with 0 it was back at once (`kv-bench hostile --attacks`,
+/// docs/results.md). `MIMALLOC_PURGE_DELAY` in the environment still wins.
+fn purge_freed_memory_at_once() {
+    if std::env::var_os("MIMALLOC_PURGE_DELAY").is_none() {
+        // SAFETY: sets one integer option of the linked mimalloc; any value is valid.
+        unsafe { mi_option_set(MI_OPTION_PURGE_DELAY, 0) }
+    }
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
@@ -99,6 +117,7 @@ fn main() -> ExitCode {
                 }
             };
             kv_router::telemetry::init_logging(&cfg.log);
+            purge_freed_memory_at_once();
             let rt = match tokio::runtime::Runtime::new() {
                 Ok(rt) => rt,
                 Err(e) => {

@@ -523,3 +523,111 @@ async fn silent_grpc_connections_are_reaped_and_never_lock_out_a_probe() {
         }
     }
 }
+
+/// The value of one sample in a Prometheus text exposition (0 when absent).
+fn sample(metrics: &str, series: &str) -> f64 {
+    metrics
+        .lines()
+        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
+        .unwrap_or(0.0)
+}
+
+/// An admin slowloris (more dribbling connections than the admin cap, reconnecting when
+/// closed) never starves `/healthz` or `/metrics`: at the cap the oldest connection not serving
+/// a request is evicted for the new one. The old cap refused new connections, failing 8 of 10
+/// `/healthz` tries.
+#[tokio::test]
+async fn an_admin_slowloris_never_starves_healthz_or_metrics() {
+    use tokio::io::AsyncWriteExt;
+    const ATTACKERS: usize = 600; // over the admin port's 512
+    let (_pod, r) = router(|_| {}).await;
+    let admin = r.admin;
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let attack = tokio::spawn({
+        let stop = stop.clone();
+        async move {
+            let open = || async move {
+                let mut s = tokio::net::TcpStream::connect(admin).await.ok()?;
+                s.write_all(b"GET /healthz HTTP/1.1\r\nhost: x\r\n")
+                    .await
+                    .ok()?;
+                Some(s)
+            };
+            let mut conns = Vec::new();
+            for _ in 0..ATTACKERS {
+                conns.push(open().await);
+            }
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                // One header byte a second each; a closed one reconnects.
+                for c in &mut conns {
+                    let alive = match c {
+                        Some(s) => {
+                            let mut b = [0u8; 64];
+                            s.try_read(&mut b).is_err() && s.write_all(b"x").await.is_ok()
+                        }
+                        None => false,
+                    };
+                    if !alive {
+                        *c = open().await;
+                    }
+                }
+                // Not synchronization: the slowloris pace itself.
+                tokio::time::sleep(Duration::from_millis(1_000)).await;
+            }
+        }
+    });
+    // Probe through more than one header timeout (5 s), each on a fresh connection.
+    let client = reqwest::Client::builder()
+        .pool_max_idle_per_host(0)
+        .timeout(Duration::from_secs(1))
+        .build()
+        .unwrap();
+    let started = Instant::now();
+    let (mut probes, mut worst) = (0, Duration::ZERO);
+    while started.elapsed() < Duration::from_secs(7) {
+        for path in ["/healthz", "/metrics"] {
+            let t = Instant::now();
+            let resp = client.get(format!("{}{path}", r.admin_url())).send().await;
+            let status = resp.as_ref().map(|r| r.status().as_u16());
+            assert!(
+                matches!(status, Ok(200)),
+                "{path} under the slowloris after {:?}: {:?}",
+                started.elapsed(),
+                resp.err()
+            );
+            worst = worst.max(t.elapsed());
+            probes += 1;
+        }
+        // Not synchronization: a probe every 100 ms, like a busy scraper.
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let _ = attack.await;
+    eprintln!("{probes} probes answered, worst {worst:?}");
+    let metrics = || async {
+        let m = client.get(format!("{}/metrics", r.admin_url())).send();
+        m.await.unwrap().text().await.unwrap()
+    };
+    let closed = |m: &str, reason: &str| {
+        let series =
+            format!(r#"kv_router_connections_closed_total{{port="admin",reason="{reason}"}}"#);
+        sample(m, &series)
+    };
+    let m = metrics().await;
+    assert!(closed(&m, "evicted") >= 1.0, "{m}");
+    // Under the cap, a connection whose headers never end is closed after the header timeout.
+    let mut late = tokio::net::TcpStream::connect(admin).await.unwrap();
+    late.write_all(b"GET /healthz HTTP/1.1\r\n").await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let m = metrics().await;
+        if closed(&m, "header_timeout") >= 1.0 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no header timeout counted in 10 s:\n{m}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}

@@ -12,6 +12,7 @@ use crate::admin::{self, AdminState};
 use crate::config::Config;
 use crate::extproc::BodyBudget;
 
+use super::conns::ConnMetrics;
 use super::shutdown::Shutdown;
 use super::Shared;
 
@@ -21,6 +22,7 @@ pub(super) async fn start(
     cfg: &Config,
     shared: Shared,
     registry: Arc<Registry>,
+    conns: ConnMetrics,
     mode: &'static str,
     shutdown: &Shutdown,
 ) -> anyhow::Result<impl Future<Output = ()>> {
@@ -56,6 +58,7 @@ pub(super) async fn start(
     Ok(crate::admin_serve::serve(
         listener,
         app,
+        conns,
         shutdown.closing.clone(),
     ))
 }

@@ -1,11 +1,15 @@
-//! Connection limits for the gRPC port: at most `max_connections` open at once, and a
-//! connection that has not sent its first `HANDSHAKE_BYTES` (the HTTP/2 preface, or a TLS
-//! ClientHello) within the handshake timeout is closed. At the cap, the oldest connection still
-//! in its handshake is evicted to make room, so a flood of silent connections can neither hold
-//! file descriptors nor lock out the gateway's and the kubelet's new connections (2,000 such
-//! connections once made a readiness check time out).
+//! Connection limits for both listeners: at most `cap` connections open at once, and at the cap
+//! the oldest connection still *evictable* is closed to make room for the new one, so a flood of
+//! silent or dribbling connections can neither hold file descriptors nor lock out the gateway's,
+//! the kubelet's or Prometheus' new connections (2,000 preface-less gRPC connections once made a
+//! readiness check time out; 2,000 admin connections dribbling headers starved `/healthz`).
+//!
+//! Evictable means: on the gRPC port, short of its first `HANDSHAKE_BYTES` (the HTTP/2 preface, or
+//! a TLS ClientHello), which must also arrive within the handshake timeout; on the admin port, not
+//! serving a request (reading headers or idle between requests; hyper bounds both in time).
 
 use std::collections::VecDeque;
+use std::fmt::Write as _;
 use std::future::Future;
 use std::io;
 use std::pin::Pin;
@@ -16,6 +20,11 @@ use std::time::Duration;
 
 use futures::task::AtomicWaker;
 use parking_lot::Mutex;
+use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue, LabelValueEncoder};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::time::{Instant, Sleep};
@@ -25,13 +34,97 @@ use tracing::debug;
 /// The HTTP/2 client preface is 24 bytes; a TLS ClientHello is longer.
 const HANDSHAKE_BYTES: u64 = 24;
 
-/// One connection's entry in the tracker.
-#[derive(Default)]
+/// Which listener (the `port` label).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Port {
+    Grpc,
+    Admin,
+}
+
+/// Why the router closed a connection (the `reason` label).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Closed {
+    /// At the cap with nothing evictable: the new connection was closed at once.
+    Refused,
+    /// At the cap: closed to make room for a new one.
+    Evicted,
+    /// gRPC: its handshake bytes did not arrive in time.
+    HandshakeTimeout,
+    /// Admin: a request's headers did not arrive in time (idle keep-alive included).
+    HeaderTimeout,
+}
+
+impl EncodeLabelValue for Port {
+    fn encode(&self, e: &mut LabelValueEncoder<'_>) -> std::fmt::Result {
+        e.write_str(match self {
+            Port::Grpc => "grpc",
+            Port::Admin => "admin",
+        })
+    }
+}
+
+impl EncodeLabelValue for Closed {
+    fn encode(&self, e: &mut LabelValueEncoder<'_>) -> std::fmt::Result {
+        e.write_str(match self {
+            Closed::Refused => "refused",
+            Closed::Evicted => "evicted",
+            Closed::HandshakeTimeout => "handshake_timeout",
+            Closed::HeaderTimeout => "header_timeout",
+        })
+    }
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct PortLabels {
+    port: Port,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ClosedLabels {
+    port: Port,
+    reason: Closed,
+}
+
+/// `kv_router_connections_open{port}` and `kv_router_connections_closed_total{port,reason}`.
+#[derive(Debug, Clone, Default)]
+pub struct ConnMetrics {
+    open: Family<PortLabels, Gauge>,
+    closed: Family<ClosedLabels, Counter>,
+}
+
+impl ConnMetrics {
+    /// Registers both families (`registry` is the `kv_router` sub-registry).
+    pub fn register(registry: &mut Registry) -> Self {
+        let m = Self::default();
+        registry.register(
+            "connections_open",
+            "Connections open now, by listener",
+            m.open.clone(),
+        );
+        registry.register(
+            "connections_closed",
+            "Connections the router closed to bound them (refused or evicted at the cap, handshake or header timeout), by listener",
+            m.closed.clone(),
+        );
+        m
+    }
+
+    /// Counts one connection closed on `port` for `reason`.
+    pub fn closed(&self, port: Port, reason: Closed) {
+        self.closed
+            .get_or_create(&ClosedLabels { port, reason })
+            .inc();
+    }
+}
+
+/// One connection's entry in the tracker; dropped with the connection.
 struct Slot {
-    /// Still short of its handshake bytes (evictable).
-    handshaking: AtomicBool,
+    /// Evictable now (see the module comment).
+    evictable: AtomicBool,
     evicted: AtomicBool,
     waker: AtomicWaker,
+    port: Port,
+    metrics: ConnMetrics,
 }
 
 impl Slot {
@@ -41,33 +134,101 @@ impl Slot {
     }
 }
 
-/// Open connections, oldest first.
-#[derive(Default)]
-struct Tracker {
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.metrics
+            .open
+            .get_or_create(&PortLabels { port: self.port })
+            .dec();
+    }
+}
+
+/// Open connections of one listener, oldest first.
+pub struct Tracker {
     open: Mutex<VecDeque<Weak<Slot>>>,
+    cap: usize,
+    port: Port,
+    metrics: ConnMetrics,
 }
 
 impl Tracker {
-    /// Registers a new connection; at `cap`, evicts the oldest still handshaking, or refuses
-    /// (`None`) when every open one has finished its handshake.
-    fn admit(&self, cap: usize) -> Option<Arc<Slot>> {
+    pub fn new(port: Port, cap: usize, metrics: ConnMetrics) -> Arc<Self> {
+        Arc::new(Self {
+            open: Mutex::default(),
+            cap,
+            port,
+            metrics,
+        })
+    }
+
+    /// Registers a new connection; at the cap, evicts the oldest evictable one, or refuses
+    /// (`None`) when none is.
+    fn admit(&self) -> Option<Arc<Slot>> {
         let mut open = self.open.lock();
         open.retain(|w| w.strong_count() > 0);
-        if open.len() >= cap {
+        if open.len() >= self.cap {
             let oldest = open.iter().position(|w| {
                 w.upgrade()
-                    .is_some_and(|s| s.handshaking.load(Ordering::Acquire))
-            })?;
+                    .is_some_and(|s| s.evictable.load(Ordering::Acquire))
+            });
+            let Some(oldest) = oldest else {
+                self.metrics.closed(self.port, Closed::Refused);
+                return None;
+            };
             if let Some(s) = open.remove(oldest).and_then(|w| w.upgrade()) {
                 s.evict();
+                self.metrics.closed(self.port, Closed::Evicted);
             }
         }
+        self.metrics
+            .open
+            .get_or_create(&PortLabels { port: self.port })
+            .inc();
         let slot = Arc::new(Slot {
-            handshaking: AtomicBool::new(true),
-            ..Slot::default()
+            evictable: AtomicBool::new(true),
+            evicted: AtomicBool::new(false),
+            waker: AtomicWaker::new(),
+            port: self.port,
+            metrics: self.metrics.clone(),
         });
         open.push_back(Arc::downgrade(&slot));
         Some(slot)
+    }
+
+    /// An admin connection: evictable whenever it is not serving a request (see [`Busy`]).
+    /// `None` when refused at the cap (dropped: closed at once).
+    pub fn admit_http(&self, tcp: TcpStream) -> Option<(Guarded, Busy)> {
+        let slot = self.admit()?;
+        let busy = Busy(slot.clone());
+        let conn = Guarded {
+            inner: tcp,
+            slot,
+            read: 0,
+            deadline: None,
+            watching: true,
+            handshake_bytes: None,
+        };
+        Some((conn, busy))
+    }
+}
+
+/// Marks an admin connection as serving a request (not evictable) while held.
+#[derive(Clone)]
+pub struct Busy(Arc<Slot>);
+
+/// Held while a request is served; the connection is evictable again once it drops.
+pub struct Serving(Arc<Slot>);
+
+impl Busy {
+    pub fn serving(&self) -> Serving {
+        self.0.evictable.store(false, Ordering::Release);
+        Serving(self.0.clone())
+    }
+}
+
+impl Drop for Serving {
+    fn drop(&mut self) {
+        self.0.evictable.store(true, Ordering::Release);
     }
 }
 
@@ -77,11 +238,15 @@ pub struct Guarded {
     slot: Arc<Slot>,
     read: u64,
     deadline: Option<Pin<Box<Sleep>>>,
+    /// Eviction is checked on each read (gRPC: only until the handshake bytes came).
+    watching: bool,
+    /// gRPC: evictable until this many bytes were read.
+    handshake_bytes: Option<u64>,
 }
 
 impl Guarded {
     fn closed(&self, why: &'static str) -> io::Error {
-        debug!(why, "gRPC connection closed before its handshake");
+        debug!(why, "connection closed by the connection guard");
         io::Error::new(io::ErrorKind::TimedOut, why)
     }
 }
@@ -93,30 +258,38 @@ impl AsyncRead for Guarded {
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
         let this = &mut *self;
-        if this.deadline.is_some() {
+        if this.watching {
             this.slot.waker.register(cx.waker());
             if this.slot.evicted.load(Ordering::Acquire) {
                 return Poll::Ready(Err(this.closed("evicted at the connection cap")));
             }
             if let Some(d) = this.deadline.as_mut() {
                 if d.as_mut().poll(cx).is_ready() {
+                    this.deadline = None;
+                    // Not evictable any more and counted once: later reads fail as evicted.
+                    this.slot.evictable.store(false, Ordering::Release);
+                    this.slot.evicted.store(true, Ordering::Release);
+                    this.slot
+                        .metrics
+                        .closed(this.slot.port, Closed::HandshakeTimeout);
                     return Poll::Ready(Err(this.closed("handshake timeout")));
                 }
             }
         }
         let before = buf.filled().len();
         let res = Pin::new(&mut this.inner).poll_read(cx, buf);
-        if let Poll::Ready(Ok(())) = res {
+        if let (Poll::Ready(Ok(())), Some(need)) = (&res, this.handshake_bytes) {
             this.read += (buf.filled().len() - before) as u64;
-            if this.deadline.is_some() && this.read >= HANDSHAKE_BYTES {
+            if this.read >= need {
+                this.handshake_bytes = None;
                 this.deadline = None;
-                this.slot.handshaking.store(false, Ordering::Release);
+                this.watching = false;
+                this.slot.evictable.store(false, Ordering::Release);
             }
         }
         res
     }
 }
-
 impl AsyncWrite for Guarded {
     fn poll_write(
         mut self: Pin<&mut Self>,
@@ -160,8 +333,9 @@ pub fn incoming(
     listener: TcpListener,
     cap: usize,
     handshake_timeout: Duration,
+    metrics: ConnMetrics,
 ) -> impl futures::Stream<Item = io::Result<Guarded>> {
-    let tracker = Arc::new(Tracker::default());
+    let tracker = Tracker::new(Port::Grpc, cap, metrics);
     futures::stream::unfold(listener, move |listener| {
         let tracker = tracker.clone();
         async move {
@@ -175,7 +349,7 @@ pub fn incoming(
                         continue;
                     }
                 };
-                let Some(slot) = tracker.admit(cap) else {
+                let Some(slot) = tracker.admit() else {
                     debug!(
                         "gRPC connection refused: at the cap, every open one is past its handshake"
                     );
@@ -189,6 +363,8 @@ pub fn incoming(
                     deadline: Some(Box::pin(tokio::time::sleep_until(
                         Instant::now() + handshake_timeout,
                     ))),
+                    watching: true,
+                    handshake_bytes: Some(HANDSHAKE_BYTES),
                 };
                 return Some((Ok(conn), listener));
             }
@@ -200,17 +376,47 @@ pub fn incoming(
 mod tests {
     use super::*;
 
+    fn evictable(s: &Slot) -> bool {
+        s.evictable.load(Ordering::Acquire)
+    }
+
     #[test]
-    fn at_the_cap_the_oldest_handshaking_connection_is_evicted_else_the_new_one_refused() {
-        let t = Tracker::default();
-        let a = t.admit(2).unwrap();
-        let b = t.admit(2).unwrap();
-        a.handshaking.store(false, Ordering::Release);
-        let c = t.admit(2).expect("b, still handshaking, makes room");
+    fn at_the_cap_the_oldest_evictable_connection_is_evicted_else_the_new_one_refused() {
+        let m = ConnMetrics::default();
+        let t = Tracker::new(Port::Grpc, 2, m.clone());
+        let a = t.admit().unwrap();
+        let b = t.admit().unwrap();
+        a.evictable.store(false, Ordering::Release);
+        let c = t.admit().expect("b, still evictable, makes room");
         assert!(b.evicted.load(Ordering::Acquire) && !a.evicted.load(Ordering::Acquire));
-        c.handshaking.store(false, Ordering::Release);
-        assert!(t.admit(2).is_none(), "every open one is past its handshake");
+        c.evictable.store(false, Ordering::Release);
+        assert!(t.admit().is_none(), "nothing open is evictable");
         drop(a);
-        assert!(t.admit(2).is_some(), "a closed connection frees its place");
+        assert!(t.admit().is_some(), "a closed connection frees its place");
+        let closed = |reason| {
+            m.closed
+                .get_or_create(&ClosedLabels {
+                    port: Port::Grpc,
+                    reason,
+                })
+                .get()
+        };
+        assert_eq!((closed(Closed::Evicted), closed(Closed::Refused)), (1, 1));
+        drop((b, c));
+        let open = m.open.get_or_create(&PortLabels { port: Port::Grpc }).get();
+        assert_eq!(open, 1, "only the last admitted one is still open");
+    }
+
+    #[test]
+    fn an_admin_connection_serving_a_request_is_not_evictable() {
+        let t = Tracker::new(Port::Admin, 1, ConnMetrics::default());
+        let a = t.admit().unwrap();
+        let busy = Busy(a.clone());
+        let serving = busy.serving();
+        assert!(!evictable(&a));
+        assert!(t.admit().is_none(), "refused while the only one is serving");
+        drop(serving);
+        assert!(evictable(&a));
+        assert!(t.admit().is_some() && a.evicted.load(Ordering::Acquire));
     }
 }

@@ -37,6 +37,7 @@ pub(super) async fn start(
     cfg: &Config,
     shared: &Shared,
     metrics: ExtProcMetrics,
+    conn_metrics: conns::ConnMetrics,
     shutdown: &Shutdown,
 ) -> anyhow::Result<impl Future<Output = Result<(), tonic::transport::Error>>> {
     let (health_reporter, health_service) = tonic_health::server::health_reporter();
@@ -99,6 +100,7 @@ pub(super) async fn start(
         listener,
         cfg.server.max_connections,
         Duration::from_millis(cfg.server.handshake_timeout_ms),
+        conn_metrics,
     );
     Ok(grpc_builder(cfg)?
         .http2_keepalive_interval(Some(Duration::from_secs(30)))

@@ -19,7 +19,7 @@ use crate::supervise::Supervisor;
 use crate::tokenize::TokenizerRegistry;
 
 mod admin;
-mod conns;
+pub(crate) mod conns;
 mod grpc;
 mod index;
 mod maintenance;
@@ -99,9 +99,10 @@ pub async fn run(cfg: Config, tokenizers: TokenizerRegistry) -> anyhow::Result<(
     };
     maintenance::start(&cfg, &shared, gauges);
     let shutdown = Shutdown::start(&cfg);
-    let grpc = grpc::start(&cfg, &shared, telemetry.extproc, &shutdown).await?;
+    let conns = telemetry.conns;
+    let grpc = grpc::start(&cfg, &shared, telemetry.extproc, conns.clone(), &shutdown).await?;
     let pods = shared.pods.clone();
-    let admin = admin::start(&cfg, shared, telemetry.registry, mode, &shutdown).await?;
+    let admin = admin::start(&cfg, shared, telemetry.registry, conns, mode, &shutdown).await?;
     let (grpc_addr, admin_addr) = (cfg.grpc_addr(), cfg.admin_addr());
     info!(grpc = %grpc_addr, admin = %admin_addr, "kv-router listening");
     // Serve once a pod is known healthy (or the first probes had their time): a router that has

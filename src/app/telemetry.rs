@@ -14,6 +14,7 @@ use crate::pods::PodMetrics;
 use crate::supervise::Supervisor;
 use crate::telemetry::Errors;
 
+use super::conns::ConnMetrics;
 use super::maintenance::MaintenanceMetrics;
 
 /// The registry and each component's metrics.
@@ -36,6 +37,8 @@ pub(super) struct Telemetry {
     pub supervisor: Supervisor,
     /// The shared index (`backend: redis` only).
     pub redis: Option<RedisMetrics>,
+    /// Open and closed connections of both listeners.
+    pub conns: ConnMetrics,
 }
 
 impl Telemetry {
@@ -54,6 +57,7 @@ impl Telemetry {
         let supervisor = Supervisor::register(registry);
         let redis =
             (cfg.index.backend == IndexBackend::Redis).then(|| RedisMetrics::register(registry));
+        let conns = ConnMetrics::register(registry);
         Self {
             registry: Arc::new(root),
             ingest,
@@ -64,6 +68,7 @@ impl Telemetry {
             maintenance,
             supervisor,
             redis,
+            conns,
         }
     }
 }

@@ -218,13 +218,48 @@ struct StreamState {
     headers: Vec<(String, String)>,
     path: String,
     subset: Option<Vec<String>>,
-    body: Vec<u8>,
+    body: Chunks,
     /// `body`'s share of the service's buffered-bytes budget.
     reserved: Reservation,
     /// The largest body chunk received: about what the stream's receive buffer keeps.
     largest_chunk: usize,
     decided: bool,
     guard: Option<InflightGuard>,
+}
+
+/// A body as the chunks it came in, joined once at the decision: appended to one `Vec`, its
+/// capacity doubled as it grew, so held bodies cost up to twice their bytes (plus each copy).
+#[derive(Default)]
+struct Chunks {
+    parts: Vec<Vec<u8>>,
+    len: usize,
+}
+
+impl Chunks {
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn push(&mut self, chunk: Vec<u8>) {
+        if !chunk.is_empty() {
+            self.len += chunk.len();
+            self.parts.push(chunk);
+        }
+    }
+
+    /// The whole body; a body sent in one piece is not copied.
+    fn join(&mut self) -> Vec<u8> {
+        let mut parts = std::mem::take(&mut self.parts);
+        self.len = 0;
+        if parts.len() <= 1 {
+            return parts.pop().unwrap_or_default();
+        }
+        let mut body = Vec::with_capacity(parts.iter().map(Vec::len).sum());
+        for p in parts {
+            body.extend_from_slice(&p);
+        }
+        body
+    }
 }
 
 /// Replies go through the channel boxed: its queue allocates 32 slots at a time, and unboxed
@@ -245,7 +280,7 @@ impl ExtProc {
             headers: Vec::new(),
             path: String::new(),
             subset: None,
-            body: Vec::new(),
+            body: Chunks::default(),
             reserved: self.budget.reservation(),
             largest_chunk: 0,
             decided: false,
@@ -333,7 +368,7 @@ impl ExtProc {
             if !keep_going {
                 // Ending our side first makes h2 reset the stream when the gateway's late frames
                 // arrive; 1024 such resets and h2 drops the whole connection (ENHANCE_YOUR_CALM).
-                st.body = Vec::new();
+                st.body = Chunks::default();
                 st.reserved.release();
                 drop(st.guard.take());
                 // The receive buffer lives until the stream ends: wait only if the budget holds it.
@@ -367,7 +402,7 @@ impl ExtProc {
         if eos {
             // Body bytes sent before these headers (out of order) are not part of the decision:
             // they must not hold the budget while the stream lives (found by fuzz/extproc).
-            st.body = Vec::new();
+            st.body = Chunks::default();
             st.reserved.release();
             return self.decide_and_reply(st, None, tx).await;
         }
@@ -407,12 +442,7 @@ impl ExtProc {
             send(tx, reply::immediate_error(&r)).await;
             return false;
         }
-        if st.body.is_empty() {
-            // The first chunk is kept as it came: no copy of a body sent in one piece.
-            st.body = chunk;
-        } else {
-            st.body.extend_from_slice(&chunk);
-        }
+        st.body.push(chunk);
         if !eos {
             return match st.mode {
                 BodyMode::Streamed => {
@@ -421,7 +451,7 @@ impl ExtProc {
                 _ => true,
             };
         }
-        let body = std::mem::take(&mut st.body);
+        let body = st.body.join();
         let ok = self.decide_and_reply(st, Some(body), tx).await;
         // The body is gone with the decision; a long response must not hold its budget.
         st.reserved.release();
@@ -431,7 +461,7 @@ impl ExtProc {
     async fn on_request_trailers(&self, st: &mut StreamState, tx: &Tx) -> bool {
         if !st.decided && st.mode == BodyMode::FullDuplex {
             // The body ended without end_of_stream (trailers follow): decide now.
-            let body = std::mem::take(&mut st.body);
+            let body = st.body.join();
             let ok = self.decide_and_reply_inner(st, Some(body), tx, false).await;
             st.reserved.release();
             if !ok {
