@@ -116,6 +116,13 @@ pub struct HostileArgs {
     /// Simulated pods.
     #[arg(long, default_value_t = 4)]
     pub pods: usize,
+    /// Instead of the phases above: the connection and upload floods (Pick, explain, preface,
+    /// admin slowloris, held uploads through Envoy), each with a health probe beside it.
+    #[arg(long)]
+    pub attacks: bool,
+    /// Seconds each attack is held (with --attacks).
+    #[arg(long, default_value_t = 10)]
+    pub hold_s: u64,
     /// Print a markdown table too.
     #[arg(long)]
     pub markdown: bool,

@@ -8,6 +8,7 @@ pub mod cli;
 pub mod compare;
 pub mod extproc_client;
 pub mod hostile;
+pub mod hostile_attacks;
 pub mod idle;
 pub mod noop_extproc;
 pub mod oracle;

@@ -166,6 +166,19 @@ async fn real_main(cli: Cli) -> Result<()> {
                 .verdict()
                 .map_err(|why| anyhow::anyhow!("soak failed: {}", why.join("; ")))
         }
+        Cmd::Hostile(a) if a.attacks => {
+            let hold = Duration::from_secs(a.hold_s);
+            let results =
+                bench::hostile_attacks::run(&Binaries::beside_current_exe()?, hold).await?;
+            println!("{}", bench::hostile_attacks::table(&results, Style::Plain));
+            if a.markdown {
+                println!("{}", bench::hostile_attacks::table(&results, Style::Markdown));
+            }
+            if let Some(path) = &a.json {
+                write_json(path, &results)?;
+            }
+            Ok(())
+        }
         Cmd::Hostile(a) => {
             let opts = bench::hostile::HostileOptions {
                 requests: a.requests,
