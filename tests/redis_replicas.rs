@@ -634,25 +634,41 @@ async fn mirrored_replicas_never_wait_on_a_killed_restarted_or_stalled_redis() {
     let redis_addr = d.redis_addr;
     d.redis.lock().unwrap().kill();
     let decided = d.total(LOOKUPS, &[("source", "mirror")]).await;
-    wait_total(&d, "decisions without Redis", LOOKUPS, &[("source", "mirror")], |v| {
-        v >= decided + 8.0
-    })
+    wait_total(
+        &d,
+        "decisions without Redis",
+        LOOKUPS,
+        &[("source", "mirror")],
+        |v| v >= decided + 8.0,
+    )
     .await;
     for i in 0..d.routers.len() {
-        assert!(ready(&d, i).await, "replica {i} unready without Redis{}", d.diag());
+        assert!(
+            ready(&d, i).await,
+            "replica {i} unready without Redis{}",
+            d.diag()
+        );
     }
 
     // 2. Redis comes back empty: each mirror reloads by itself and follows the stream again.
     let dir = tempfile::tempdir().expect("temp dir");
     *d.redis.lock().unwrap() = Redis::restart_on(&bin, redis_addr, dir.path());
-    wait_total(&d, "reloads after the restart", RELOADS, &[("reason", "reconnect")], |v| {
-        v >= 2.0
-    })
+    wait_total(
+        &d,
+        "reloads after the restart",
+        RELOADS,
+        &[("reason", "reconnect")],
+        |v| v >= 2.0,
+    )
     .await;
     let applied = d.total(APPLIED, &[]).await;
-    wait_total(&d, "decisions applied after the restart", APPLIED, &[], |v| {
-        v >= applied + 4.0
-    })
+    wait_total(
+        &d,
+        "decisions applied after the restart",
+        APPLIED,
+        &[],
+        |v| v >= applied + 4.0,
+    )
     .await;
 
     // 3. Redis stalls (DEBUG SLEEP): no decision waits for it.

@@ -172,7 +172,10 @@ async fn real_main(cli: Cli) -> Result<()> {
                 bench::hostile_attacks::run(&Binaries::beside_current_exe()?, hold).await?;
             println!("{}", bench::hostile_attacks::table(&results, Style::Plain));
             if a.markdown {
-                println!("{}", bench::hostile_attacks::table(&results, Style::Markdown));
+                println!(
+                    "{}",
+                    bench::hostile_attacks::table(&results, Style::Markdown)
+                );
             }
             if let Some(path) = &a.json {
                 write_json(path, &results)?;
