@@ -166,6 +166,20 @@ impl Conversations {
         }
     }
 
+    /// Whether a request naming no session shares only a prefix with what the pods hold: some
+    /// candidate holds part of its prompt, none all of it, and the match reaches past no earlier
+    /// prompt's end, so the rest (a conversation's own document, a one-off question) is new.
+    /// The gate places it on an idle pod only while every holder of the prefix queues and the
+    /// idle pod would answer sooner (`gate.replicate_to_idle`); otherwise it stays with them.
+    pub fn shares_prefix(&self, keys: &Keys, matched: &[f64], session: SessionSeen) -> bool {
+        let k = &keys.keys;
+        let best = best_match(matched, k.len());
+        session == SessionSeen::None
+            && best > 0
+            && best < k.len()
+            && !continues(&self.inner.lock().ends, k, best)
+    }
+
     /// Remembers a routed prompt: its end, the block after its best match (`best`, the most
     /// blocks any candidate held), and, when it started a new conversation, that `new_on` took
     /// one more.
@@ -324,6 +338,27 @@ mod tests {
         let question = chain(&[0..4, 600..604]);
         assert!(!c.is_new(&k(&question), &[4.0], none));
         assert!(c.is_new(&k(&question), &[4.0], SessionSeen::Unpinned));
+    }
+
+    #[test]
+    fn a_sessionless_prompt_shares_a_prefix_unless_it_continues_an_earlier_one() {
+        let c = Conversations::new(16, 60_000);
+        let none = SessionSeen::None;
+        // One conversation so far: a long system prompt 0..90, its own document 100..120.
+        let first = chain(&[0..90, 100..120]);
+        c.record(&first, 0.0, None, 0);
+        // A second conversation matches the system prompt only: its own text is held nowhere,
+        // and no branch point is known yet, so it is not a new conversation but shares a prefix.
+        let second = chain(&[0..90, 200..220]);
+        assert!(!c.is_new(&k(&second), &[90.0, 0.0], none));
+        assert!(c.shares_prefix(&k(&second), &[90.0, 0.0], none));
+        // The first conversation's next turn reaches past its earlier prompt's end.
+        let next = chain(&[0..90, 100..120, 300..302]);
+        assert!(!c.shares_prefix(&k(&next), &[110.0, 0.0], none));
+        // A session, no match, or a match of the whole prompt: not this case.
+        assert!(!c.shares_prefix(&k(&second), &[90.0, 0.0], SessionSeen::Unpinned));
+        assert!(!c.shares_prefix(&k(&second), &[0.0, 0.0], none));
+        assert!(!c.shares_prefix(&k(&second), &[110.0, 0.0], none));
     }
 
     #[test]

@@ -141,7 +141,9 @@ impl DecisionState {
             (Some(_), _) => SessionSeen::Unpinned,
         };
         let new_conversation = self.conversations.is_new(&req.keys, &matched, seen);
-        let conversations = if new_conversation {
+        let shares_prefix =
+            !new_conversation && self.conversations.shares_prefix(&req.keys, &matched, seen);
+        let conversations = if new_conversation || shares_prefix {
             let placed = self.conversations.placed(&ids, now_ms);
             let pinned = self.sessions.conversations(&ids, now_ms);
             pinned.iter().zip(placed).map(|(s, p)| s.max(p)).collect()
@@ -168,6 +170,7 @@ impl DecisionState {
             session: req.session,
             turn,
             new_conversation,
+            shares_prefix,
         }
     }
 

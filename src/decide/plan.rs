@@ -92,6 +92,9 @@ pub struct PlanInput {
     pub turn: u64,
     /// The request starts a new conversation on a shared prefix ([`Conversations::is_new`]).
     pub new_conversation: bool,
+    /// It names no session and shares only a prefix with what the pods hold
+    /// ([`Conversations::shares_prefix`]): placed on an idle pod while the holders queue.
+    pub shares_prefix: bool,
 }
 
 /// One candidate with everything that went into its rank.
@@ -165,11 +168,13 @@ pub fn plan(stages: &Stages, input: PlanInput, rng: &mut impl Rng) -> Plan {
         session,
         turn,
         new_conversation,
+        shares_prefix,
     } = input;
     let input = ScoreInput {
         total_blocks: keys.keys.len(),
         candidates,
         new_conversation,
+        shares_prefix,
         prompt_tokens: keys.prompt_tokens.min(stages.max_prompt_tokens) as f64,
         tokens_per_block: keys.tokens_per_block as f64,
     };
@@ -248,7 +253,8 @@ pub fn plan(stages: &Stages, input: PlanInput, rng: &mut impl Rng) -> Plan {
         keys,
         session,
         best_match,
-        new_conversation,
+        // A prompt placed away from its busy holders counts as a conversation placed there.
+        new_conversation: new_conversation || (shares_prefix && reason == Reason::Spread),
     }
 }
 
@@ -343,6 +349,7 @@ mod tests {
             session: None,
             turn: 0,
             new_conversation: false,
+            shares_prefix: false,
         };
         let a = plan(&stages, input(), &mut StdRng::seed_from_u64(3));
         let b = plan(&stages, input(), &mut StdRng::seed_from_u64(3));

@@ -366,3 +366,71 @@ async fn rank_only_plans_do_not_advance_round_robin() {
     }
     assert_eq!(got, want, "rank-only plans moved the rotation");
 }
+
+/// Issue 34's shape, in process: two pods, two clients in a closed loop, no session id, six
+/// conversations of four turns, each opening with the same long system prompt, then its own
+/// document (the shared part the longer one), then short questions. Returns the requests per
+/// pod and whether the two clients' first requests went to the same pod.
+async fn sessionless_closed_loop(replicate_to_idle: bool) -> (Vec<usize>, bool) {
+    let (d, _) = decider(2, |c| c.gate.replicate_to_idle = replicate_to_idle).await;
+    let system = "You are a careful assistant; follow the house rules. ".repeat(110);
+    let body = |text: &str| serde_json::to_vec(&serde_json::json!({"model": "m", "prompt": text}));
+    let send = |text: &mut String, conv: usize, turn: usize| {
+        if turn == 0 {
+            text.push_str(&system);
+            text.push_str(&format!("Document {conv}: {}", "its own words ".repeat(90)));
+        }
+        text.push_str(&format!(
+            " Question {turn} of conversation {conv}? Answer: fine."
+        ));
+        body(text).unwrap()
+    };
+    // Per client: (conversation, its text so far, turns sent, the request in flight).
+    let mut clients: Vec<(usize, String, usize, Option<Decision>)> = Vec::new();
+    for conv in 0..2 {
+        let mut text = String::new();
+        let b = send(&mut text, conv, 0);
+        let dec = d.decide(req(&b, &[])).await.unwrap();
+        clients.push((conv, text, 1, Some(dec)));
+    }
+    let pod = |d: &Decision| usize::from(d.plan.endpoints[0].as_str().ends_with("8001"));
+    let same_first = pod(clients[0].3.as_ref().unwrap()) == pod(clients[1].3.as_ref().unwrap());
+    let (mut next_conversation, mut per_pod) = (2, vec![0usize; 2]);
+    // The clients' responses end in turn; each client then sends its next request.
+    while clients.iter().any(|c| c.3.is_some()) {
+        for c in &mut clients {
+            let Some(done) = c.3.take() else { continue };
+            per_pod[pod(&done)] += 1;
+            drop(done);
+            if c.2 == 4 {
+                if next_conversation == 6 {
+                    continue;
+                }
+                *c = (next_conversation, String::new(), 0, None);
+                next_conversation += 1;
+            }
+            let b = send(&mut c.1, c.0, c.2);
+            c.3 = Some(d.decide(req(&b, &[])).await.unwrap());
+            c.2 += 1;
+        }
+    }
+    (per_pod, same_first)
+}
+
+#[tokio::test]
+async fn sessionless_conversations_on_a_long_shared_prompt_use_both_pods() {
+    // Before (the switch off): the second client's first conversation joined the first on the
+    // system prompt's holder, which queued both cold prefills while the other pod idled.
+    let (before, same_first) = sessionless_closed_loop(false).await;
+    assert!(same_first, "before: {before:?}");
+    let (after, same_first) = sessionless_closed_loop(true).await;
+    assert!(
+        !same_first,
+        "the idle pod warms the prompt: {after:?} (before {before:?})"
+    );
+    assert_eq!(after.iter().sum::<usize>(), 24);
+    assert!(
+        after.iter().all(|&n| n >= 8),
+        "no pod above 2/3 of the requests: {after:?} (before {before:?})"
+    );
+}

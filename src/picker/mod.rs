@@ -238,6 +238,7 @@ mod tests {
             total_blocks: 4,
             candidates: (0..n).map(|i| candidate(&format!("p:{i}"))).collect(),
             new_conversation: false,
+            shares_prefix: false,
             prompt_tokens: 0.0,
             tokens_per_block: 16.0,
         }
@@ -533,6 +534,53 @@ mod tests {
             first, 0,
             "the holder is committed; a second pod warms the prefix"
         );
+    }
+
+    #[test]
+    fn a_sessionless_prompt_leaves_its_busy_holder_for_an_idle_pod_that_answers_sooner() {
+        // Pod 0 holds a long system prompt (80 of 100 blocks); the prompt names no session.
+        let weighted = Picker::new(Policy::Weighted, vec![3.0, 1.0], GateConfig::default());
+        let rank = |inp: &ScoreInput, p: &Picker| {
+            let prefix: Vec<f64> = inp
+                .candidates
+                .iter()
+                .map(|c| c.matched_blocks / 100.0)
+                .collect();
+            let scores = vec![prefix, vec![1.0; 3]];
+            let r = p.rank(inp, &scores, &[0.0; 3], 0, &mut StdRng::seed_from_u64(5));
+            (r.order[0], r.reason)
+        };
+        let mut inp = ttft_input();
+        inp.shares_prefix = true;
+        // An idle holder keeps it: a one-off question on a shared document warms nothing new.
+        assert_eq!(rank(&inp, &weighted), (0, Reason::Scored));
+        // The holder is prefilling another conversation's first turn (2000 tokens of this
+        // router's requests): an idle pod computes the whole prompt sooner, and warms the prefix.
+        inp.candidates[0].load.inflight_requests = 1.0;
+        inp.candidates[0].load.inflight_tokens = 2000.0;
+        let (first, reason) = rank(&inp, &weighted);
+        assert_eq!(reason, Reason::Spread);
+        assert_ne!(first, 0);
+        // Only to a pod with no requests, and only when it would answer sooner.
+        for c in &mut inp.candidates[1..] {
+            c.load.running = 1.0;
+        }
+        assert_eq!(rank(&inp, &weighted), (0, Reason::Scored));
+        inp.candidates[1].load.running = 0.0;
+        inp.candidates[0].load.inflight_tokens = 100.0;
+        assert_eq!(rank(&inp, &weighted), (0, Reason::Scored), "short queue");
+        inp.candidates[0].load.inflight_tokens = 2000.0;
+        assert_eq!(rank(&inp, &weighted).0, 1);
+        // A continuation (not sharing only a prefix), or the switch off: the holder keeps it.
+        inp.shares_prefix = false;
+        assert_eq!(rank(&inp, &weighted), (0, Reason::Scored));
+        inp.shares_prefix = true;
+        let off = GateConfig {
+            replicate_to_idle: false,
+            ..GateConfig::default()
+        };
+        let p = Picker::new(Policy::Weighted, vec![3.0, 1.0], off);
+        assert_eq!(rank(&inp, &p), (0, Reason::Scored));
     }
 
     #[test]

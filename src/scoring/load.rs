@@ -63,6 +63,7 @@ mod tests {
             total_blocks: 1,
             candidates: vec![idle, busy, drowned],
             new_conversation: false,
+            shares_prefix: false,
             prompt_tokens: 0.0,
             tokens_per_block: 16.0,
         };

@@ -42,6 +42,9 @@ pub(crate) struct ScoreInput {
     pub candidates: Vec<Candidate>,
     /// The request starts a new conversation on a prefix others share (the picker spreads it).
     pub new_conversation: bool,
+    /// It names no session and shares only a prefix with what the pods hold (the gate places
+    /// it on an idle pod while the holders queue).
+    pub shares_prefix: bool,
     /// Prompt tokens (estimated in approximate mode), capped at what a model accepts.
     pub prompt_tokens: f64,
     /// Tokens per matched block.
@@ -133,6 +136,7 @@ mod tests {
             total_blocks: 1,
             candidates: vec![candidate("a:1")],
             new_conversation: false,
+            shares_prefix: false,
             prompt_tokens: 0.0,
             tokens_per_block: 16.0,
         };
@@ -141,6 +145,7 @@ mod tests {
             total_blocks: 1,
             candidates: vec![candidate("a:1"), candidate("b:1")],
             new_conversation: false,
+            shares_prefix: false,
             prompt_tokens: 0.0,
             tokens_per_block: 16.0,
         };

@@ -36,6 +36,7 @@ mod tests {
             total_blocks: 4,
             candidates: vec![a, candidate("b:1")],
             new_conversation: false,
+            shares_prefix: false,
             prompt_tokens: 0.0,
             tokens_per_block: 16.0,
         };
@@ -44,6 +45,7 @@ mod tests {
             total_blocks: 0,
             candidates: vec![candidate("a:1")],
             new_conversation: false,
+            shares_prefix: false,
             prompt_tokens: 0.0,
             tokens_per_block: 16.0,
         };
