@@ -663,6 +663,13 @@ pub struct SimulateArgs {
     /// The router is told each pod's KV cache is this many times its real size.
     #[arg(long, default_value_t = 1.0)]
     pub capacity_belief: f64,
+    /// Router replicas sharing the index, requests spread round robin; a list sweeps sizes.
+    #[arg(long, value_delimiter = ',', default_values_t = vec![1usize])]
+    pub replicas: Vec<usize>,
+    /// Virtual ms before a replica's index record reaches the other replicas; a list sweeps
+    /// delays (each with each --replicas).
+    #[arg(long, value_delimiter = ',', default_values_t = vec![0.0f64])]
+    pub propagation_ms: Vec<f64>,
     /// Seed of tie-breaks and the random policy.
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
@@ -722,6 +729,8 @@ impl SimulateArgs {
                 restart_every_s: self.restart_every_s,
                 capacity_belief: self.capacity_belief,
             },
+            replicas: self.replicas.clone(),
+            propagation_ms: self.propagation_ms.clone(),
         };
         if self.quick {
             opts.quick()

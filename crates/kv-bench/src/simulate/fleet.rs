@@ -15,9 +15,10 @@ use kv_testkit::splitmix::SplitMix64;
 use vllm_sim::engine::{Engine, EngineConfig, Output, Submission};
 use vllm_sim::translate::{Hashes, Translator};
 
-use super::options::{SimulateError, SimulateOptions, BLOCK_TOKENS, MODEL};
+use super::options::{Replication, SimulateError, SimulateOptions, BLOCK_TOKENS, MODEL};
 use super::prepare::Prepared;
-use super::router::{SimRouter, SimTime};
+use super::replicas::{Replicas, Writes};
+use super::router::SimRouter;
 use crate::strategy::Strategy;
 
 /// Whether a strategy's outcome depends on the index at all (round robin and random ignore it,
@@ -57,6 +58,10 @@ pub(super) struct RunOutcome {
     pub(super) kv_events: Option<ApplyStats>,
     /// Each pod's prefill speed as the router learned it by the end (tokens/s).
     pub(super) learned_tokens_per_sec: Vec<f64>,
+    /// The router replicas and their delay.
+    pub(super) replication: Replication,
+    /// Index records the replicas published.
+    pub(super) writes: Writes,
 }
 
 /// The fleet side of one run: engines, their event schedule, and what they reported.
@@ -145,32 +150,56 @@ fn submission(prep: &Prepared, i: usize) -> Submission {
     }
 }
 
-/// Simulates `strategy` on `pods` pods over the prepared requests.
+/// Simulates `strategy` on `pods` pods over the prepared requests, routed by the replicas `how`
+/// describes.
 pub(super) fn simulate(
     prep: &Prepared,
     strategy: Strategy,
     pods: usize,
+    how: Replication,
     opts: &SimulateOptions,
 ) -> Result<RunOutcome, SimulateError> {
+    simulate_replicas(prep, strategy, pods, how, opts, false)
+}
+
+/// [`simulate`]; with `one_index` every replica holds the same index object (no propagation).
+pub(super) fn simulate_replicas(
+    prep: &Prepared,
+    strategy: Strategy,
+    pods: usize,
+    how: Replication,
+    opts: &SimulateOptions,
+    one_index: bool,
+) -> Result<RunOutcome, SimulateError> {
     let cfg = strategy.router_config(&Config::default(), MODEL);
-    let index = uses_index(strategy).then(|| {
-        build_index(&cfg, None)
-            .expect("simulated fleets use in-process indexes")
-            .index
-    });
     let ecfg = EngineConfig {
         block_size: BLOCK_TOKENS,
         ..opts.engine.clone()
     };
     let ids: Vec<PodId> = (0..pods).map(|i| PodId::new(format!("pod-{i}"))).collect();
-    if let Some(index) = &index {
+    let new_index = || {
+        let index = build_index(&cfg, None)
+            .expect("simulated fleets use in-process indexes")
+            .index;
         // As the router's maintenance loop does from the pods' `cache_config_info`.
         let told = ecfg.num_gpu_blocks as f64 * opts.divergence.capacity_belief;
         let cap = index_capacity(&cfg, told.round().max(1.0) as u64, BLOCK_TOKENS as u64);
         for id in &ids {
             ready(index.set_capacity(id, cap)).expect("in-memory index");
         }
-    }
+        index
+    };
+    let shared = (one_index && uses_index(strategy)).then(new_index);
+    let routers = (0..how.replicas.max(1))
+        .map(|_| {
+            let index = match &shared {
+                Some(index) => Some(index.clone()),
+                None => uses_index(strategy).then(new_index),
+            };
+            SimRouter::new(&cfg, index, ids.clone())
+        })
+        .collect();
+    let mut router = Replicas::new(routers, how, one_index);
     // One tie-break stream per seed and fleet, whatever the strategy: two strategies are
     // compared on common random numbers, not on two streams' luck.
     let salt = SplitMix64::derive(opts.seed, "tie-breaks", pods as u64).next_u64();
@@ -212,7 +241,6 @@ pub(super) fn simulate(
         done: 0,
         makespan_us: 0,
     };
-    let mut router = SimRouter::new(&cfg, index, ids);
     let mut per_pod = vec![0usize; pods];
     let mut all_saturated = 0usize;
     let mut applied = ApplyStats::default();
@@ -228,39 +256,36 @@ pub(super) fn simulate(
         // Router-side events only matter while requests are still to be routed.
         let t_tick = t_arr.map(|_| next_tick);
         let t_del = t_arr.and(fleet.deliveries.front().map(|d| d.0));
+        let t_rec = t_arr.and(router.next_due());
         let t_restart = t_arr.and(restart_us).map(|_| next_restart);
-        let t = [t_pod, t_del, t_tick, t_restart, t_arr]
+        let t = [t_pod, t_rec, t_del, t_tick, t_restart, t_arr]
             .into_iter()
             .flatten()
             .min()
             .expect("something is pending");
-        // At equal times: pods first, then event delivery, scrape, and the new request, so the
-        // router sees everything that happened up to and including `t`.
+        // At equal times: pods first, then other replicas' records, event delivery, scrape, and
+        // the new request, so the router sees everything that happened up to and including `t`.
         if let Some((_, p)) = wake.filter(|w| w.0 == t) {
             fleet.heap.pop();
             fleet.scheduled[p] = None;
             fleet.settle(p, t);
             continue;
         }
+        if t_rec == Some(t) {
+            router.deliver_next();
+            continue;
+        }
         if t_del == Some(t) {
             let (_, p, batch) = fleet.deliveries.pop_front().expect("peeked");
-            if let Some(Ok(a)) = router
-                .index
-                .as_ref()
-                .map(|index| ready(index.apply_events(&router.ids[p], 0, MODEL, &batch)))
-            {
+            if let Some(a) = router.apply_events(p, &batch) {
                 add_stats(&mut applied, &a);
             }
             continue;
         }
         if t_tick == Some(t) {
-            for (v, e) in router.views.iter_mut().zip(&fleet.engines) {
-                v.scrape(SimTime(t), e);
-            }
+            router.scrape(t, &fleet.engines);
             if ticks % sweep_every == 0 {
-                if let Some(index) = &router.index {
-                    ready(index.sweep(t / 1000)).expect("in-memory index");
-                }
+                router.sweep(t);
             }
             ticks += 1;
             next_tick = t + scrape_us;
@@ -296,7 +321,7 @@ pub(super) fn simulate(
             precise: cfg.kv_events.enabled,
             tokenize_error: None,
         };
-        let plan = router.decide(t, keys, None, &mut rng);
+        let plan = router.decide(i, t, keys, &mut rng);
         if plan.reason == Reason::AllSaturated {
             all_saturated += 1;
         }
@@ -323,6 +348,8 @@ pub(super) fn simulate(
         all_saturated,
         makespan_us: fleet.makespan_us,
         kv_events: fleet.publish.then_some(applied),
-        learned_tokens_per_sec: router.learned_tokens_per_sec(),
+        learned_tokens_per_sec: router.routers[0].learned_tokens_per_sec(),
+        replication: how,
+        writes: router.writes,
     })
 }

@@ -30,6 +30,9 @@ mod fleet;
 mod options;
 mod outcome;
 mod prepare;
+#[cfg(test)]
+mod replica_tests;
+mod replicas;
 mod report;
 mod router;
 #[cfg(test)]
@@ -51,10 +54,11 @@ use prepare::Prepared;
 
 pub use capacity::CapacityPlan;
 pub use options::{
-    CapacityOptions, Divergence, SimulateError, SimulateOptions, BLOCK_TOKENS,
+    CapacityOptions, Divergence, Replication, SimulateError, SimulateOptions, BLOCK_TOKENS,
     DEFAULT_TTFT_TARGET_MS,
 };
 pub use outcome::StrategyResult;
+pub use replicas::Writes;
 
 /// Simulation parameters as reported.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -108,7 +112,8 @@ pub struct SimulateReport {
     pub params: SimParams,
     /// Oracles for this request sequence and fleet.
     pub oracles: Oracles,
-    /// One result per strategy, in the order asked.
+    /// One result per strategy and replication (replicas, delay), strategies in the order asked,
+    /// each with every replication in [`SimulateOptions::replications`] order.
     pub strategies: Vec<StrategyResult>,
     /// Capacity planning, if asked.
     pub capacity: Option<CapacityPlan>,
@@ -121,7 +126,7 @@ pub struct SimulateReport {
 /// A unit of work for the thread pool.
 #[derive(Debug, Clone, Copy)]
 enum Job {
-    Compare(Strategy),
+    Compare(Strategy, Replication),
     Plan(usize),
 }
 
@@ -154,10 +159,17 @@ pub fn run_trace(trace: &Trace, opts: &SimulateOptions) -> Result<SimulateReport
     let engine = &opts.engine;
     let blocks_per_pod = engine.num_gpu_blocks;
 
-    let jobs: Vec<Job> = opts
+    let replications = opts.replications();
+    // The capacity plan runs with the first replication asked.
+    let planned_with = replications[0];
+    let compares: Vec<Job> = opts
         .strategies
         .iter()
-        .map(|&s| Job::Compare(s))
+        .flat_map(|&s| replications.iter().map(move |&r| Job::Compare(s, r)))
+        .collect();
+    let jobs: Vec<Job> = compares
+        .iter()
+        .copied()
         .chain(
             opts.capacity
                 .iter()
@@ -167,8 +179,7 @@ pub fn run_trace(trace: &Trace, opts: &SimulateOptions) -> Result<SimulateReport
         .collect();
     let sweep = opts.capacity.as_ref().map(Sweep::new);
     let oracles = Mutex::new(None);
-    let compared: Mutex<Vec<Option<StrategyResult>>> =
-        Mutex::new(vec![None; opts.strategies.len()]);
+    let compared: Mutex<Vec<Option<StrategyResult>>> = Mutex::new(vec![None; compares.len()]);
     let errors: Mutex<Vec<SimulateError>> = Mutex::new(Vec::new());
     let next = AtomicUsize::new(0);
     std::thread::scope(|s| {
@@ -181,32 +192,38 @@ pub fn run_trace(trace: &Trace, opts: &SimulateOptions) -> Result<SimulateReport
             s.spawn(|| loop {
                 let k = next.fetch_add(1, Ordering::Relaxed);
                 let Some(&job) = jobs.get(k) else { break };
-                let (strategy, pods) = match (job, &sweep) {
-                    (Job::Compare(st), _) => (st, opts.pods),
-                    (Job::Plan(n), Some(sw)) if !sw.skips(n) => (sw.opts.strategy, n),
+                let (strategy, pods, how) = match (job, &sweep) {
+                    (Job::Compare(st, how), _) => (st, opts.pods, how),
+                    (Job::Plan(n), Some(sw)) if !sw.skips(n) => (sw.opts.strategy, n, planned_with),
                     (Job::Plan(_), _) => continue,
                 };
                 let t0 = Instant::now();
-                match simulate(&prep, strategy, pods, opts) {
+                match simulate(&prep, strategy, pods, how, opts) {
                     Ok(out) => {
                         let wall = t0.elapsed().as_secs_f64();
                         let r = StrategyResult::new(strategy, out, wall);
                         eprintln!(
-                            "kv-bench simulate: {} on {} pods: {:.1} s ({:.0} trace s/s)",
+                            "kv-bench simulate: {} on {} pods, {} replica(s), {} ms: {:.1} s \
+                             ({:.0} trace s/s)",
                             strategy.as_str(),
                             pods,
+                            how.replicas,
+                            how.propagation_ms,
                             wall,
                             r.timing.speed
                         );
+                        let plans_this = how == planned_with;
                         if let Some(sw) = &sweep {
-                            if sw.opts.strategy == strategy && sw.sizes.contains(&pods) {
+                            if plans_this
+                                && sw.opts.strategy == strategy
+                                && sw.sizes.contains(&pods)
+                            {
                                 sw.record(r.clone());
                             }
                         }
-                        if let Job::Compare(st) = job {
-                            if let Some(slot) = opts.strategies.iter().position(|&x| x == st) {
-                                compared.lock()[slot] = Some(r);
-                            }
+                        // The comparison's jobs come first, in the report's order.
+                        if let Some(slot) = compared.lock().get_mut(k) {
+                            *slot = Some(r);
                         }
                     }
                     Err(e) => errors.lock().push(e),

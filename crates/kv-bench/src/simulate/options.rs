@@ -31,6 +31,9 @@ pub enum SimulateError {
     /// A divergence option out of its range.
     #[error("{0}")]
     BadDivergence(&'static str),
+    /// A replica count or propagation delay out of its range.
+    #[error("{0}")]
+    BadReplication(&'static str),
     /// The trace (after `--requests`) has no request.
     #[error("the trace has no request to simulate")]
     EmptyTrace,
@@ -117,6 +120,30 @@ pub struct SimulateOptions {
     pub capacity: Option<CapacityOptions>,
     /// Where the pods' caches stop matching what the router recorded.
     pub divergence: Divergence,
+    /// Router replicas sharing the index, each size simulated (the comparison sweeps every
+    /// size with every delay; the capacity plan uses the first pair).
+    pub replicas: Vec<usize>,
+    /// Virtual ms before one replica's index record reaches the other replicas' indexes.
+    pub propagation_ms: Vec<f64>,
+}
+
+/// One way of running the router: `replicas` replicas, each with its own index, applying each
+/// other's records `propagation_ms` after they were made.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Replication {
+    /// Router replicas; request `i` goes to replica `i % replicas` (Envoy's round robin).
+    pub replicas: usize,
+    /// Delay of another replica's record, virtual ms (0 with one replica: nothing to propagate).
+    pub propagation_ms: f64,
+}
+
+impl Default for Replication {
+    fn default() -> Self {
+        Self {
+            replicas: 1,
+            propagation_ms: 0.0,
+        }
+    }
 }
 
 /// Ways the pods' caches drift from the router's own record of its decisions (issue 10 §1):
@@ -169,6 +196,8 @@ impl Default for SimulateOptions {
             threads: 0,
             capacity: Some(CapacityOptions::default()),
             divergence: Divergence::default(),
+            replicas: vec![1],
+            propagation_ms: vec![0.0],
         }
     }
 }
@@ -183,9 +212,43 @@ impl SimulateOptions {
         self
     }
 
+    /// Every (replicas, delay) pair to compare, in the order given; one replica once, whatever
+    /// the delays (it has nothing to propagate).
+    pub fn replications(&self) -> Vec<Replication> {
+        let mut out: Vec<Replication> = Vec::new();
+        for &replicas in &self.replicas {
+            for &d in &self.propagation_ms {
+                let propagation_ms = if replicas == 1 { 0.0 } else { d };
+                let r = Replication {
+                    replicas,
+                    propagation_ms,
+                };
+                if !out.contains(&r) {
+                    out.push(r);
+                }
+            }
+        }
+        out
+    }
+
     pub(super) fn validate(&self) -> Result<(), SimulateError> {
         if self.pods == 0 {
             return Err(SimulateError::NoPods);
+        }
+        if self.replicas.is_empty() || self.replicas.contains(&0) {
+            return Err(SimulateError::BadReplication(
+                "at least one replica size, each at least 1",
+            ));
+        }
+        if self.propagation_ms.is_empty()
+            || self
+                .propagation_ms
+                .iter()
+                .any(|d| !(d.is_finite() && *d >= 0.0))
+        {
+            return Err(SimulateError::BadReplication(
+                "at least one propagation delay, each finite and at least 0",
+            ));
         }
         if self.strategies.is_empty() {
             return Err(SimulateError::NoStrategies);

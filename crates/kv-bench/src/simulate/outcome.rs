@@ -8,6 +8,8 @@ use super::super::oracle::Oracles;
 use super::super::report::percentile;
 use super::super::strategy::Strategy;
 use super::fleet::RunOutcome;
+use super::options::Replication;
+use super::replicas::Writes;
 
 /// Virtual and real time of one simulation run (excluded from determinism comparisons).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
@@ -25,6 +27,10 @@ pub struct StrategyResult {
     pub strategy: Strategy,
     /// Fleet size.
     pub pods: usize,
+    /// Router replicas and the delay of each other's records.
+    pub replication: Replication,
+    /// Index records the replicas published for each other (all replicas together).
+    pub writes: Writes,
     /// Requests completed (= submitted).
     pub requests: usize,
     /// Σ prompt tokens (engine usage).
@@ -94,6 +100,8 @@ impl StrategyResult {
         Self {
             strategy,
             pods,
+            replication: out.replication,
+            writes: out.writes,
             requests,
             prompt_tokens: out.prompt_tokens,
             cached_tokens: out.cached_tokens,

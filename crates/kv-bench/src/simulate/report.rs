@@ -73,8 +73,13 @@ impl SimulateReport {
             self.oracles.pooled_blocks,
             self.oracles.pooled.ratio()
         );
-        let header = [
-            "strategy",
+        // Replica columns only when some run had several replicas.
+        let replicated = self.strategies.iter().any(|r| r.replication.replicas > 1);
+        let mut header = vec!["strategy"];
+        if replicated {
+            header.extend(["replicas", "delay"]);
+        }
+        header.extend([
             "hit ratio",
             "/ infinite",
             "/ pooled",
@@ -88,13 +93,25 @@ impl SimulateReport {
             "req/pod min-max",
             "all gated",
             "sim speed",
-        ];
+        ]);
         let mut table = Table::new(header);
         for r in &self.strategies {
             let min = r.per_pod.iter().min().copied().unwrap_or(0);
             let max = r.per_pod.iter().max().copied().unwrap_or(0);
-            table.row(vec![
-                r.strategy.as_str().to_string(),
+            let mut row = vec![r.strategy.as_str().to_string()];
+            if replicated {
+                let how = &r.replication;
+                row.push(how.replicas.to_string());
+                row.push(if how.replicas < 2 {
+                    "-".into()
+                } else if how.propagation_ms / 1e3 > self.arrival_span_s {
+                    // Past the last arrival: replicas that never share.
+                    "never".into()
+                } else {
+                    format!("{} ms", how.propagation_ms)
+                });
+            }
+            row.extend([
                 format!("{:.3}", r.hit_ratio),
                 format!("{:.2}", r.vs_infinite),
                 r.vs_pooled.map_or("-".into(), |v| format!("{v:.2}")),
@@ -109,8 +126,17 @@ impl SimulateReport {
                 format!("{}", r.all_saturated),
                 format!("{:.0}x", r.timing.speed),
             ]);
+            table.row(row);
         }
         out.push_str(&table.render(style));
+        if replicated {
+            let _ = writeln!(
+                out,
+                "\nReplicas: request i goes to replica i mod N; each decides on its own index and \
+                 state, and applies the others' records `delay` later."
+            );
+        }
+        self.write_rates(&mut out);
         let slow = p.slow_pods.min(self.pods);
         if slow > 0 && slow < self.pods {
             let _ = writeln!(
@@ -202,5 +228,33 @@ impl SimulateReport {
             self.threads, self.wall_s
         );
         out
+    }
+}
+
+impl SimulateReport {
+    /// Index records each replica publishes at the trace's arrival rate, once per strategy and
+    /// replica count (the delay does not change it by much): what sizes the shared stream.
+    fn write_rates(&self, out: &mut String) {
+        let span = self.arrival_span_s.max(1e-9);
+        let mut seen: Vec<(&str, usize)> = Vec::new();
+        for r in &self.strategies {
+            let key = (r.strategy.as_str(), r.replication.replicas);
+            if r.writes.records == 0 || r.replication.replicas < 2 || seen.contains(&key) {
+                continue;
+            }
+            seen.push(key);
+            let n = r.replication.replicas as f64;
+            let _ = writeln!(
+                out,
+                "\n{} x{}: each replica publishes {:.2} records/s, {:.0} block keys/s \
+                 ({:.0} keys per record; the fleet {:.2} records/s).",
+                key.0,
+                key.1,
+                r.writes.records as f64 / n / span,
+                r.writes.blocks as f64 / n / span,
+                r.writes.blocks as f64 / r.writes.records as f64,
+                r.writes.records as f64 / span,
+            );
+        }
     }
 }

@@ -15,7 +15,7 @@ use kv_testkit::trace::{Trace, TraceRecord};
 use vllm_sim::engine::EngineConfig;
 
 /// Fast engines: small prompts still queue a little so load matters.
-fn opts(pods: usize) -> SimulateOptions {
+pub(super) fn opts(pods: usize) -> SimulateOptions {
     SimulateOptions {
         pods,
         threads: 2,
@@ -30,7 +30,7 @@ fn opts(pods: usize) -> SimulateOptions {
 
 /// `groups` shared 1024-token prefixes (2 trace blocks), each request adding its own block;
 /// groups come in a pseudo-random order (no pattern a round robin could align with).
-fn grouped_trace(groups: u64, per_group: u64, gap_ms: u64) -> Trace {
+pub(super) fn grouped_trace(groups: u64, per_group: u64, gap_ms: u64) -> Trace {
     let mut records = Vec::new();
     let mut next_id = 1_000;
     let mut rng = SplitMix64::new(groups * 31 + per_group);
@@ -373,7 +373,12 @@ fn precise_sees_what_the_routers_own_record_misses() {
 /// starts with the same 512-token system prompt (trace block 0), then the conversation's own
 /// history, whose last partial block is re-cut (a new id) when the next turn extends it. New
 /// conversations arrive every `gap_ms`; a conversation's turns come `turn_gap_ms` apart.
-fn conversation_trace(conversations: u64, turns: u64, gap_ms: u64, turn_gap_ms: u64) -> Trace {
+pub(super) fn conversation_trace(
+    conversations: u64,
+    turns: u64,
+    gap_ms: u64,
+    turn_gap_ms: u64,
+) -> Trace {
     let mut records = Vec::new();
     let mut next_id = 1;
     for c in 0..conversations {

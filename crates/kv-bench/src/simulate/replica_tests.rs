@@ -1,0 +1,174 @@
+//! Router replicas sharing the index through a delayed stream: no delay is one shared index,
+//! a long delay loses the hits that only another replica's record could give.
+
+use super::fleet::{simulate_replicas, RunOutcome};
+use super::options::{Replication, SimulateError};
+use super::prepare::Prepared;
+use super::tests::{conversation_trace, grouped_trace, opts};
+use super::*;
+use crate::strategy::Strategy;
+
+fn replicas(replicas: usize, propagation_ms: f64) -> Replication {
+    Replication {
+        replicas,
+        propagation_ms,
+    }
+}
+
+/// What a run decided and what the pods made of it.
+fn fingerprint(
+    o: &RunOutcome,
+) -> (
+    Vec<u64>,
+    Vec<usize>,
+    u64,
+    Option<kv_router::index::ApplyStats>,
+) {
+    (
+        o.ttft_us.clone(),
+        o.per_pod.clone(),
+        o.cached_tokens,
+        o.kv_events,
+    )
+}
+
+#[test]
+fn replicas_without_delay_decide_as_on_one_shared_index() {
+    // Each replica keeps its own copy; with no delay every copy gets every record before the
+    // next decision, so the copies are the one index the reference shares between replicas.
+    let t = conversation_trace(48, 4, 150, 1_500);
+    let o = SimulateOptions {
+        engine: vllm_sim::engine::EngineConfig {
+            num_gpu_blocks: 2_400,
+            ..opts(8).engine
+        },
+        ..opts(8)
+    };
+    let prep = Prepared::new(&t, &o, 1);
+    for strategy in [Strategy::Weighted, Strategy::Precise] {
+        let run = |how, one_index| simulate_replicas(&prep, strategy, 8, how, &o, one_index);
+        let shared = run(replicas(4, 0.0), true).unwrap();
+        let mirrored = run(replicas(4, 0.0), false).unwrap();
+        assert_eq!(
+            fingerprint(&shared),
+            fingerprint(&mirrored),
+            "{strategy:?}: four mirrors with no delay differ from one shared index"
+        );
+        assert_eq!(shared.writes, mirrored.writes);
+        // Negative control: the comparison sees a delay that matters.
+        let late = run(replicas(4, 5_000.0), false).unwrap();
+        assert_ne!(
+            fingerprint(&shared),
+            fingerprint(&late),
+            "{strategy:?}: a 5 s delay changed nothing"
+        );
+    }
+}
+
+#[test]
+fn one_replica_is_the_router_alone_and_more_stay_close_to_it_without_delay() {
+    let t = conversation_trace(48, 4, 150, 1_500);
+    let mut o = opts(8);
+    o.engine.num_gpu_blocks = 2_400;
+    o.strategies = vec![Strategy::Weighted];
+    let alone = run_trace(&t, &o).unwrap();
+    // A delay means nothing to one replica: it runs once, as the router alone.
+    o.propagation_ms = vec![0.0, 100.0];
+    let one = run_trace(&t, &o).unwrap();
+    assert_eq!(one.strategies.len(), 1);
+    let strip = |mut r: StrategyResult| {
+        r.timing = Default::default();
+        r
+    };
+    assert_eq!(
+        strip(one.strategies[0].clone()),
+        strip(alone.strategies[0].clone())
+    );
+    // Several replicas with no delay share every record; only their own in-flight charges and
+    // conversation memory differ from one router's: a few hits either way.
+    o.replicas = vec![1, 2, 4];
+    o.propagation_ms = vec![0.0];
+    let r = run_trace(&t, &o).unwrap();
+    let hit = |i: usize| r.strategies[i].hit_ratio;
+    for i in 1..3 {
+        assert!(
+            (hit(i) - hit(0)).abs() <= 0.1 * hit(0),
+            "{} replicas: hit ratio {} vs one router's {}",
+            r.strategies[i].replication.replicas,
+            hit(i),
+            hit(0)
+        );
+    }
+}
+
+#[test]
+fn a_delay_longer_than_a_turn_loses_the_conversations_hits() {
+    // Turns of a conversation come 1.5 s apart and land on different replicas (round robin): a
+    // replica that learns of the previous turn only 60 s later cannot find its history.
+    let t = conversation_trace(48, 4, 150, 1_500);
+    let mut o = opts(8);
+    o.engine.num_gpu_blocks = 2_400;
+    o.strategies = vec![Strategy::Weighted, Strategy::Precise];
+    o.replicas = vec![4];
+    o.propagation_ms = vec![1.0, 60_000.0];
+    let r = run_trace(&t, &o).unwrap();
+    for pair in r.strategies.chunks(2) {
+        let (fast, late) = (&pair[0], &pair[1]);
+        assert_eq!(
+            (fast.replication, late.replication),
+            (replicas(4, 1.0), replicas(4, 60_000.0))
+        );
+        eprintln!(
+            "{:?}: {} with a 60 s delay vs {} with 1 ms",
+            fast.strategy, late.hit_ratio, fast.hit_ratio
+        );
+        if fast.strategy == Strategy::Precise {
+            // Every replica reads the pods' events (5 ms): only the speculative entries wait.
+            assert!(late.hit_ratio > 0.9 * fast.hit_ratio);
+        } else {
+            assert!(late.hit_ratio < 0.8 * fast.hit_ratio);
+        }
+    }
+}
+
+#[test]
+fn every_routed_decision_publishes_one_record() {
+    let t = grouped_trace(6, 10, 40);
+    let mut o = opts(4);
+    o.strategies = vec![Strategy::RoundRobin, Strategy::Weighted];
+    o.replicas = vec![3];
+    let r = run_trace(&t, &o).unwrap();
+    // Round robin keeps no index, so publishes nothing.
+    assert_eq!(r.strategies[0].writes, Writes::default());
+    let w = &r.strategies[1].writes;
+    assert_eq!(w.records, t.records.len() as u64);
+    // 1300-token prompts: 81 full 16-token blocks each.
+    assert_eq!(w.blocks, 81 * t.records.len() as u64);
+    assert!(r.markdown().contains("weighted x3: each replica publishes"));
+}
+
+#[test]
+fn replication_options_are_checked_and_deduplicated() {
+    let t = grouped_trace(2, 2, 40);
+    let mut o = opts(2);
+    o.replicas = vec![1, 2];
+    o.propagation_ms = vec![0.0, 10.0];
+    assert_eq!(
+        o.replications(),
+        [replicas(1, 0.0), replicas(2, 0.0), replicas(2, 10.0)]
+    );
+    for (r, d) in [(vec![0], vec![0.0]), (vec![], vec![0.0])] {
+        o.replicas = r;
+        o.propagation_ms = d;
+        let e = run_trace(&t, &o).unwrap_err();
+        assert!(matches!(
+            e.downcast_ref::<SimulateError>(),
+            Some(SimulateError::BadReplication(_))
+        ));
+    }
+    o.replicas = vec![2];
+    for d in [vec![-1.0], vec![f64::NAN], vec![]] {
+        o.propagation_ms = d;
+        assert!(run_trace(&t, &o).is_err());
+    }
+}

@@ -1,0 +1,149 @@
+//! Router replicas sharing the index, as the live design shares it: every replica answers
+//! lookups from its own in-process index and decides with its own state (conversation memory,
+//! in-flight charges, round-robin turn); its index record lands in its own index at once and in
+//! every other replica's `propagation` later (the shared stream's delay). KV events reach every
+//! replica alike (each subscribes to every pod).
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+
+use kv_router::blocks::BlockKey;
+use kv_router::decide::Plan;
+use kv_router::events::KvEventBatch;
+use kv_router::index::{ApplyStats, KvIndex};
+use kv_router::keys::Keys;
+use rand::Rng;
+use serde::Serialize;
+use vllm_sim::engine::Engine;
+
+use super::fleet::ready;
+use super::options::{Replication, MODEL};
+use super::router::{SimRouter, SimTime};
+
+/// The index writes the replicas published for each other (each counted once, at its origin).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct Writes {
+    /// Records published (one per routed decision with keys, on an index-using strategy).
+    pub records: u64,
+    /// Block keys in them.
+    pub blocks: u64,
+}
+
+/// A record on its way from one replica to the others.
+struct InFlight {
+    due_us: u64,
+    from: usize,
+    pod: usize,
+    keys: Arc<[BlockKey]>,
+}
+
+/// The router replicas of one run.
+pub(super) struct Replicas {
+    pub(super) routers: Vec<SimRouter>,
+    /// Records not yet applied by the other replicas, in due order (one delay per run).
+    pending: VecDeque<InFlight>,
+    delay_us: u64,
+    /// Every replica holds the same index object: a shared index with no delay at all (the
+    /// reference the propagation is tested against).
+    one_index: bool,
+    pub(super) writes: Writes,
+}
+
+impl Replicas {
+    /// `routers` (one per replica) propagating as `how` says; `one_index` when they were all
+    /// built on one index object.
+    pub(super) fn new(routers: Vec<SimRouter>, how: Replication, one_index: bool) -> Self {
+        Self {
+            routers,
+            pending: VecDeque::new(),
+            delay_us: (how.propagation_ms * 1e3).round() as u64,
+            one_index,
+            writes: Writes::default(),
+        }
+    }
+
+    /// Each distinct index once.
+    pub(super) fn indexes(&self) -> impl Iterator<Item = &Arc<dyn KvIndex>> {
+        let distinct = if self.one_index {
+            1
+        } else {
+            self.routers.len()
+        };
+        self.routers[..distinct]
+            .iter()
+            .filter_map(|r| r.index.as_ref())
+    }
+
+    /// When the next propagated record is due, if any.
+    pub(super) fn next_due(&self) -> Option<u64> {
+        self.pending.front().map(|p| p.due_us)
+    }
+
+    /// Applies the next propagated record to every replica but its origin, at its due time.
+    pub(super) fn deliver_next(&mut self) {
+        let Some(rec) = self.pending.pop_front() else {
+            return;
+        };
+        let now_ms = rec.due_us / 1000;
+        for (r, router) in self.routers.iter().enumerate() {
+            if r == rec.from {
+                continue;
+            }
+            if let Some(index) = &router.index {
+                let pod = &router.ids[rec.pod];
+                ready(index.record(pod, &rec.keys, now_ms)).expect("in-memory index");
+            }
+        }
+    }
+
+    /// Request `i` arriving at `t` (µs), decided and committed by its replica (round robin by
+    /// request number, as Envoy spreads ext_proc streams), its record sent to the others.
+    pub(super) fn decide(&mut self, i: usize, t: u64, keys: Keys, rng: &mut impl Rng) -> Plan {
+        let r = i % self.routers.len();
+        let router = &mut self.routers[r];
+        // What commit records: the primary and the request's keys, when the index is used.
+        let published = (router.index.is_some() && !keys.keys.is_empty())
+            .then(|| Arc::<[BlockKey]>::from(keys.keys.as_slice()));
+        let plan = router.decide(t, keys, None, rng);
+        if let Some(keys) = published {
+            self.writes.records += 1;
+            self.writes.blocks += keys.len() as u64;
+            if self.routers.len() > 1 && !self.one_index {
+                self.pending.push_back(InFlight {
+                    due_us: t + self.delay_us,
+                    from: r,
+                    pod: plan.primary,
+                    keys,
+                });
+            }
+        }
+        plan
+    }
+
+    /// A scrape of every pod by every replica at `t`.
+    pub(super) fn scrape(&mut self, t: u64, engines: &[Engine]) {
+        for router in &mut self.routers {
+            for (v, e) in router.views.iter_mut().zip(engines) {
+                v.scrape(SimTime(t), e);
+            }
+        }
+    }
+
+    /// Pod `p`'s KV-event batch, applied by every replica; the figures are one replica's.
+    pub(super) fn apply_events(&self, p: usize, batch: &KvEventBatch) -> Option<ApplyStats> {
+        let pod = &self.routers[0].ids[p];
+        let mut first = None;
+        for index in self.indexes() {
+            let a = ready(index.apply_events(pod, 0, MODEL, batch)).expect("in-memory index");
+            first.get_or_insert(a);
+        }
+        first
+    }
+
+    /// The TTL sweep of every index at `t`.
+    pub(super) fn sweep(&self, t: u64) {
+        for index in self.indexes() {
+            ready(index.sweep(t / 1000)).expect("in-memory index");
+        }
+    }
+}
