@@ -448,10 +448,22 @@ impl Stack {
                     l.starts_with("kv_router_redis_lookups_total")
                         || l.starts_with("kv_router_redis_fallbacks_total")
                         || l.starts_with("kv_router_redis_writes_dropped_total")
+                        || l.starts_with("kv_router_redis_mirror_reloads_total")
+                        || l.starts_with("kv_router_redis_mirror_publish_dropped_total")
+                        || l.starts_with("kv_router_redis_mirror_applied_total")
                 })
                 .map(|l| l.trim_start_matches("kv_router_redis_").to_string())
                 .collect();
-            out.push(format!("replica {i}: {}", counters.join(", ")));
+            let lag = |q| histogram_quantile(&text, "kv_router_redis_mirror_lag_seconds", q);
+            let lag = match (lag(0.5), lag(0.99)) {
+                (Some(p50), Some(p99)) => format!(
+                    ", mirror lag p50 ≤ {:.1} ms, p99 ≤ {:.1} ms",
+                    p50 * 1e3,
+                    p99 * 1e3
+                ),
+                _ => String::new(),
+            };
+            out.push(format!("replica {i}: {}{lag}", counters.join(", ")));
         }
         out
     }
