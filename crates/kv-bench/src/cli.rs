@@ -264,9 +264,25 @@ pub struct SmallFleetArgs {
     /// Seed of the texts and session arrival times.
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
-    /// CI size: one 2-pod cell of 2 sessions x 4 turns, weighted and precise.
+    /// CI size: one 2-pod cell of 2 sessions x 4 turns, weighted and precise (with
+    /// --sessionless: one 2-pod cell of 6 conversations, weighted).
     #[arg(long)]
     pub quick: bool,
+    /// Issue 34's shape: no session id, a 6 KB system prompt, then each conversation's own
+    /// ~1.2 KB document and ~100 B questions, 16-token answers, 2 clients in a closed loop; cells
+    /// 2x6,4x12; goals hit ratio ≥ 0.85, TTFT p50 ≤ 0.6 × and p99 ≤ round robin's, balance.
+    #[arg(long)]
+    pub sessionless: bool,
+    /// Pods: `sim` (vllm-sim) or `llama` (real llama.cpp `llama-server` pods started here, one
+    /// thread and 2 slots each, prompt cache and metrics on; `make llama` builds them).
+    #[arg(long, default_value = "sim")]
+    pub engine: Engine,
+    /// The `llama-server` binary [default: .venv/llama/bin/llama-server].
+    #[arg(long)]
+    pub llama_server: Option<PathBuf>,
+    /// The GGUF model [default: .venv/llama/SmolLM2-135M-Instruct.Q4_1.gguf].
+    #[arg(long)]
+    pub model: Option<PathBuf>,
     /// Write the report as JSON here.
     #[arg(long)]
     pub json: Option<PathBuf>,
@@ -278,12 +294,20 @@ pub struct SmallFleetArgs {
 impl SmallFleetArgs {
     /// The run's options: the defaults, then `--quick`, then explicit flags.
     pub fn options(&self) -> crate::small_fleet::SmallFleetOptions {
+        let base = if self.sessionless {
+            crate::small_fleet::SmallFleetOptions::sessionless()
+        } else {
+            Default::default()
+        };
         let mut o = crate::small_fleet::SmallFleetOptions {
             envoy: self.envoy.clone(),
             seed: self.seed,
-            ..Default::default()
+            ..base
         };
-        if self.quick {
+        if self.quick && self.sessionless {
+            o.cells = vec![(2, 6)];
+            o.strategies = vec![Strategy::Weighted];
+        } else if self.quick {
             o.cells = vec![(2, 2)];
             o.turns = 4;
             o.strategies = vec![Strategy::Weighted, Strategy::Precise];
@@ -303,8 +327,28 @@ impl SmallFleetArgs {
         if !self.sim_args.is_empty() {
             o.sim_args = self.sim_args.clone();
         }
+        if self.engine == Engine::Llama {
+            let venv = PathBuf::from(".venv/llama");
+            o.llama = Some(kv_testkit::deploy::LlamaOptions::new(
+                self.llama_server
+                    .clone()
+                    .unwrap_or_else(|| venv.join("bin/llama-server")),
+                self.model
+                    .clone()
+                    .unwrap_or_else(|| venv.join("SmolLM2-135M-Instruct.Q4_1.gguf")),
+            ));
+        }
         o
     }
+}
+
+/// Which pods `small-fleet` runs on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Engine {
+    /// vllm-sim processes.
+    Sim,
+    /// llama.cpp `llama-server` processes.
+    Llama,
 }
 
 fn parse_cell(s: &str) -> Result<(usize, usize), String> {

@@ -52,6 +52,9 @@ pub struct CompareOptions {
     /// Rounds over the strategies, each in an order rotated by one (`#1`, `#2`… in labels when
     /// more than one): a single run's verdict can be its slot or the machine's noise.
     pub repeat: usize,
+    /// Sets `gate.replicate_to_idle` (off by default) for every router strategy: the placement
+    /// for sessionless prompts behind a long shared prefix (`small-fleet --sessionless`).
+    pub replicate_to_idle: bool,
 }
 
 impl CompareOptions {
@@ -297,7 +300,11 @@ pub async fn compare(
                 let s = Stack::start(
                     bins,
                     &fleet,
-                    strategy.router_config(&base, &opts.model),
+                    {
+                        let mut cfg = strategy.router_config(&base, &opts.model);
+                        cfg.gate.replicate_to_idle |= opts.replicate_to_idle;
+                        cfg
+                    },
                     opts.replicas(strategy),
                     redis.as_deref(),
                 )
@@ -811,6 +818,7 @@ mod tests {
 
     fn opts(replicas: Option<usize>) -> CompareOptions {
         CompareOptions {
+            replicate_to_idle: false,
             envoy: None,
             pods: 4,
             gpu_blocks: 64,
@@ -862,5 +870,45 @@ mod tests {
         assert_eq!(four.replicas(Strategy::Redis), 4);
         assert_eq!(four.label(Strategy::Redis), "redis x4");
         assert_eq!(opts(Some(0)).replicas(Strategy::Precise), 1);
+    }
+}
+
+/// The upper bound of the bucket holding quantile `q` of histogram `name` in a Prometheus text
+/// (`None` when it has no observations).
+pub fn histogram_quantile(text: &str, name: &str, q: f64) -> Option<f64> {
+    let prefix = format!("{name}_bucket{{le=\"");
+    let buckets: Vec<(f64, f64)> = text
+        .lines()
+        .filter_map(|l| {
+            let rest = l.strip_prefix(&prefix)?;
+            let (le, count) = rest.split_once("\"} ")?;
+            let le = if le == "+Inf" {
+                f64::INFINITY
+            } else {
+                le.parse().ok()?
+            };
+            Some((le, count.trim().parse().ok()?))
+        })
+        .collect();
+    let total = buckets.last()?.1;
+    if total <= 0.0 {
+        return None;
+    }
+    buckets
+        .iter()
+        .find(|(_, c)| *c >= q * total)
+        .map(|(le, _)| *le)
+}
+
+#[cfg(test)]
+mod quantile_tests {
+    use super::histogram_quantile;
+
+    #[test]
+    fn quantiles_are_bucket_upper_bounds() {
+        let text = "x_bucket{le=\"0.001\"} 50\nx_bucket{le=\"0.01\"} 98\nx_bucket{le=\"0.1\"} 100\nx_bucket{le=\"+Inf\"} 100\n";
+        assert_eq!(histogram_quantile(text, "x", 0.5), Some(0.001));
+        assert_eq!(histogram_quantile(text, "x", 0.99), Some(0.1));
+        assert_eq!(histogram_quantile("", "x", 0.5), None);
     }
 }

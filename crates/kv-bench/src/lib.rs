@@ -10,6 +10,7 @@ pub mod extproc_client;
 pub mod hostile;
 pub mod hostile_attacks;
 pub mod idle;
+pub mod llama;
 pub mod noop_extproc;
 pub mod oracle;
 pub mod overhead;

@@ -69,3 +69,52 @@ fn two_sessions_on_two_pods_do_not_pile_onto_one() {
         "precise keeps the approximate mode's hits: {r}"
     );
 }
+
+/// Issue 34's shape on slow vllm-sim pods (`small-fleet --quick --sessionless`): two pods, two
+/// clients in a closed loop, six conversations of four turns that name no session and open with
+/// one long system prompt, then each its own shorter document. Before, kv-router sent all 24
+/// requests to the system prompt's first holder; now the second pod takes conversations too.
+#[test]
+fn sessionless_conversations_on_a_long_system_prompt_use_both_pods() {
+    let envoy = kv_testkit::e2e::envoy_bin();
+    let out = tempfile::tempdir().expect("temp dir");
+    let json = out.path().join("small-fleet.json");
+    let run = Command::new(env!("CARGO_BIN_EXE_kv-bench"))
+        .args(["small-fleet", "--quick", "--sessionless", "--envoy"])
+        .arg(&envoy)
+        .arg("--json")
+        .arg(&json)
+        .output()
+        .expect("run kv-bench");
+    let stdout = String::from_utf8_lossy(&run.stdout);
+    assert!(
+        run.status.success(),
+        "kv-bench small-fleet --quick --sessionless failed: {}\n{stdout}\n{}",
+        run.status,
+        String::from_utf8_lossy(&run.stderr)
+    );
+    let r: Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    assert!(
+        r["workload"].as_str().unwrap().contains("no session id"),
+        "{r}"
+    );
+    let cell = &r["cells"][0];
+    assert_eq!((&cell["pods"], &cell["sessions"]), (&2.into(), &6.into()));
+    let rows = cell["rows"].as_array().expect("rows");
+    let labels: Vec<&str> = rows.iter().map(|r| r["label"].as_str().unwrap()).collect();
+    assert_eq!(labels, ["round-robin", "weighted"], "{r}");
+    for row in rows {
+        assert_eq!(row["errors"], 0, "{row}");
+    }
+    let weighted = &rows[1];
+    let share = weighted["max_pod_share"].as_f64().unwrap();
+    assert!(
+        share <= 2.0 / 3.0 + 1e-9,
+        "no pod above 2/3 of the requests (was 1.0: every request on one pod): {weighted}\n{stdout}"
+    );
+    let (w, rr) = (
+        weighted["hit_ratio"].as_f64().unwrap(),
+        rows[0]["hit_ratio"].as_f64().unwrap(),
+    );
+    assert!(w >= rr, "affinity keeps at least round robin's hits: {r}");
+}

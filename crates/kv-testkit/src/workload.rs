@@ -123,6 +123,11 @@ pub struct MultiturnSpec {
     /// ((0, 0): none). Pauses keep a few sessions from falling into lockstep, where round robin
     /// would send each session's every turn to the same pod by accident.
     pub think_ms: (u64, u64),
+    /// Each conversation's own document, bytes (uniform in this range; (0, 0): none), opening its
+    /// first question: a long shared system prompt, then a shorter text of the conversation's own.
+    pub document_bytes: (usize, usize),
+    /// Send `x-session-id` (false: like chat frontends and agents that name no session).
+    pub session_header: bool,
 }
 
 impl Default for MultiturnSpec {
@@ -136,6 +141,8 @@ impl Default for MultiturnSpec {
             model: "sim-model".into(),
             seed: 1,
             think_ms: (0, 0),
+            document_bytes: (0, 0),
+            session_header: true,
         }
     }
 }
@@ -169,10 +176,14 @@ impl MultiturnSpec {
         Workload {
             name: "multiturn".into(),
             description: format!(
-                "{} sessions x {} turns, system {} B, questions {}-{} B, max_tokens {}, seed {}{}",
+                "{} sessions x {} turns, system {} B, {}questions {}-{} B, max_tokens {}, seed {}{}{}",
                 self.sessions,
                 self.turns,
                 self.system_bytes,
+                match self.document_bytes {
+                    (_, 0) => String::new(),
+                    (lo, hi) => format!("a document of {lo}-{hi} B per session, "),
+                },
                 self.question_bytes.0,
                 self.question_bytes.1,
                 self.max_tokens,
@@ -180,7 +191,8 @@ impl MultiturnSpec {
                 match self.think_ms {
                     (_, 0) => String::new(),
                     (lo, hi) => format!(", think {lo}-{hi} ms"),
-                }
+                },
+                if self.session_header { "" } else { ", no session id" }
             ),
             sessions,
             requests: self.sessions * self.turns,
@@ -213,8 +225,19 @@ impl Session for MultiturnSession {
         }
         let (lo, hi) = self.spec.question_bytes;
         let len = self.rng.range(lo.min(hi), hi.max(lo));
-        let mut q = format!("Session {} turn {}: ", self.index, self.turn);
-        prose(&mut self.rng, len.saturating_sub(q.len()), &mut q);
+        let mut q = String::new();
+        let (dlo, dhi) = self.spec.document_bytes;
+        if self.turn == 0 && dhi > 0 {
+            // Its own generator, so the questions stay those of a spec without documents.
+            let mut rng = SplitMix64::derive(self.spec.seed, "document", self.index as u64);
+            let len = rng.range(dlo.min(dhi), dhi.max(dlo));
+            q.push_str(&format!("Document {}: ", self.index));
+            prose(&mut rng, len, &mut q);
+            q.push_str("\n\n");
+        }
+        let start = q.len();
+        q.push_str(&format!("Session {} turn {}: ", self.index, self.turn));
+        prose(&mut self.rng, (start + len).saturating_sub(q.len()), &mut q);
         q.pop();
         q.push('?');
         self.messages.push(json!({"role": "user", "content": q}));
@@ -228,7 +251,11 @@ impl Session for MultiturnSession {
         let req = PlannedRequest {
             api: Api::Chat,
             body,
-            headers: vec![("x-session-id".into(), self.id.clone())],
+            headers: if self.spec.session_header {
+                vec![("x-session-id".into(), self.id.clone())]
+            } else {
+                Vec::new()
+            },
             turn: self.turn,
             not_before: None,
             think: None,
@@ -587,6 +614,43 @@ mod tests {
             ..spec.clone()
         };
         assert_ne!(other.system_prompt(), sys);
+    }
+
+    #[test]
+    fn documents_open_each_conversation_and_sessionless_requests_name_none() {
+        let plain = MultiturnSpec {
+            sessions: 2,
+            turns: 3,
+            ..Default::default()
+        };
+        let spec = MultiturnSpec {
+            document_bytes: (1000, 1200),
+            session_header: false,
+            ..plain.clone()
+        };
+        let (a, p) = (drive(&mut spec.build()), drive(&mut plain.build()));
+        let first = |s: &Vec<PlannedRequest>, t: usize| {
+            let m = s[t].body["messages"].as_array().unwrap().clone();
+            m[2 * t + 1]["content"].as_str().unwrap().to_string()
+        };
+        for (s, ps) in a.iter().zip(&p) {
+            let q0 = first(s, 0);
+            assert!(
+                q0.starts_with("Document ") && (1000..1700).contains(&q0.len()),
+                "{q0}"
+            );
+            assert!(
+                q0.ends_with(&first(ps, 0)),
+                "the question follows the document unchanged"
+            );
+            assert_eq!(first(s, 1), first(ps, 1), "later turns carry no document");
+            assert!(s.iter().all(|r| r.headers.is_empty()), "no session id");
+        }
+        assert_ne!(
+            first(&a[0], 0),
+            first(&a[1], 0),
+            "each conversation its own document"
+        );
     }
 
     #[test]

@@ -115,6 +115,20 @@ pub fn render_envoy_config(
     Ok(serde_yaml::to_string(&doc)?)
 }
 
+/// Adds `x-vllm-sim-pod: <upstream address>` to every response of listener 0's routes.
+fn with_pod_header(rendered: &str) -> Result<String> {
+    let mut doc: Value = serde_yaml::from_str(rendered)?;
+    let hcm = doc["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+        ["typed_config"]
+        .get_mut("route_config")
+        .ok_or_else(|| anyhow!("listener 0 has no inline route_config"))?;
+    let header: Value = serde_yaml::from_str(
+        "[{header: {key: x-vllm-sim-pod, value: '%UPSTREAM_HOST%'}, append_action: OVERWRITE_IF_EXISTS_OR_ADD}]",
+    )?;
+    hcm["response_headers_to_add"] = header;
+    Ok(serde_yaml::to_string(&doc)?)
+}
+
 /// Extra Envoy knobs.
 #[derive(Debug, Clone)]
 pub struct EnvoyOptions {
@@ -125,6 +139,9 @@ pub struct EnvoyOptions {
     /// Further kv-router replicas in cluster `kv_router` beside the picker (Envoy's round robin
     /// spreads ext_proc streams over all of them).
     pub more_pickers: Vec<SocketAddr>,
+    /// Envoy names the serving pod in the response header `x-vllm-sim-pod` (its upstream
+    /// address), for engines that do not name themselves (llama.cpp).
+    pub pod_header: bool,
 }
 
 impl Default for EnvoyOptions {
@@ -133,6 +150,7 @@ impl Default for EnvoyOptions {
             concurrency: 1,
             log_level: "warn".into(),
             more_pickers: Vec::new(),
+            pod_header: false,
         }
     }
 }
@@ -189,6 +207,10 @@ impl EnvoyProc {
             .chain(opts.more_pickers.iter().copied())
             .collect();
         let rendered = render_envoy_config(text, listen, admin, &pickers, pods)
+            .and_then(|r| match opts.pod_header {
+                true => with_pod_header(&r),
+                false => Ok(r),
+            })
             .with_context(|| format!("rendering {}", template.display()))
             .map_err(plain)?;
         let dir = temp_dir("envoy-").map_err(plain)?;
@@ -294,6 +316,14 @@ mod tests {
             let out =
                 render_envoy_config(&text, listen, admin, pickers(with_picker), &pods).unwrap();
             let v: Value = serde_yaml::from_str(&out).unwrap();
+            let named: Value = serde_yaml::from_str(&with_pod_header(&out).unwrap()).unwrap();
+            let rc = &named["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+                ["typed_config"]["route_config"];
+            assert_eq!(
+                rc["response_headers_to_add"][0]["header"]["value"].as_str(),
+                Some("%UPSTREAM_HOST%"),
+                "{name}"
+            );
             let l = &v["static_resources"]["listeners"][0]["address"]["socket_address"];
             assert_eq!(l["address"].as_str(), Some("127.0.0.1"), "{name}");
             assert_eq!(l["port_value"].as_u64(), Some(18080), "{name}");

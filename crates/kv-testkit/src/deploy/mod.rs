@@ -7,6 +7,9 @@
 //! tail of stderr is quoted in every start-up error.
 
 mod envoy;
+// Real engines for kv-bench's opt-in `--engine llama` runs; unused by the tests that mount deploy/.
+#[allow(dead_code)]
+mod llama_pod;
 // kv-bench's `redis` strategy starts a server; the cluster half serves the index's tests.
 #[allow(dead_code)]
 mod redis;
@@ -24,6 +27,8 @@ use std::time::Duration;
 use anyhow::{anyhow, bail, Context, Result};
 
 pub use envoy::{EnvoyOptions, EnvoyProc};
+#[allow(unused_imports)]
+pub use llama_pod::{check_llama, LlamaOptions, LlamaPod};
 #[allow(unused_imports)]
 pub use redis::{command as redis_command, find_redis_server, RedisCluster, RedisProc};
 pub use router::{local_router_config, RouterProc};
