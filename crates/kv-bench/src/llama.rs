@@ -27,6 +27,7 @@ pub fn supported(s: Strategy) -> bool {
 
 /// One cell: `pods` llama.cpp pods per strategy, `workload()` through Envoy (round robin
 /// without a router, the others through kv-router), in the order given.
+#[allow(clippy::too_many_arguments)] // one call site, each argument a separate knob of the run
 pub async fn compare(
     bins: &Binaries,
     envoy: Option<&Path>,
