@@ -392,7 +392,8 @@ mod tests {
         c.evictable.store(false, Ordering::Release);
         assert!(t.admit().is_none(), "nothing open is evictable");
         drop(a);
-        assert!(t.admit().is_some(), "a closed connection frees its place");
+        let d = t.admit();
+        assert!(d.is_some(), "a closed connection frees its place");
         let closed = |reason| {
             m.closed
                 .get_or_create(&ClosedLabels {

@@ -539,7 +539,11 @@ mod tests {
     #[test]
     fn a_sessionless_prompt_leaves_its_busy_holder_for_an_idle_pod_that_answers_sooner() {
         // Pod 0 holds a long system prompt (80 of 100 blocks); the prompt names no session.
-        let weighted = Picker::new(Policy::Weighted, vec![3.0, 1.0], GateConfig::default());
+        let on = GateConfig {
+            replicate_to_idle: true,
+            ..GateConfig::default()
+        };
+        let weighted = Picker::new(Policy::Weighted, vec![3.0, 1.0], on);
         let rank = |inp: &ScoreInput, p: &Picker| {
             let prefix: Vec<f64> = inp
                 .candidates
