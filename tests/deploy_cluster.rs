@@ -980,12 +980,14 @@ fn spawn_router(tmp: &Path, pod: SocketAddr) -> (Proc, SocketAddr, SocketAddr) {
     let admin = SocketAddr::from(([127, 0, 0, 1], free_port()));
     let pw = tmp.join("password");
     fs::write(&pw, "unused\n").unwrap();
+    // Round-trip lookups (`lookups: redis`): the fallback families the alerts read exist only
+    // in that mode; a mirror never falls back.
     let cfg = format!(
         "listen: {{ grpc: \"{grpc}\", admin: \"{admin}\" }}\n\
          pods: {{ static: [ {{ address: \"{pod}\" }} ], health_interval_ms: 250 }}\n\
          kv_events: {{ enabled: true }}\n\
          tokenizers: [ {{ model: sim-model, builtin: true }} ]\n\
-         index:\n  backend: redis\n  redis: {{ url: \"redis://127.0.0.1:{}\", password_file: \"{}\" }}\n",
+         index:\n  backend: redis\n  redis: {{ url: \"redis://127.0.0.1:{}\", password_file: \"{}\", lookups: redis }}\n",
         free_port(),
         pw.display()
     );
