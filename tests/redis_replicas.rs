@@ -577,22 +577,7 @@ async fn redis_killed_restarted_and_slowed_never_fails_a_request() {
     );
     // No decision waited for the stalled Redis: every one took well under the 300 ms stall.
     d.assert_both_decided_through("redis").await;
-    for i in 0..d.routers.len() {
-        let m = d.metrics(i).await;
-        let all = metric(&m, "kv_router_decision_duration_seconds_count", &[]);
-        let (le, fast) = bucket_at_most(&m, "kv_router_decision_duration_seconds", 0.15);
-        assert_eq!(
-            fast,
-            all,
-            "replica {i}: a decision took longer than {le} s while Redis stalled for 0.3 s{}",
-            d.diag()
-        );
-    }
-    assert!(
-        started.elapsed() < Duration::from_secs(60),
-        "fault test took {:?}",
-        started.elapsed()
-    );
+    assert_no_decision_waited(&d, started).await;
 }
 
 /// Whether replica `i` answers `/readyz` with 200.
@@ -698,6 +683,11 @@ async fn mirrored_replicas_never_wait_on_a_killed_restarted_or_stalled_redis() {
     assert_eq!(d.total(LOOKUPS, &[("source", "redis")]).await, 0.0);
     assert_eq!(d.total("kv_router_redis_fallbacks_total", &[]).await, 0.0);
     d.assert_both_decided_through("mirror").await;
+    assert_no_decision_waited(&d, started).await;
+}
+
+/// Every decision of both replicas took well under the 0.3 s stalls, and the test its minute.
+async fn assert_no_decision_waited(d: &Replicas, started: Instant) {
     for i in 0..d.routers.len() {
         let m = d.metrics(i).await;
         let all = metric(&m, "kv_router_decision_duration_seconds_count", &[]);

@@ -407,9 +407,20 @@ mod backends {
 
         /// A backend on `url` whose keys no other backend of the test shares.
         pub(crate) fn redis(url: &str, prefix: String, local: Local, s: Setup) -> RedisIndex {
+            // Every lookup reads Redis: these tests are about what Redis holds.
+            redis_with(url, prefix, local, s, crate::config::RedisLookups::Redis)
+        }
+
+        /// A backend answering lookups as `lookups` says.
+        fn redis_with(
+            url: &str,
+            prefix: String,
+            local: Local,
+            s: Setup,
+            lookups: crate::config::RedisLookups,
+        ) -> RedisIndex {
             let cfg = RedisConfig {
-                // Every lookup reads Redis: these tests are about what Redis holds.
-                lookups: crate::config::RedisLookups::Redis,
+                lookups,
                 url: url.to_string(),
                 key_prefix: prefix,
                 // Generous: the checks are about behaviour, and CI runs them beside other tests.
@@ -455,19 +466,13 @@ mod backends {
             let n = AtomicUsize::new(0);
             let prefix = || format!("mirrored{}", n.fetch_add(1, Ordering::Relaxed));
             let mirrored = |local: Local, s: Setup| {
-                let cfg = RedisConfig {
-                    url: url.clone(),
-                    key_prefix: prefix(),
-                    write_budget_ms: 5_000,
-                    ..RedisConfig::default()
-                };
-                let tuning = Tuning {
-                    record_ttl_ms: s.ttl_ms,
-                    default_capacity: s.capacity,
-                    gpu_weight: 1.0,
-                    cpu_weight: 0.8,
-                };
-                RedisIndex::new(&cfg, local, tuning, RedisMetrics::unregistered()).unwrap()
+                redis_with(
+                    &url,
+                    prefix(),
+                    local,
+                    s,
+                    crate::config::RedisLookups::Mirror,
+                )
             };
             let report = run("RedisIndex (mirror, approximate)", MEMORY, |s| {
                 let ix = mirrored(Local::Memory(memory(s)), s);
