@@ -182,11 +182,13 @@ async fn debug_pods(State(s): State<AdminState>) -> Json<Value> {
                 "healthy": p.is_healthy(),
                 "models": p.models(),
                 "labels": p.spec.labels,
+                "role": p.role(),
                 "engine": p.engine().current(),
                 "engine_setting": p.engine().setting(),
                 "engine_setting_from": p.engine().setting_from(),
                 "load": p.load(now, s.stale_after),
                 "prefill_model": model,
+                "hit_accuracy": p.hit_accuracy(),
                 "metrics": sample.map(|(_, m)| m),
                 "metrics_age_ms": sample.map(|(t, _)| now.saturating_duration_since(t).as_millis() as u64),
             })
@@ -252,6 +254,7 @@ async fn explain(State(s): State<AdminState>, raw: axum::body::Bytes) -> Respons
             "reason": d.plan.reason,
             "model": d.model,
             "total_blocks": d.plan.total_blocks,
+            "pd": d.plan.pd,
             "ranked": d.plan.ranked.iter().map(|r| json!({
                 "pod": r.pod,
                 "total": r.total,

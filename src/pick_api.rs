@@ -54,6 +54,12 @@ fn to_response(d: &Decision) -> PickResponse {
         model: d.model.clone().unwrap_or_default(),
         total_blocks: p.total_blocks as u32,
         candidates: p.ranked.iter().map(endpoint).collect(),
+        prefill_endpoint: p.prefill_pod().map(|q| q.to_string()).unwrap_or_default(),
+        pd_outcome: p
+            .pd
+            .as_ref()
+            .map(|pd| pd.outcome.as_str().to_string())
+            .unwrap_or_default(),
     }
 }
 

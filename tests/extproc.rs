@@ -77,6 +77,7 @@ async fn harness_with_budget(limit: usize, budget: usize) -> Harness {
             labels: Default::default(),
             kv_events_endpoint: None,
             kv_events_replay_endpoint: None,
+            role: None,
         })
         .collect();
     let pods = Arc::new(PodRegistry::default());

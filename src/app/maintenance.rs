@@ -1,5 +1,6 @@
-//! The maintenance loop: once a second, each pod's index capacity from its KV size, the index's
-//! TTL sweep, and the index, session and per-pod gauges.
+//! The maintenance loop: once a second, each pod's index capacity from its KV size (scaled by its
+//! hit accuracy, `index.correction`), the index's TTL sweep, and the index, session and per-pod
+//! gauges.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -12,7 +13,7 @@ use tracing::warn;
 use crate::config::Config;
 use crate::decide::Decider;
 use crate::index::index_capacity;
-use crate::pods::{prefill_models, PodMetrics, PodRegistry};
+use crate::pods::{prefill_models, scaled_capacity, PodMetrics, PodRegistry};
 use crate::scoring::SessionStore;
 use crate::telemetry::{ErrorKind, Errors};
 
@@ -90,14 +91,23 @@ async fn maintenance(
         let snapshot = pods.snapshot();
         let models = prefill_models(snapshot.pods(), decider.ttft_prior());
         for (pod, model) in snapshot.pods().iter().zip(&models) {
+            // KV events say what a pod holds: only the approximate index is corrected.
+            let scale = if cfg.kv_events.enabled {
+                1.0
+            } else {
+                pod.correct_capacity(&cfg.index.correction)
+            };
             gauges.pods.observe(pod, model, now, stale_after);
             let Some((_, sample)) = pod.last_sample() else {
                 continue;
             };
-            let Some(blocks) = sample.num_gpu_blocks else {
-                continue;
+            let cap = match sample.num_gpu_blocks {
+                Some(blocks) => index_capacity(&cfg, blocks, sample.block_size.unwrap_or(16)),
+                // A pod without `cache_config_info` keeps the default unless corrected.
+                None if scale < 1.0 => cfg.index.default_capacity_blocks,
+                None => continue,
             };
-            let cap = index_capacity(&cfg, blocks, sample.block_size.unwrap_or(16));
+            let cap = scaled_capacity(cap, scale);
             if capacities.get(pod.id()) != Some(&cap) {
                 match index.set_capacity(pod.id(), cap).await {
                     Ok(()) => {

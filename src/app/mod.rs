@@ -62,6 +62,8 @@ pub async fn run(cfg: Config, tokenizers: TokenizerRegistry) -> anyhow::Result<(
     let telemetry = Telemetry::register(&cfg);
     let pods = Arc::new(PodRegistry::with_engines(EngineResolver::new(&cfg.pods)));
     let (index, sessions) = index::build(&cfg, telemetry.redis)?;
+    // The other replicas' decisions count as load here too (a shared index's mirror).
+    index.attach_remote_load(pods.clone());
     let mode = mode(&cfg);
     let decider = Arc::new(Decider::new(
         &cfg,

@@ -25,6 +25,8 @@ pub struct KubernetesConfig {
     pub models_annotation: String,
     /// Label holding the pod's model name (label values cannot hold `/`; empty = none).
     pub models_label: String,
+    /// Label holding the pod's P/D role (`prefill`, `decode`, `both`; absent: `both`).
+    pub role_label: String,
     /// Kubeconfig file; unset = `$KUBECONFIG`, `~/.kube/config`, then the in-cluster service account.
     pub kubeconfig: Option<PathBuf>,
     /// How often the router takes the watched set (the watch itself is pushed by the API server).
@@ -43,6 +45,7 @@ impl Default for KubernetesConfig {
             pool: None,
             models_annotation: String::new(),
             models_label: String::new(),
+            role_label: super::ROLE_LABEL.to_string(),
             kubeconfig: None,
             refresh_ms: 250,
             engine: None,

@@ -7,6 +7,8 @@ use std::net::SocketAddr;
 use std::path::Path;
 
 mod bounds;
+mod correction;
+mod disagg;
 mod engine;
 mod error;
 mod kubernetes;
@@ -17,6 +19,8 @@ mod routing;
 mod schema;
 mod validate;
 pub use bounds::{check_yaml_shape, MAX_YAML_BYTES};
+pub use correction::CorrectionConfig;
+pub use disagg::{header_problem, DisaggConfig, PodRole, DEFAULT_PREFILL_HEADER, ROLE_LABEL};
 pub use engine::{CustomEngine, EngineSetting, Preset, MAX_METRIC_NAME_BYTES};
 pub use error::{ConfigError, Problem};
 pub use kubernetes::{KubernetesConfig, KubernetesOverrides, PoolRef, PortRef};

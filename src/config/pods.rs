@@ -4,7 +4,7 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
-use super::{engine, EngineSetting, KubernetesConfig};
+use super::{disagg, engine, EngineSetting, KubernetesConfig, PodRole, ROLE_LABEL};
 
 /// Pod sources and probes.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -78,6 +78,9 @@ pub struct StaticPod {
     /// KV-event replay endpoint of this pod (overrides `kv_events.replay_endpoint`).
     #[serde(default)]
     pub kv_events_replay_endpoint: Option<String>,
+    /// P/D role (wins over a `llm-d.ai/role` label); unset: the label, else `both`.
+    #[serde(default)]
+    pub role: Option<PodRole>,
 }
 
 impl StaticPod {
@@ -89,6 +92,7 @@ impl StaticPod {
             labels: BTreeMap::new(),
             kv_events_endpoint: None,
             kv_events_replay_endpoint: None,
+            role: None,
         }
     }
 }
@@ -107,6 +111,9 @@ pub struct DnsSource {
     /// Engine of this name's pods; `None`: `pods.engine`.
     #[serde(default)]
     pub engine: Option<EngineSetting>,
+    /// P/D role of every pod this name resolves to; unset: `both`.
+    #[serde(default)]
+    pub role: Option<PodRole>,
 }
 
 fn default_dns_refresh_ms() -> u64 {
@@ -114,6 +121,28 @@ fn default_dns_refresh_ms() -> u64 {
 }
 
 impl PodsConfig {
+    /// Problems of role settings: a static pod's `llm-d.ai/role` label must name a role, and
+    /// `pods.kubernetes.role_label` must be a label key.
+    pub(super) fn role_problems(&self) -> Vec<(String, &'static str)> {
+        let mut p = Vec::new();
+        for (i, pod) in self.static_pods.iter().enumerate() {
+            if let Some(v) = pod.labels.get(ROLE_LABEL) {
+                if PodRole::parse(v).is_none() {
+                    p.push((
+                        format!("pods.static[{i}].labels.{ROLE_LABEL}"),
+                        "must be prefill, decode or both",
+                    ));
+                }
+            }
+        }
+        if let Some(k) = &self.kubernetes {
+            if let Some(reason) = disagg::label_key_problem(&k.role_label) {
+                p.push(("pods.kubernetes.role_label".to_string(), reason));
+            }
+        }
+        p
+    }
+
     /// Problems of every engine setting (`pods.engine`, per DNS name, Kubernetes).
     pub(super) fn engine_problems(&self) -> Vec<(String, String)> {
         let mut p = engine::problems("pods.engine", &self.engine);

@@ -87,6 +87,10 @@ pub struct RedisConfig {
     pub mirror_max_lag_ms: u64,
     /// Shared sessions the mirror keeps at most (least recently set go first).
     pub mirror_sessions: usize,
+    /// Each replica also counts the others' requests (from the stream) as in-flight load on
+    /// their pods. Off by default: with the stream's delay, replicas that share one load view
+    /// pick the same pod in a burst (docs/results.md, "the mirror's load sharing").
+    pub mirror_load: bool,
 }
 
 impl Default for RedisConfig {
@@ -115,6 +119,7 @@ impl Default for RedisConfig {
             stream_max_len: 20_000,
             mirror_max_lag_ms: 1_000,
             mirror_sessions: 100_000,
+            mirror_load: false,
         }
     }
 }
@@ -152,6 +157,7 @@ impl std::fmt::Debug for RedisConfig {
             .field("stream_max_len", &self.stream_max_len)
             .field("mirror_max_lag_ms", &self.mirror_max_lag_ms)
             .field("mirror_sessions", &self.mirror_sessions)
+            .field("mirror_load", &self.mirror_load)
             .finish()
     }
 }

@@ -4,7 +4,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::{GateConfig, PodsConfig, Policy, RedisConfig, ScorersConfig};
+use super::{DisaggConfig, GateConfig, PodsConfig, Policy, RedisConfig, ScorersConfig};
 
 /// Root of `router.yaml`.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -44,6 +44,8 @@ pub struct Config {
     pub server: ServerConfig,
     /// Admin port access.
     pub admin: AdminConfig,
+    /// Prefill/decode disaggregation (models with `prefill`-role pods only).
+    pub disaggregation: DisaggConfig,
 }
 
 /// Admin port access: `/debug/*` needs `Authorization: Bearer <token>` when a token is set;
@@ -216,6 +218,7 @@ impl Default for Config {
             pick_api: PickApiConfig::default(),
             server: ServerConfig::default(),
             admin: AdminConfig::default(),
+            disaggregation: DisaggConfig::default(),
         }
     }
 }
@@ -270,6 +273,8 @@ pub struct IndexConfig {
     pub default_capacity_blocks: usize,
     /// Multiplier applied to a pod's `num_gpu_blocks` (router blocks may differ in size).
     pub capacity_factor: f64,
+    /// Capacity correction from each pod's reported prefix-cache hits (approximate mode).
+    pub correction: crate::config::CorrectionConfig,
     /// The shared index (`backend: redis`).
     pub redis: RedisConfig,
 }
@@ -281,6 +286,7 @@ impl Default for IndexConfig {
             ttl_ms: 3_600_000,
             default_capacity_blocks: 31_250,
             capacity_factor: 1.0,
+            correction: crate::config::CorrectionConfig::default(),
             redis: RedisConfig::default(),
         }
     }

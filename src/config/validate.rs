@@ -44,6 +44,9 @@ impl Config {
         if !(self.index.capacity_factor > 0.0 && self.index.capacity_factor.is_finite()) {
             bad("index.capacity_factor", "must be a positive number");
         }
+        for (key, reason) in self.index.correction.problems() {
+            bad(&format!("index.correction.{key}"), reason);
+        }
         if self.index.backend == IndexBackend::Redis {
             for (key, reason) in self.index.redis.problems() {
                 bad(&format!("index.redis.{key}"), reason);
@@ -132,6 +135,12 @@ impl Config {
         }
         for (key, reason) in self.pods.engine_problems() {
             bad(&key, &reason);
+        }
+        for (key, reason) in self.pods.role_problems() {
+            bad(&key, reason);
+        }
+        for (key, reason) in self.disaggregation.problems() {
+            bad(&format!("disaggregation.{key}"), reason);
         }
         if self.pods.static_pods.is_empty()
             && self.pods.dns.is_empty()

@@ -124,7 +124,7 @@ impl DecisionState {
         self.input_at(held, req, pods, now_ms, turn)
     }
 
-    fn input_at(
+    pub(super) fn input_at(
         &self,
         held: &mut Held<'_>,
         req: RequestFacts,
@@ -174,6 +174,15 @@ impl DecisionState {
         }
     }
 
+    /// The round-robin turn of a decision; a committed one moves it on.
+    pub(super) fn turn(&self, commit: bool) -> u64 {
+        if commit {
+            self.turns.fetch_add(1, Ordering::Relaxed)
+        } else {
+            self.turns.load(Ordering::Relaxed)
+        }
+    }
+
     /// Builds the input and plans it. A decision to `commit` joins the unrecorded set
     /// ([`Recording::AfterReply`]) in the same held step that overlaid it, so two decisions
     /// never miss each other however close together they run.
@@ -192,11 +201,7 @@ impl DecisionState {
             (deferred && !req.keys.keys.is_empty()).then(|| req.keys.keys.as_slice().into());
         // Only a decision that will be committed takes a turn: a rank-only Pick or an explain
         // must not shift where the next request lands.
-        let turn = if commit {
-            self.turns.fetch_add(1, Ordering::Relaxed)
-        } else {
-            self.turns.load(Ordering::Relaxed)
-        };
+        let turn = self.turn(commit);
         let input = self.input_at(&mut held, req, pods, now_ms, turn);
         let plan = plan(stages, input, rng);
         // Without keys to record the set is released here, unchanged.

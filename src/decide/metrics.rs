@@ -17,6 +17,16 @@ pub(super) struct DecisionLabels {
     pub(super) pod: String,
 }
 
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub(super) struct PdLabels {
+    pub(super) outcome: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub(super) struct PodLabel {
+    pub(super) pod: String,
+}
+
 /// The decision path's metric families.
 #[derive(Debug, Clone)]
 pub struct DecisionMetrics {
@@ -24,6 +34,8 @@ pub struct DecisionMetrics {
     pub(super) duration: Histogram,
     pub(super) matched_blocks: Histogram,
     pub(super) errors: Errors,
+    pub(super) pd: Family<PdLabels, Counter>,
+    pub(super) prefill_picks: Family<PodLabel, Counter>,
 }
 
 impl DecisionMetrics {
@@ -35,6 +47,8 @@ impl DecisionMetrics {
             duration: Histogram::new(exponential_buckets(1e-6, 2.0, 24)),
             matched_blocks: Histogram::new(exponential_buckets(1.0, 2.0, 14)),
             errors,
+            pd: Family::default(),
+            prefill_picks: Family::default(),
         };
         registry.register(
             "decisions",
@@ -51,7 +65,42 @@ impl DecisionMetrics {
             "Prompt blocks the index predicted the chosen pod holds",
             m.matched_blocks.clone(),
         );
+        registry.register(
+            "pd_decisions",
+            "Decisions on models with prefill pods: disaggregated, or why not",
+            m.pd.clone(),
+        );
+        registry.register(
+            "prefill_picks",
+            "Disaggregated decisions by the prefill pod chosen",
+            m.prefill_picks.clone(),
+        );
         m
+    }
+
+    /// Counts a committed P/D decision and its prefill pod.
+    pub(super) fn count_pd(&self, pd: &super::PdPlan) {
+        self.pd
+            .get_or_create(&PdLabels {
+                outcome: pd.outcome.as_str(),
+            })
+            .inc();
+        if let Some(pod) = &pd.prefill {
+            self.prefill_picks
+                .get_or_create(&PodLabel {
+                    pod: pod.to_string(),
+                })
+                .inc();
+        }
+    }
+
+    /// P/D decisions committed with `outcome` so far.
+    pub fn pd_decisions(&self, outcome: super::PdOutcome) -> u64 {
+        self.pd
+            .get_or_create(&PdLabels {
+                outcome: outcome.as_str(),
+            })
+            .get()
     }
 
     /// Decisions committed with `reason` to `pod` so far.
@@ -66,6 +115,9 @@ impl DecisionMetrics {
 
     /// Drops the `decisions{pod}` series of a pod that left (no series outlives its pod).
     pub fn forget_pod(&self, pod: &PodId) {
+        self.prefill_picks.remove(&PodLabel {
+            pod: pod.to_string(),
+        });
         for reason in Reason::ALL {
             self.decisions.remove(&DecisionLabels {
                 reason,

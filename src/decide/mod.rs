@@ -11,6 +11,7 @@
 //! one input builder, shared with `kv-bench simulate`) → [`plan`] → [`commit`].
 
 mod conversation;
+mod disagg;
 mod input;
 mod metrics;
 mod plan;
@@ -25,9 +26,11 @@ use tracing::debug;
 
 use crate::blocks::{BlockKey, BlockScheme};
 use crate::config::Config;
-use crate::index::KvIndex;
+use crate::index::{Charge, KvIndex};
 use crate::keys::{Keyer, Keys};
-use crate::pods::{prefill_models, InflightGuard, Pod, PodId, PodRegistry, TtftPrior};
+use crate::pods::{
+    prefill_models, prefill_time, InflightGuard, Pod, PodId, PodRegistry, TtftPrior,
+};
 use crate::request::{self, RequestError, RoutingRequest};
 use crate::scoring::{SessionKey, SessionStore};
 use crate::telemetry::ErrorKind;
@@ -36,6 +39,7 @@ use metrics::DecisionLabels;
 use unrecorded::Unrecorded;
 
 pub use conversation::{Conversations, SessionSeen, PROMPT_ENDS};
+pub use disagg::{plan_pd, split_roles, PdOutcome, PdPlan};
 pub use input::{DecisionState, Planned, PodFacts, Recording, RequestFacts};
 pub use metrics::DecisionMetrics;
 pub use plan::{commit, plan, Body, Committed, Plan, PlanInput, ScoredPod, Stages, Stores};
@@ -71,14 +75,21 @@ pub struct Decision {
     pub model: Option<String>,
     /// Load accounting held until the request ends (`None` when only planned).
     pub guard: Option<InflightGuard>,
+    /// The prefill pod's load charge when disaggregated, held until its prefill ends (the
+    /// decode pod's first response bytes).
+    pub prefill_guard: Option<InflightGuard>,
 }
 
 /// A decision's index record, left for after the reply ([`Decider::decide_reply_first`]).
 /// Until it is recorded or dropped, the decider's lookups count it as if it were in the index.
 pub struct PendingRecord {
     pod: PodId,
+    /// The prefill pod of a disaggregated decision: it computed the prompt, so it holds it too.
+    prefill: Option<PodId>,
     keys: Arc<[BlockKey]>,
     now_ms: u64,
+    /// The request's load, which the other replicas count too (shared index).
+    charge: Charge,
     id: u64,
     unrecorded: Arc<Unrecorded>,
 }
@@ -154,6 +165,10 @@ pub struct Decider {
     stages: Stages,
     metrics: DecisionMetrics,
     epoch: Instant,
+    /// `disaggregation.threshold_tokens`.
+    pd_threshold: u64,
+    /// `disaggregation.header`.
+    prefill_header: String,
 }
 
 /// What a live decision gathered before it plans.
@@ -175,6 +190,8 @@ struct Prepared {
     now_ms: u64,
     /// Its entry among the unrecorded decisions, and its keys (decisions to commit only).
     unrecorded: Option<(u64, Arc<[BlockKey]>)>,
+    /// The prefill candidates of a P/D model (`plan.pd` names the chosen one).
+    prefill_pods: Vec<Arc<Pod>>,
 }
 
 impl Decider {
@@ -217,7 +234,14 @@ impl Decider {
             stages: Stages::new(cfg),
             metrics,
             epoch: Instant::now(),
+            pd_threshold: cfg.disaggregation.threshold_tokens,
+            prefill_header: cfg.disaggregation.header.clone(),
         }
+    }
+
+    /// The request header that names the prefill pod (`disaggregation.header`).
+    pub fn prefill_header(&self) -> &str {
+        &self.prefill_header
     }
 
     /// Milliseconds on the router's monotonic clock (the index's time base).
@@ -270,15 +294,28 @@ impl Decider {
             if let Some(best) = d.plan.ranked.first() {
                 self.metrics.matched_blocks.observe(best.matched_blocks);
             }
+            if let Some(pd) = &d.plan.pd {
+                self.metrics.count_pd(pd);
+            }
         }
         result
     }
 
     /// Teaches the index a decision's keys on its pod; a failure is counted and logged.
     pub async fn record(&self, p: PendingRecord) {
-        if let Err(e) = self.index.record(&p.pod, &p.keys, p.now_ms).await {
+        let recorded = self
+            .index
+            .record_decision(&p.pod, &p.keys, p.now_ms, p.charge)
+            .await;
+        if let Err(e) = recorded {
             debug!(error = %e, "index record failed");
             self.metrics.errors.inc(ErrorKind::Index);
+        }
+        if let Some(prefill) = p.prefill.as_ref().filter(|q| **q != p.pod) {
+            if let Err(e) = self.index.record(prefill, &p.keys, p.now_ms).await {
+                debug!(error = %e, "index record of the prefill pod failed");
+                self.metrics.errors.inc(ErrorKind::Index);
+            }
         }
     }
 
@@ -289,6 +326,7 @@ impl Decider {
             plan: p.plan,
             model: p.model,
             guard: None,
+            prefill_guard: None,
         });
         self.finish(started, result.as_ref().err());
         result
@@ -312,10 +350,32 @@ impl Decider {
                 pods[i].begin_request(tokens, now, rate)
             })
             .await;
+        // Checked against the pod's own hit counters (`pods::HitAccuracy`).
+        let keys = &p.plan.keys;
+        let hits = crate::pods::predicted_hit_tokens(
+            p.plan.ranked[0].matched_blocks,
+            keys.tokens_per_block,
+            keys.prompt_tokens,
+        );
+        pods[p.plan.primary].predicted_hits(hits, keys.prompt_tokens);
+        let prefill_guard = p.plan.pd.as_ref().and_then(|pd| {
+            let id = pd.prefill.as_ref()?;
+            let pod = p.prefill_pods.iter().find(|q| q.id() == id)?;
+            Some(pod.begin_request(pd.prefill_uncached_tokens, now, pd.prefill_tokens_per_sec))
+        });
         let pending = p.unrecorded.map(|(id, keys)| PendingRecord {
             pod: p.plan.ranked[0].pod.clone(),
+            prefill: p.plan.prefill_pod().cloned(),
             keys,
             now_ms: p.now_ms,
+            charge: Charge {
+                uncached_tokens: p.plan.uncached_tokens,
+                prefill_ms: prefill_time(
+                    p.plan.uncached_tokens,
+                    p.plan.ranked[0].predicted.tokens_per_sec,
+                )
+                .as_millis() as u64,
+            },
             id,
             unrecorded: self.state.unrecorded().clone(),
         });
@@ -323,6 +383,7 @@ impl Decider {
             plan: p.plan,
             model: p.model,
             guard: Some(c.guard),
+            prefill_guard,
         };
         (decision, pending)
     }
@@ -338,15 +399,37 @@ impl Decider {
     /// Parses, looks up and plans; with `commit`, the plan joins the unrecorded decisions in
     /// the same step that overlaid them, so concurrent decisions see each other.
     async fn prepare(&self, req: DecideRequest<'_>, commit: bool) -> Result<Prepared, DecideError> {
-        let g = self.gather(req).await?;
-        let planned = self.state.plan(
-            &self.stages,
-            g.facts,
-            &g.pod_facts,
-            g.now_ms,
-            commit,
-            &mut rand::rng(),
-        );
+        let mut g = self.gather(req).await?;
+        let mut prefill_pods = Vec::new();
+        let planned = match split_roles(&g.pods) {
+            None => self.state.plan(
+                &self.stages,
+                g.facts,
+                &g.pod_facts,
+                g.now_ms,
+                commit,
+                &mut rand::rng(),
+            ),
+            Some((decode, prefill)) => {
+                let pick = |v: &[usize]| -> Vec<PodFacts> {
+                    v.iter().map(|&i| g.pod_facts[i].clone()).collect()
+                };
+                let (decode_facts, prefill_facts) = (pick(&decode), pick(&prefill));
+                prefill_pods = prefill.iter().map(|&i| g.pods[i].clone()).collect();
+                // The plan's primary indexes the decode candidates: commit charges among them.
+                g.pods = decode.iter().map(|&i| g.pods[i].clone()).collect();
+                self.state.plan_pd(
+                    &self.stages,
+                    self.pd_threshold,
+                    g.facts,
+                    &decode_facts,
+                    &prefill_facts,
+                    g.now_ms,
+                    commit,
+                    &mut rand::rng(),
+                )
+            }
+        };
         let plan = planned.plan;
         log_decision(&plan);
         for e in &plan.scorer_errors {
@@ -360,6 +443,7 @@ impl Decider {
             now: g.now,
             now_ms: g.now_ms,
             unrecorded: planned.unrecorded,
+            prefill_pods,
         })
     }
 

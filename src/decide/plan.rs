@@ -145,9 +145,17 @@ pub struct Plan {
     /// The request started a new conversation.
     #[serde(skip)]
     pub(super) new_conversation: bool,
+    /// The prefill/decode choice, for models with prefill-role pods.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pd: Option<super::disagg::PdPlan>,
 }
 
 impl Plan {
+    /// The prefill pod of a disaggregated plan.
+    pub fn prefill_pod(&self) -> Option<&PodId> {
+        self.pd.as_ref()?.prefill.as_ref()
+    }
+
     /// `ip:port[,ip:port…]` for the metadata and header.
     pub fn destination(&self) -> String {
         self.endpoints
@@ -255,6 +263,7 @@ pub fn plan(stages: &Stages, input: PlanInput, rng: &mut impl Rng) -> Plan {
         best_match,
         // A prompt placed away from its busy holders counts as a conversation placed there.
         new_conversation: new_conversation || (shares_prefix && reason == Reason::Spread),
+        pd: None,
     }
 }
 
@@ -305,7 +314,13 @@ pub async fn commit<G>(
     }
     let index_error = match index {
         Some(index) if !plan.keys.keys.is_empty() => {
-            index.record(primary, &plan.keys.keys, now_ms).await.err()
+            let prefill = plan.prefill_pod().filter(|p| *p != primary);
+            let on_prefill = match prefill {
+                Some(p) => index.record(p, &plan.keys.keys, now_ms).await.err(),
+                None => None,
+            };
+            let on_primary = index.record(primary, &plan.keys.keys, now_ms).await.err();
+            on_primary.or(on_prefill)
         }
         _ => None,
     };

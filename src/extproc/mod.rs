@@ -225,6 +225,8 @@ struct StreamState {
     largest_chunk: usize,
     decided: bool,
     guard: Option<InflightGuard>,
+    /// The prefill pod's charge of a disaggregated request, released at the first response.
+    prefill_guard: Option<InflightGuard>,
 }
 
 /// A body as the chunks it came in, joined once at the decision: appended to one `Vec`, its
@@ -285,6 +287,7 @@ impl ExtProc {
             largest_chunk: 0,
             decided: false,
             guard: None,
+            prefill_guard: None,
         };
         let mut first = true;
         let mut ending = None;
@@ -329,6 +332,10 @@ impl ExtProc {
                 Some(In::ResponseHeaders(h)) => {
                     if let Some(g) = st.guard.as_mut() {
                         g.prefill_done();
+                    }
+                    // The decode pod answers once the prefill pod handed over the prompt.
+                    if let Some(g) = st.prefill_guard.take() {
+                        g.complete();
                     }
                     if h.end_of_stream {
                         if let Some(g) = st.guard.take() {
@@ -409,7 +416,11 @@ impl ExtProc {
         match st.mode {
             BodyMode::FullDuplex => true,
             BodyMode::Buffered | BodyMode::Streamed => {
-                send(tx, reply::request_headers_strip()).await
+                send(
+                    tx,
+                    reply::request_headers_strip_pd(self.decider.prefill_header()),
+                )
+                .await
             }
         }
     }
@@ -502,20 +513,25 @@ impl ExtProc {
         };
         let destination = decision.plan.destination();
         st.guard = decision.guard;
+        st.prefill_guard = decision.prefill_guard;
         let set_header = self.destination_header;
+        let prefill = reply::Prefill {
+            header: self.decider.prefill_header(),
+            pod: decision.plan.prefill_pod().map(|p| p.as_str()),
+        };
         let sent = match (st.mode, has_body) {
             // Body-less request: the headers reply carries the decision in every mode.
             (_, false) => {
                 send(
                     tx,
-                    reply::request_headers_decision(&destination, set_header),
+                    reply::request_headers_decision_pd(&destination, set_header, prefill),
                 )
                 .await
             }
             (BodyMode::FullDuplex, true) => {
                 if !send(
                     tx,
-                    reply::request_headers_decision(&destination, set_header),
+                    reply::request_headers_decision_pd(&destination, set_header, prefill),
                 )
                 .await
                 {
@@ -530,7 +546,11 @@ impl ExtProc {
                 true
             }
             (BodyMode::Buffered | BodyMode::Streamed, true) => {
-                send(tx, reply::request_body_decision(&destination, set_header)).await
+                send(
+                    tx,
+                    reply::request_body_decision_pd(&destination, set_header, prefill),
+                )
+                .await
             }
         };
         // Envoy has its answer; the request is on its way while the index learns its keys.

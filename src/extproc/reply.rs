@@ -28,6 +28,29 @@ pub const SUBSET_KEY: &str = "x-gateway-destination-endpoint-subset";
 /// Routing headers only the router may set; a client's copies are removed.
 pub const OWNED_HEADERS: &[&str] = &[DESTINATION_HEADER, DESTINATION_SERVED_HEADER, SUBSET_KEY];
 
+/// Prefill-pod headers of llm-d's decode sidecar (older and newer name): always stripped from
+/// clients, whatever `disaggregation.header` is, so no sidecar trusts a forged one.
+pub const PREFILL_HEADERS: &[&str] = &[crate::config::DEFAULT_PREFILL_HEADER, "x-prefiller-url"];
+
+/// The prefill half of a P/D decision's headers: `header` is always removed from the client's
+/// request, and set to `pod` when the decision is disaggregated.
+#[derive(Debug, Clone, Copy)]
+pub struct Prefill<'a> {
+    /// `disaggregation.header`.
+    pub header: &'a str,
+    /// The prefill pod (`ip:port`), if any.
+    pub pod: Option<&'a str>,
+}
+
+impl Default for Prefill<'_> {
+    fn default() -> Self {
+        Self {
+            header: crate::config::DEFAULT_PREFILL_HEADER,
+            pod: None,
+        }
+    }
+}
+
 // llm-d echoes at 62 000 bytes: some Envoy deployments cap a streamed chunk at 64 KiB.
 const ECHO_CHUNK: usize = 62_000;
 
@@ -45,15 +68,26 @@ fn header(key: &str, value: &str) -> HeaderValueOption {
     }
 }
 
-fn strip() -> HeaderMutation {
+fn strip(prefill_header: &str) -> HeaderMutation {
+    let mut remove: Vec<String> = OWNED_HEADERS.iter().map(|h| h.to_string()).collect();
+    for h in PREFILL_HEADERS.iter().copied().chain([prefill_header]) {
+        if !remove.iter().any(|r| r == h) {
+            remove.push(h.to_string());
+        }
+    }
     HeaderMutation {
         set_headers: vec![],
-        remove_headers: OWNED_HEADERS.iter().map(|h| h.to_string()).collect(),
+        remove_headers: remove,
     }
 }
 
-fn decision_mutation(destination: &str, set_header: bool) -> HeaderMutation {
-    let mut m = strip();
+fn decision_mutation(destination: &str, set_header: bool, prefill: Prefill<'_>) -> HeaderMutation {
+    let mut m = strip(prefill.header);
+    if let Some(pod) = prefill.pod {
+        // Overwritten in place, like the destination: the client's copy cannot survive.
+        m.remove_headers.retain(|h| h != prefill.header);
+        m.set_headers.push(header(prefill.header, pod));
+    }
     if set_header {
         // The header names the primary only: ORIGINAL_DST clusters reject a list (503), while
         // override_host reads the full retry list from the metadata.
@@ -93,9 +127,14 @@ fn common(mutation: Option<HeaderMutation>, clear_route_cache: bool) -> Option<C
 
 /// BUFFERED request headers: continue, minus the client's routing headers.
 pub fn request_headers_strip() -> ProcessingResponse {
+    request_headers_strip_pd(crate::config::DEFAULT_PREFILL_HEADER)
+}
+
+/// [`request_headers_strip`], also removing the configured prefill header.
+pub fn request_headers_strip_pd(prefill_header: &str) -> ProcessingResponse {
     ProcessingResponse {
         response: Some(Out::RequestHeaders(HeadersResponse {
-            response: common(Some(strip()), false),
+            response: common(Some(strip(prefill_header)), false),
         })),
         ..Default::default()
     }
@@ -103,9 +142,21 @@ pub fn request_headers_strip() -> ProcessingResponse {
 
 /// Headers reply carrying the decision (body-less requests, FULL_DUPLEX_STREAMED).
 pub fn request_headers_decision(destination: &str, set_header: bool) -> ProcessingResponse {
+    request_headers_decision_pd(destination, set_header, Prefill::default())
+}
+
+/// [`request_headers_decision`] with the prefill pod's header.
+pub fn request_headers_decision_pd(
+    destination: &str,
+    set_header: bool,
+    prefill: Prefill<'_>,
+) -> ProcessingResponse {
     ProcessingResponse {
         response: Some(Out::RequestHeaders(HeadersResponse {
-            response: common(Some(decision_mutation(destination, set_header)), true),
+            response: common(
+                Some(decision_mutation(destination, set_header, prefill)),
+                true,
+            ),
         })),
         dynamic_metadata: Some(metadata(destination)),
         ..Default::default()
@@ -114,9 +165,21 @@ pub fn request_headers_decision(destination: &str, set_header: bool) -> Processi
 
 /// BUFFERED body reply carrying the decision (headers are still held, so the header applies).
 pub fn request_body_decision(destination: &str, set_header: bool) -> ProcessingResponse {
+    request_body_decision_pd(destination, set_header, Prefill::default())
+}
+
+/// [`request_body_decision`] with the prefill pod's header.
+pub fn request_body_decision_pd(
+    destination: &str,
+    set_header: bool,
+    prefill: Prefill<'_>,
+) -> ProcessingResponse {
     ProcessingResponse {
         response: Some(Out::RequestBody(BodyResponse {
-            response: common(Some(decision_mutation(destination, set_header)), true),
+            response: common(
+                Some(decision_mutation(destination, set_header, prefill)),
+                true,
+            ),
         })),
         dynamic_metadata: Some(metadata(destination)),
         ..Default::default()
@@ -357,6 +420,62 @@ mod tests {
             joined.extend(s.body);
         }
         assert_eq!((joined, eos_count), (body, 1));
+    }
+
+    fn mutation(r: ProcessingResponse) -> HeaderMutation {
+        match r.response {
+            Some(Out::RequestBody(b)) => b.response.unwrap().header_mutation.unwrap(),
+            Some(Out::RequestHeaders(h)) => h.response.unwrap().header_mutation.unwrap(),
+            _ => panic!("a request reply"),
+        }
+    }
+
+    #[test]
+    fn the_prefill_header_is_stripped_everywhere_and_set_only_by_a_pd_decision() {
+        let custom = "x-pd-prefill";
+        let strips = |m: &HeaderMutation, h: &str| m.remove_headers.iter().any(|r| r == h);
+        for m in [
+            mutation(request_headers_strip_pd(custom)),
+            mutation(request_body_decision_pd(
+                "10.0.0.5:8000",
+                true,
+                Prefill {
+                    header: custom,
+                    pod: None,
+                },
+            )),
+            mutation(request_headers_decision("10.0.0.5:8000", false)),
+        ] {
+            for h in PREFILL_HEADERS {
+                assert!(strips(&m, h), "{h} in {m:?}");
+            }
+            assert!(m.set_headers.iter().all(|h| {
+                let k = &h.header.as_ref().unwrap().key;
+                k != custom && !PREFILL_HEADERS.contains(&k.as_str())
+            }));
+        }
+        assert!(strips(&mutation(request_headers_strip_pd(custom)), custom));
+        let pd = Prefill {
+            header: custom,
+            pod: Some("10.0.0.9:8000"),
+        };
+        for m in [
+            mutation(request_body_decision_pd("10.0.0.5:8000", true, pd)),
+            mutation(request_headers_decision_pd("10.0.0.5:8000", false, pd)),
+        ] {
+            let set = m
+                .set_headers
+                .iter()
+                .find(|h| h.header.as_ref().unwrap().key == custom)
+                .expect("the prefill header is set");
+            assert_eq!(set.header.as_ref().unwrap().raw_value, b"10.0.0.9:8000");
+            assert_eq!(
+                set.append_action,
+                HeaderAppendAction::OverwriteIfExistsOrAdd as i32
+            );
+            assert!(!strips(&m, custom), "set in place, not removed after");
+            assert!(strips(&m, "x-prefiller-host-port") && strips(&m, "x-prefiller-url"));
+        }
     }
 
     #[test]

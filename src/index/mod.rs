@@ -39,6 +39,22 @@ pub use redis::{
 
 use crate::events::KvEventBatch;
 
+/// A decision's load on its pod: the tokens it has to prefill and for how long they count.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Charge {
+    /// Prompt tokens the pod was predicted not to hold.
+    pub uncached_tokens: u64,
+    /// The deciding replica's estimate of their prefill time, in milliseconds.
+    pub prefill_ms: u64,
+}
+
+/// Where a shared backend hands the decisions other replicas made, so that every replica counts
+/// them as in-flight load between scrapes (the pods' in-flight accounting implements it).
+pub trait RemoteLoad: Send + Sync {
+    /// Another replica sent a request to `pod` `age` ago.
+    fn charge(&self, pod: &PodId, charge: Charge, age: std::time::Duration);
+}
+
 /// What applying an event batch did (for metrics).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
 pub struct ApplyStats {
@@ -120,6 +136,19 @@ pub trait KvIndex: Send + Sync + 'static {
     /// backend's TTL after `now_ms`, refreshed by each record. Under the pod's capacity the
     /// least recently recorded keys go first, and a prompt's head counts as its most recent.
     async fn record(&self, pod: &PodId, keys: &[BlockKey], now_ms: u64) -> Result<(), IndexError>;
+    /// [`Self::record`] for a routed request, with its load: a shared backend passes `charge`
+    /// on to the other replicas ([`Self::attach_remote_load`]); the others ignore it.
+    async fn record_decision(
+        &self,
+        pod: &PodId,
+        keys: &[BlockKey],
+        now_ms: u64,
+        _charge: Charge,
+    ) -> Result<(), IndexError> {
+        self.record(pod, keys, now_ms).await
+    }
+    /// Where the other replicas' charges go; backends that share nothing ignore it.
+    fn attach_remote_load(&self, _sink: std::sync::Arc<dyn RemoteLoad>) {}
     /// Drops everything about `pod` (it left the fleet).
     async fn forget_pod(&self, pod: &PodId) -> Result<(), IndexError>;
     /// Sets how many blocks `pod` can hold (its KV-cache size); extra entries are evicted.

@@ -16,7 +16,8 @@ use std::time::Duration;
 use parking_lot::Mutex;
 use tokio::time::Instant;
 
-use super::Pod;
+use super::{Pod, PodId, PodRegistry};
+use crate::index::{Charge, RemoteLoad};
 
 /// A point in time on some monotonic clock: the router's, or a simulation's virtual one.
 pub trait Timestamp: Copy + Ord {
@@ -69,6 +70,8 @@ pub struct Settling<T> {
     /// (end of prefill, tokens) of the tokens still counted, soonest end on top.
     tokens: BinaryHeap<Reverse<(T, u64)>>,
     tokens_sum: u64,
+    /// Start of the latest successful scrape: a request released before it is in its numbers.
+    seen: Option<T>,
 }
 
 impl<T> Default for Settling<T> {
@@ -77,22 +80,27 @@ impl<T> Default for Settling<T> {
             requests: VecDeque::new(),
             tokens: BinaryHeap::new(),
             tokens_sum: 0,
+            seen: None,
         }
     }
 }
 
 impl<T: Timestamp> Settling<T> {
     /// A request released at `released_at`, its `tokens` still prefilling until `tokens_until`.
+    /// Another replica's request arrives late: released before the latest scrape, it is already
+    /// in the pod's numbers, and only its tokens count.
     pub fn push(&mut self, released_at: T, tokens: u64, tokens_until: T) {
-        if self.requests.len() >= MAX_SETTLING {
-            self.requests.pop_front();
+        if self.seen.is_none_or(|seen| released_at >= seen) {
+            if self.requests.len() >= MAX_SETTLING {
+                self.requests.pop_front();
+            }
+            // Guards dropped on other threads may read the clock a little out of order.
+            let released_at = self
+                .requests
+                .back()
+                .map_or(released_at, |&b| b.max(released_at));
+            self.requests.push_back(released_at);
         }
-        // Guards dropped on other threads may read the clock a little out of order.
-        let released_at = self
-            .requests
-            .back()
-            .map_or(released_at, |&b| b.max(released_at));
-        self.requests.push_back(released_at);
         if tokens > 0 {
             if self.tokens.len() >= MAX_SETTLING {
                 self.pop_tokens();
@@ -117,6 +125,7 @@ impl<T: Timestamp> Settling<T> {
 
     /// A scrape sent at `started` succeeded: requests released before then are in its numbers.
     pub fn observed_scrape(&mut self, started: T) {
+        self.seen = Some(self.seen.map_or(started, |s| s.max(started)));
         while self.requests.front().is_some_and(|&r| r < started) {
             self.requests.pop_front();
         }
@@ -168,6 +177,31 @@ impl Inflight {
             self.requests.load(Ordering::Relaxed),
             self.tokens.load(Ordering::Relaxed),
         )
+    }
+}
+
+impl Pod {
+    /// Counts a request another router replica sent here `at`: like a guard released at once,
+    /// it counts until a scrape that started after `at` (or `stale_after`), and its uncached
+    /// tokens until `prefill` after `at`.
+    pub fn charge_remote(&self, at: Instant, uncached_tokens: u64, prefill: Duration) {
+        let prefill = prefill.min(MAX_PREFILL);
+        self.inflight
+            .settling
+            .lock()
+            .push(at, uncached_tokens, at + prefill);
+    }
+}
+
+/// The other replicas' decisions (through a shared index's mirror) charge the pods here.
+impl RemoteLoad for PodRegistry {
+    fn charge(&self, pod: &PodId, charge: Charge, age: Duration) {
+        if let Some(p) = self.snapshot().get(pod) {
+            let now = Instant::now();
+            let at = now.checked_sub(age).unwrap_or(now);
+            let prefill = Duration::from_millis(charge.prefill_ms);
+            p.charge_remote(at, charge.uncached_tokens, prefill);
+        }
     }
 }
 
@@ -297,6 +331,41 @@ mod tests {
         assert_eq!(p.inflight.current(Instant::now(), stale), (0, 0));
     }
 
+    #[tokio::test(start_paused = true)]
+    async fn another_replicas_request_counts_until_a_later_scrape() {
+        let reg = PodRegistry::default();
+        let id = PodId::new("127.0.0.1:1");
+        reg.update(vec![PodSpec {
+            id: id.clone(),
+            addr: "127.0.0.1:1".parse().unwrap(),
+            models: vec![],
+            labels: Default::default(),
+            kv_events_endpoint: None,
+            kv_events_replay_endpoint: None,
+        }]);
+        let p = reg.snapshot().get(&id).unwrap().clone();
+        let stale = Duration::from_secs(2);
+        let charge = Charge {
+            uncached_tokens: 800,
+            prefill_ms: 1_000,
+        };
+        let decided = Instant::now();
+        tokio::time::advance(Duration::from_millis(40)).await;
+        // Heard of 40 ms after the other replica decided; unknown pods are ignored.
+        reg.charge(&id, charge, Duration::from_millis(40));
+        reg.charge(&PodId::new("gone:1"), charge, Duration::ZERO);
+        assert_eq!(p.inflight.current(Instant::now(), stale), (1, 800));
+        p.inflight
+            .observed_scrape(decided + Duration::from_millis(1));
+        assert_eq!(p.inflight.current(Instant::now(), stale), (0, 800));
+        // Heard of after a scrape that started after it: already in the pod's numbers.
+        reg.charge(&id, charge, Duration::from_millis(40));
+        assert_eq!(p.inflight.current(Instant::now(), stale), (0, 1_600));
+        // Its prefill estimate runs from the decision, not from when it was heard of.
+        tokio::time::advance(Duration::from_millis(961)).await;
+        assert_eq!(p.inflight.current(Instant::now(), stale), (0, 0));
+    }
+
     /// Milliseconds on a test clock.
     #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
     struct Ms(u64);
@@ -312,8 +381,14 @@ mod tests {
 
     #[derive(Debug, Clone)]
     enum Op {
-        /// After `dt` ms, a release with `tokens` prefilling for `prefill` ms more.
-        Push { dt: u64, tokens: u64, prefill: u64 },
+        /// After `dt` ms, a release `late` ms ago with `tokens` prefilling for `prefill` ms more
+        /// from then (late: another replica's request, heard of after the fact).
+        Push {
+            dt: u64,
+            late: u64,
+            tokens: u64,
+            prefill: u64,
+        },
         /// After `dt` ms, a count.
         Count { dt: u64 },
         /// A scrape that started `back` ms ago succeeded.
@@ -323,8 +398,13 @@ mod tests {
     fn op() -> impl proptest::strategy::Strategy<Value = Op> {
         use proptest::prelude::*;
         prop_oneof![
-            3 => (0u64..50, prop_oneof![Just(0u64), 1u64..1000], 0u64..3000)
-                .prop_map(|(dt, tokens, prefill)| Op::Push { dt, tokens, prefill }),
+            3 => (
+                0u64..50,
+                prop_oneof![3 => Just(0u64), 1 => 0u64..300],
+                prop_oneof![Just(0u64), 1u64..1000],
+                0u64..3000,
+            )
+                .prop_map(|(dt, late, tokens, prefill)| Op::Push { dt, late, tokens, prefill }),
             2 => (0u64..400).prop_map(|dt| Op::Count { dt }),
             1 => (0u64..300).prop_map(|back| Op::Scrape { back }),
         ]
@@ -340,13 +420,19 @@ mod tests {
             let mut s = Settling::<Ms>::default();
             // (released_at, request still pending, tokens, tokens_until)
             let mut all: Vec<(u64, bool, u64, u64)> = Vec::new();
-            let mut now = 0u64;
+            let (mut now, mut seen, mut last) = (0u64, None::<u64>, 0u64);
             for op in ops {
                 match op {
-                    Op::Push { dt, tokens, prefill } => {
+                    Op::Push { dt, late, tokens, prefill } => {
                         now += dt;
-                        s.push(Ms(now), tokens, Ms(now + prefill));
-                        all.push((now, true, tokens, now + prefill));
+                        let at = now.saturating_sub(late);
+                        s.push(Ms(at), tokens, Ms(at + prefill));
+                        // Counted from the latest release so far, unless a scrape saw it.
+                        let pending = seen.is_none_or(|seen| at >= seen);
+                        if pending {
+                            last = last.max(at);
+                        }
+                        all.push((last, pending, tokens, at + prefill));
                     }
                     Op::Count { dt } => {
                         now += dt;
@@ -360,6 +446,7 @@ mod tests {
                     Op::Scrape { back } => {
                         let started = now.saturating_sub(back);
                         s.observed_scrape(Ms(started));
+                        seen = Some(seen.map_or(started, |s: u64| s.max(started)));
                         for e in all.iter_mut().filter(|e| e.0 < started) {
                             e.1 = false;
                         }

@@ -88,6 +88,8 @@ struct Member {
     models: Vec<String>,
     /// The pod's `kv-router.io/engine` annotation, else label.
     engine: Option<String>,
+    /// The pod's role label (`pods.kubernetes.role_label`), when it names a role.
+    role: Option<super::PodRole>,
 }
 
 #[derive(Debug, Default)]
@@ -208,6 +210,7 @@ impl PodSource for KubernetesSource {
                 if let Some(engine) = &m.engine {
                     labels.insert(ENGINE_LABEL.to_string(), engine.clone());
                 }
+                super::role::set_role(&mut labels, m.role);
                 out.push(PodSpec {
                     id: PodId::from(addr),
                     addr,
@@ -412,7 +415,18 @@ fn member(
         ports,
         models: pod_models(pod, cfg).unwrap_or_else(|| models.to_vec()),
         engine: pod_engine(pod),
+        role: pod_role(pod, cfg),
     })
+}
+
+/// The role the configured label names; a value that names none counts as no role (`both`).
+fn pod_role(pod: &KubePod, cfg: &KubernetesConfig) -> Option<super::PodRole> {
+    let v = pod.metadata.labels.as_ref()?.get(&cfg.role_label)?;
+    let role = super::PodRole::parse(v);
+    if role.is_none() {
+        debug!(label = %cfg.role_label, "pod role label names no role; treated as both");
+    }
+    role
 }
 
 /// The `kv-router.io/engine` annotation, else label (a value past 64 bytes is no engine name).
@@ -497,6 +511,26 @@ mod tests {
             selector: "app=vllm".into(),
             ports,
         }
+    }
+
+    #[test]
+    fn role_from_the_configured_label() {
+        let t = target(Ports::Numbers(vec![8000]));
+        let mut p = ready_pod("10.0.0.5");
+        let cfg = KubernetesConfig::default();
+        assert_eq!(member(&pod(p.clone()), &t, &cfg, &[]).unwrap().role, None);
+        p["metadata"]["labels"]["llm-d.ai/role"] = json!("prefill");
+        let m = member(&pod(p.clone()), &t, &cfg, &[]).unwrap();
+        assert_eq!(m.role, Some(crate::pods::PodRole::Prefill));
+        p["metadata"]["labels"]["pd"] = json!("decode");
+        let custom = KubernetesConfig {
+            role_label: "pd".into(),
+            ..Default::default()
+        };
+        let m = member(&pod(p.clone()), &t, &custom, &[]).unwrap();
+        assert_eq!(m.role, Some(crate::pods::PodRole::Decode));
+        p["metadata"]["labels"]["pd"] = json!("everything");
+        assert_eq!(member(&pod(p), &t, &custom, &[]).unwrap().role, None);
     }
 
     #[test]

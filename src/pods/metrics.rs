@@ -4,6 +4,7 @@
 use std::sync::atomic::AtomicU64;
 use std::time::Duration;
 
+use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
@@ -13,6 +14,7 @@ use super::{Pod, PodId, TtftModel};
 use crate::telemetry::PodLabels;
 
 type FloatGauge = Gauge<f64, AtomicU64>;
+type FloatCounter = Counter<f64, AtomicU64>;
 
 /// `kv_router_pod_*{pod}`.
 #[derive(Debug, Clone, Default)]
@@ -24,6 +26,12 @@ pub struct PodMetrics {
     inflight_requests: Family<PodLabels, Gauge>,
     inflight_tokens: Family<PodLabels, Gauge>,
     prefill_speed: Family<PodLabels, FloatGauge>,
+    routed_tokens: Family<PodLabels, FloatCounter>,
+    predicted_hits: Family<PodLabels, FloatCounter>,
+    query_tokens: Family<PodLabels, FloatCounter>,
+    observed_hits: Family<PodLabels, FloatCounter>,
+    hit_accuracy: Family<PodLabels, FloatGauge>,
+    capacity_scale: Family<PodLabels, FloatGauge>,
 }
 
 impl PodMetrics {
@@ -65,6 +73,36 @@ impl PodMetrics {
             "The pod's prefill speed as this router learned it from the engine's timing (the prior until it reports)",
             m.prefill_speed.clone(),
         );
+        registry.register(
+            "pod_routed_prompt_tokens",
+            "Prompt tokens this router routed to the pod, counted at each scrape of its prefix-cache counters",
+            m.routed_tokens.clone(),
+        );
+        registry.register(
+            "pod_predicted_hit_tokens",
+            "Of the routed prompt tokens, those this router predicted the pod had cached",
+            m.predicted_hits.clone(),
+        );
+        registry.register(
+            "pod_observed_query_tokens",
+            "Prompt tokens the pod looked up in its prefix cache, all traffic (vllm:prefix_cache_queries)",
+            m.query_tokens.clone(),
+        );
+        registry.register(
+            "pod_observed_hit_tokens",
+            "Prompt tokens the pod found in its prefix cache, all traffic (vllm:prefix_cache_hits)",
+            m.observed_hits.clone(),
+        );
+        registry.register(
+            "pod_hit_accuracy_ratio",
+            "Observed over predicted prefix-cache hit rate, last 8 scrapes (1 = the index is right, below = it predicts hits the pod lacks)",
+            m.hit_accuracy.clone(),
+        );
+        registry.register(
+            "pod_index_capacity_scale",
+            "Fraction of the pod's configured capacity its index entries are held to (index.correction)",
+            m.capacity_scale.clone(),
+        );
         m
     }
 
@@ -91,6 +129,23 @@ impl PodMetrics {
                 .get_or_create(&l)
                 .set(1.0 / model.sec_per_token);
         }
+        let w = pod.take_hit_windows();
+        self.routed_tokens.get_or_create(&l).inc_by(w.routed);
+        self.predicted_hits.get_or_create(&l).inc_by(w.predicted);
+        self.query_tokens.get_or_create(&l).inc_by(w.queries);
+        self.observed_hits.get_or_create(&l).inc_by(w.observed);
+        let report = pod.hit_accuracy();
+        match report.accuracy {
+            Some(a) => {
+                self.hit_accuracy.get_or_create(&l).set(a);
+            }
+            None => {
+                self.hit_accuracy.remove(&l);
+            }
+        }
+        self.capacity_scale
+            .get_or_create(&l)
+            .set(report.capacity_scale);
     }
 
     /// Drops the series of a pod that left.
@@ -105,13 +160,62 @@ impl PodMetrics {
         self.inflight_requests.remove(&l);
         self.inflight_tokens.remove(&l);
         self.prefill_speed.remove(&l);
+        self.routed_tokens.remove(&l);
+        self.predicted_hits.remove(&l);
+        self.query_tokens.remove(&l);
+        self.observed_hits.remove(&l);
+        self.hit_accuracy.remove(&l);
+        self.capacity_scale.remove(&l);
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::pods::{LoadSample, PodSpec};
+    use crate::pods::{LoadSample, PodSpec, PrefixCounters};
+
+    #[test]
+    fn prediction_accuracy_is_exported_per_pod() {
+        let mut reg = Registry::default();
+        let m = PodMetrics::register(&mut reg);
+        let pod = Pod::new(PodSpec {
+            id: PodId::new("127.0.0.1:8"),
+            addr: "127.0.0.1:8".parse().unwrap(),
+            models: vec![],
+            labels: Default::default(),
+            kv_events_endpoint: None,
+            kv_events_replay_endpoint: None,
+        });
+        let now = Instant::now();
+        let scrape = |queries, hits| LoadSample {
+            prefix_cache: Some(PrefixCounters { queries, hits }),
+            ..LoadSample::default()
+        };
+        pod.record_sample(now, scrape(1000.0, 500.0));
+        pod.predicted_hits(800, 1000);
+        pod.record_sample(now, scrape(3000.0, 1300.0));
+        m.observe(&pod, &TtftModel::default(), now, Duration::from_secs(1));
+        let mut out = String::new();
+        prometheus_client::encoding::text::encode(&mut out, &reg).unwrap();
+        for line in [
+            r#"pod_routed_prompt_tokens_total{pod="127.0.0.1:8"} 1000.0"#,
+            r#"pod_predicted_hit_tokens_total{pod="127.0.0.1:8"} 800.0"#,
+            r#"pod_observed_query_tokens_total{pod="127.0.0.1:8"} 2000.0"#,
+            r#"pod_observed_hit_tokens_total{pod="127.0.0.1:8"} 800.0"#,
+            // Observed 0.4 of queried tokens against 0.8 predicted.
+            r#"pod_hit_accuracy_ratio{pod="127.0.0.1:8"} 0.5"#,
+            r#"pod_index_capacity_scale{pod="127.0.0.1:8"} 1.0"#,
+        ] {
+            assert!(out.contains(line), "{line} in {out}");
+        }
+        m.observe(&pod, &TtftModel::default(), now, Duration::from_secs(1));
+        out.clear();
+        prometheus_client::encoding::text::encode(&mut out, &reg).unwrap();
+        assert!(
+            out.contains(r#"pod_predicted_hit_tokens_total{pod="127.0.0.1:8"} 800.0"#),
+            "a window is counted once: {out}"
+        );
+    }
 
     #[test]
     fn a_departed_pods_series_are_dropped() {

@@ -2,12 +2,14 @@
 //! state (health, scraped load, router in-flight accounting, engine) and the sources that list
 //! pods.
 
+mod accuracy;
 mod engine;
 mod inflight;
 #[cfg(feature = "kubernetes")]
 pub mod kubernetes;
 mod metrics;
 mod probe;
+mod role;
 mod source;
 mod ttft;
 
@@ -23,15 +25,20 @@ use parking_lot::{Mutex, RwLock};
 use serde::Serialize;
 use tokio::time::Instant;
 
+pub use accuracy::{
+    predicted_hit_tokens, scaled_capacity, AccuracyReport, HitAccuracy, HitWindow, PrefixCounters,
+    WINDOWS,
+};
 pub use engine::{
     detect, parse_vllm_metrics, read, EngineChoice, EngineResolver, MetricMap, PodEngine, Reading,
     ENGINE_LABEL, MAX_GROUPS,
 };
-pub use inflight::{prefill_time, InflightGuard, Settling, Timestamp};
+pub use inflight::{prefill_time, InflightGuard, Settling, Timestamp, MAX_PREFILL};
 #[cfg(feature = "kubernetes")]
 pub use kubernetes::KubernetesSource;
 pub use metrics::PodMetrics;
 pub(crate) use probe::Prober;
+pub use role::{role_of, PodRole, ROLE_LABEL};
 pub use source::{DnsSource, PodSource, PodSourceError, StaticSource};
 pub use ttft::{fleet_models, TtftLearner, TtftModel, TtftPrior};
 
@@ -95,6 +102,8 @@ pub struct LoadSample {
     pub block_size: Option<u64>,
     /// Cumulative prefill timing, for engines that report it (the TTFT model learns from it).
     pub timing: Option<EngineTiming>,
+    /// Cumulative prefix-cache counters, for engines that report them (prediction accuracy).
+    pub prefix_cache: Option<PrefixCounters>,
 }
 
 /// Cumulative prefill counters a pod's engine reports since it started, summed over its ranks.
@@ -165,6 +174,7 @@ pub struct Pod {
     pub(crate) inflight: inflight::Inflight,
     engine: PodEngine,
     ttft: Mutex<TtftLearner>,
+    accuracy: Mutex<HitAccuracy>,
 }
 
 impl Pod {
@@ -184,6 +194,7 @@ impl Pod {
             inflight: inflight::Inflight::default(),
             engine,
             ttft: Mutex::new(TtftLearner::default()),
+            accuracy: Mutex::new(HitAccuracy::default()),
         }
     }
 
@@ -219,11 +230,33 @@ impl Pod {
     pub fn record_sample(&self, started: Instant, sample: LoadSample) {
         *self.sample.lock() = Some((started, sample));
         self.inflight.observed_scrape(started);
+        self.accuracy.lock().observe(sample.prefix_cache);
         if let Some(timing) = sample.timing {
             self.ttft
                 .lock()
                 .observe(timing, sample.waiting + sample.running == 0.0);
         }
+    }
+
+    /// A decision sent `prompt_tokens` here, predicting `hit_tokens` of them cached.
+    pub fn predicted_hits(&self, hit_tokens: u64, prompt_tokens: u64) {
+        self.accuracy.lock().predicted(hit_tokens, prompt_tokens);
+    }
+
+    /// Judges the scrape windows seen so far (see [`HitAccuracy::correct`]); the fraction of its
+    /// configured capacity the pod's index entries should be held to.
+    pub fn correct_capacity(&self, cfg: &crate::config::CorrectionConfig) -> f64 {
+        self.accuracy.lock().correct(cfg)
+    }
+
+    /// Predicted against reported prefix-cache hits over the last scrape windows.
+    pub fn hit_accuracy(&self) -> AccuracyReport {
+        self.accuracy.lock().report()
+    }
+
+    /// Scrape windows closed since the last call (for the metric counters).
+    pub fn take_hit_windows(&self) -> HitWindow {
+        self.accuracy.lock().take_unexported()
     }
 
     /// What the pod's prefill model has learned so far (see [`fleet_models`]).

@@ -44,11 +44,13 @@ impl StaticSource {
             .iter()
             .filter_map(|p| {
                 let addr: SocketAddr = p.address.parse().ok()?;
+                let mut labels = p.labels.clone();
+                super::role::set_role(&mut labels, p.role);
                 Some(PodSpec {
                     id: PodId::from(addr),
                     addr,
                     models: p.models.clone(),
-                    labels: p.labels.clone(),
+                    labels,
                     kv_events_endpoint: p.kv_events_endpoint.clone(),
                     kv_events_replay_endpoint: p.kv_events_replay_endpoint.clone(),
                 })
@@ -101,6 +103,7 @@ impl PodSource for DnsSource {
         seen.dedup();
         let mut labels = BTreeMap::new();
         labels.insert("source".to_string(), self.name());
+        super::role::set_role(&mut labels, self.cfg.role);
         Ok(seen
             .into_iter()
             .map(|addr| PodSpec {
@@ -127,6 +130,7 @@ mod tests {
                 port: 8000,
                 refresh_ms: 1000,
                 engine: None,
+                role: None,
             },
             vec!["m".into()],
         );
@@ -145,6 +149,7 @@ mod tests {
                 port: 1,
                 refresh_ms: 1000,
                 engine: None,
+                role: None,
             },
             vec![],
         );

@@ -714,6 +714,14 @@ pub struct SimulateArgs {
     /// delays (each with each --replicas).
     #[arg(long, value_delimiter = ',', default_values_t = vec![0.0f64])]
     pub propagation_ms: Vec<f64>,
+    /// Replicas also count the others' requests as in-flight load, `propagation_ms` after they
+    /// were decided (the live mirror's `index.redis.mirror_load`).
+    #[arg(long)]
+    pub shared_load: bool,
+    /// Approximate indexes scale each pod's capacity by the hits the pod reports
+    /// (`index.correction.enabled`).
+    #[arg(long)]
+    pub correction: bool,
     /// Seed of tie-breaks and the random policy.
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
@@ -775,6 +783,8 @@ impl SimulateArgs {
             },
             replicas: self.replicas.clone(),
             propagation_ms: self.propagation_ms.clone(),
+            shared_load: self.shared_load,
+            correction: self.correction,
         };
         if self.quick {
             opts.quick()

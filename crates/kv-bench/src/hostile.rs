@@ -57,7 +57,7 @@ pub struct PhaseResult {
 }
 
 /// VmRSS and VmHWM of `pid`, bytes.
-fn rss(pid: u32) -> Result<(u64, u64)> {
+pub(crate) fn rss(pid: u32) -> Result<(u64, u64)> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status"))
         .with_context(|| format!("reading /proc/{pid}/status"))?;
     let kb = |field: &str| {

@@ -14,7 +14,7 @@ use rand::{Rng, SeedableRng};
 use serde::Serialize;
 
 use kv_router::blocks::{namespace_seed, token_keys, BlockKey};
-use kv_router::config::{Config, IndexBackend, RedisMode};
+use kv_router::config::{Config, IndexBackend, RedisLookups, RedisMode};
 use kv_router::events::{BlockHash, KvEvent, KvEventBatch};
 use kv_router::index::{build_index, KvIndex, RedisMetrics, RedisSource};
 use kv_router::pods::PodId;
@@ -64,6 +64,9 @@ pub struct ModeResult {
     pub writes_dropped: u64,
     /// Redis `used_memory` growth (all masters), bytes.
     pub memory_bytes: u64,
+    /// This process's RSS growth while a fresh mirrored replica loaded the entries, per entry
+    /// (approximate mode; the mirror's in-process copy).
+    pub mirror_bytes_per_entry: Option<f64>,
     /// Keys in Redis (all masters).
     pub redis_keys: u64,
     /// One row per candidate-set size.
@@ -234,6 +237,7 @@ async fn measure(opts: &RedisIndexOptions, server: &Server, precise: bool) -> Re
     cfg.index.redis.lookup_budget_ms = 2_000;
     cfg.index.redis.write_budget_ms = 10_000;
     cfg.index.redis.match_cache_ms = 0;
+    cfg.index.redis.lookups = RedisLookups::Redis;
     cfg.kv_events.enabled = precise;
     cfg.index.ttl_ms = 3_600_000;
     cfg.kv_events.speculative_ttl_ms = 3_600_000;
@@ -290,6 +294,11 @@ async fn measure(opts: &RedisIndexOptions, server: &Server, precise: bool) -> Re
         .await?
         .saturating_sub(memory_before);
     let redis_keys = server.info_sum("keyspace", "db0").await.unwrap_or(0);
+    let mirror_bytes_per_entry = if precise {
+        None
+    } else {
+        Some(mirror_memory(&cfg, entries).await?)
+    };
 
     let mut lookups = Vec::new();
     for &n in &opts.pods {
@@ -344,9 +353,32 @@ async fn measure(opts: &RedisIndexOptions, server: &Server, precise: bool) -> Re
         write_blocks_per_s: entries as f64 / write_secs,
         writes_dropped: dropped,
         memory_bytes,
+        mirror_bytes_per_entry,
         redis_keys,
         lookups,
     })
+}
+
+/// RSS growth per entry of a fresh replica with `lookups: mirror` loading what `cfg`'s Redis
+/// holds (`entries` of them) into its in-process index.
+async fn mirror_memory(cfg: &Config, entries: usize) -> Result<f64> {
+    let mut cfg = cfg.clone();
+    cfg.index.redis.lookups = RedisLookups::Mirror;
+    cfg.index.default_capacity_blocks = entries;
+    let pid = std::process::id();
+    let before = crate::hostile::rss(pid)?.0;
+    let index = build_index(&cfg, Some(RedisMetrics::unregistered()))?.index;
+    let deadline = Instant::now() + Duration::from_secs(600);
+    while index.unready().is_some() || index.stats().entries < entries {
+        ensure!(
+            Instant::now() < deadline,
+            "the mirror loaded {} of {entries} entries in 600 s",
+            index.stats().entries
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let grown = crate::hostile::rss(pid)?.0.saturating_sub(before);
+    Ok(grown as f64 / index.stats().entries.max(1) as f64)
 }
 
 /// Wall-clock milliseconds (the backend turns them into absolute expiry times).
@@ -365,6 +397,7 @@ pub fn table(results: &[ModeResult], style: Style) -> String {
         "entries",
         "writes/s (blocks)",
         "bytes/entry",
+        "mirror B/entry",
         "pods",
         "lookup p50",
         "p99",
@@ -380,6 +413,8 @@ pub fn table(results: &[ModeResult], style: Style) -> String {
                 r.entries.to_string(),
                 format!("{:.0}", r.write_blocks_per_s),
                 format!("{:.0}", r.memory_bytes as f64 / r.entries.max(1) as f64),
+                r.mirror_bytes_per_entry
+                    .map_or("-".into(), |b| format!("{b:.0}")),
                 l.pods.to_string(),
                 format!("{:.0} µs", l.p50_us),
                 format!("{:.0} µs", l.p99_us),

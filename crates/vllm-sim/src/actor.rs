@@ -10,6 +10,7 @@ use tokio::time::Instant;
 
 use super::cache::CacheEvent;
 use super::engine::{Engine, Output, RequestId, Stats, Submission, Usage};
+use kv_router::blocks::BlockKey;
 
 /// What a request's owner receives.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -32,6 +33,8 @@ enum Command {
     Cancel(RequestId),
     Reset(oneshot::Sender<bool>),
     Stats(oneshot::Sender<Stats>),
+    Cached(Vec<BlockKey>, oneshot::Sender<usize>),
+    Import(Box<Submission>, oneshot::Sender<usize>),
 }
 
 /// Cloneable access to the engine actor.
@@ -76,6 +79,20 @@ impl EngineHandle {
         let (tx, rx) = oneshot::channel();
         let _ = self.tx.send(Command::Reset(tx));
         rx.await.unwrap_or(false)
+    }
+
+    /// Full blocks of `keys` already in the prefix cache.
+    pub async fn cached_blocks(&self, keys: Vec<BlockKey>) -> usize {
+        let (tx, rx) = oneshot::channel();
+        let _ = self.tx.send(Command::Cached(keys, tx));
+        rx.await.unwrap_or(0)
+    }
+
+    /// Stores a prompt's blocks computed by another pod; returns the blocks newly stored.
+    pub async fn import(&self, sub: Submission) -> usize {
+        let (tx, rx) = oneshot::channel();
+        let _ = self.tx.send(Command::Import(Box::new(sub), tx));
+        rx.await.unwrap_or(0)
     }
 
     /// Current engine statistics.
@@ -175,6 +192,12 @@ async fn run(
             }
             Command::Stats(reply) => {
                 let _ = reply.send(engine.stats());
+            }
+            Command::Cached(keys, reply) => {
+                let _ = reply.send(engine.cached_blocks(&keys));
+            }
+            Command::Import(sub, reply) => {
+                let _ = reply.send(engine.import(&sub));
             }
         }
     }

@@ -30,6 +30,8 @@ use kv_router::blocks::{token_keys, BlockKey};
 use super::cache::{CacheEvent, PrefixCache, VllmStored};
 use super::vllm_hash::{BlockDigest, HashExtras};
 
+mod kv_import;
+
 /// Identifies a submitted request; chosen by the caller, unique per engine.
 pub type RequestId = u64;
 

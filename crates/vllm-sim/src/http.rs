@@ -8,7 +8,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::body::{Body, Bytes};
 use axum::extract::{DefaultBodyLimit, Request, State};
-use axum::http::{header, HeaderName, HeaderValue, StatusCode};
+use axum::http::{header, HeaderMap, HeaderName, HeaderValue, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -56,6 +56,8 @@ pub struct AppState {
     pub counter: AtomicU64,
     /// vLLM block hashing for KV events (`None` when events are off).
     pub vllm_hashing: Option<VllmHashing>,
+    /// Prefill/decode role and its counters.
+    pub pd: crate::pd::Pd,
 }
 
 /// What the HTTP layer needs to compute vLLM block hashes of a prompt.
@@ -175,7 +177,7 @@ async fn metrics_text(State(state): State<Arc<AppState>>) -> Response {
             header::CONTENT_TYPE,
             "text/plain; version=0.0.4; charset=utf-8",
         )],
-        metrics::render(&info, &stats),
+        metrics::render(&info, &stats) + &state.pd.render(),
     )
         .into_response()
 }
@@ -256,12 +258,20 @@ fn hex_id(seed: u64, n: u64) -> String {
     format!("{a:016x}{b:016x}")
 }
 
-async fn completions(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
-    generate(state, Api::Completions, body).await
+async fn completions(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    generate(state, Api::Completions, headers, body).await
 }
 
-async fn chat_completions(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
-    generate(state, Api::ChatCompletions, body).await
+async fn chat_completions(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    generate(state, Api::ChatCompletions, headers, body).await
 }
 
 /// The generation API a request came in on.
@@ -544,14 +554,43 @@ struct Delta {
     content: String,
 }
 
-async fn generate(state: Arc<AppState>, api: Api, body: Bytes) -> Response {
+async fn generate(state: Arc<AppState>, api: Api, headers: HeaderMap, body: Bytes) -> Response {
     let job = match parse_job(&state, api, &body) {
         Ok(job) => job,
         Err(err) => return err.into_response(),
     };
+    let role = state.pd.role();
+    let target = state.pd.prefill_target(&headers);
+    let mut prefilled_by = None;
+    if role == crate::pd::Role::Prefill || target.is_some() {
+        // parse_job accepted this body as JSON already.
+        let value: Value = serde_json::from_slice(&body).unwrap_or_default();
+        state.pd.note_request(&value, job.submission.tokens.len());
+        if let Some(target) = target {
+            let path = match api {
+                Api::ChatCompletions => "/v1/chat/completions",
+                Api::Completions => "/v1/completions",
+            };
+            let ok = state
+                .pd
+                .remote_prefill(&state.engine, target, path, &value, &job.submission)
+                .await;
+            prefilled_by = ok.then_some(target);
+        }
+    }
     drop(body);
+    let mut response = respond(state, job).await;
+    if let Some(t) = prefilled_by.and_then(|t| HeaderValue::from_str(&t.to_string()).ok()) {
+        response
+            .headers_mut()
+            .insert(HeaderName::from_static(crate::pd::PREFILLED_BY_HEADER), t);
+    }
+    response
+}
+
+async fn respond(state: Arc<AppState>, job: Job) -> Response {
     let n = state.counter.fetch_add(1, Ordering::Relaxed);
-    let id = match api {
+    let id = match job.api {
         Api::ChatCompletions => format!("chatcmpl-{}", hex_id(state.seed, n)),
         _ => format!("cmpl-{}", hex_id(state.seed, n)),
     };

@@ -14,6 +14,7 @@ pub mod http;
 pub mod kv_events;
 pub mod metrics;
 pub mod openai;
+pub mod pd;
 pub mod translate;
 pub mod vllm_hash;
 
@@ -98,6 +99,27 @@ pub struct Args {
     /// Data-parallel rank: offsets tcp KV-event ports and is stamped into every batch.
     #[arg(long, default_value_t = 0)]
     pub data_parallel_rank: i64,
+    /// Prefill/decode role: `decode` prefills on the pod named by `--prefill-header` first.
+    #[arg(long, value_enum, default_value_t = pd::Role::Both)]
+    pub role: pd::Role,
+    /// Request header naming the prefill pod (`ip:port`) of a decode pod.
+    #[arg(long, default_value = "x-prefiller-host-port", value_parser = parse_header_name)]
+    pub prefill_header: String,
+    /// KV-transfer bandwidth from a prefill pod, blocks per second (0: instant).
+    #[arg(long, default_value_t = 20_000.0)]
+    pub kv_transfer_blocks_per_sec: f64,
+    /// Longest wait for a prefill pod before prefilling locally, milliseconds.
+    #[arg(long, default_value_t = 30_000)]
+    pub remote_prefill_timeout_ms: u64,
+}
+
+fn parse_header_name(s: &str) -> Result<String, String> {
+    let ok = !s.is_empty()
+        && s.len() <= 64
+        && s.chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || "-_".contains(c));
+    ok.then(|| s.to_string())
+        .ok_or_else(|| format!("expected a lower-case header name of at most 64 bytes, got {s:?}"))
 }
 
 fn parse_lora(s: &str) -> Result<(String, String), String> {
@@ -187,6 +209,12 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             .unwrap_or(0),
         counter: AtomicU64::new(0),
         vllm_hashing,
+        pd: pd::Pd::new(pd::PdConfig {
+            role: args.role,
+            header: args.prefill_header.clone(),
+            transfer_blocks_per_sec: args.kv_transfer_blocks_per_sec,
+            timeout: std::time::Duration::from_millis(args.remote_prefill_timeout_ms.max(1)),
+        }),
     });
     {
         let mut out = std::io::stdout().lock();

@@ -254,8 +254,10 @@ async fn models_health_and_metrics_answer_like_vllm() {
     // Every sample line is `name{labels} value` with a float value.
     for line in text.lines().filter(|l| !l.starts_with('#')) {
         let (series, value) = line.rsplit_once(' ').expect("sample line");
+        // `vllm_sim:` families are the simulator's own P/D counters (docs/vllm-sim.md).
         assert!(
-            series.starts_with("vllm:") && series.ends_with('}'),
+            (series.starts_with("vllm:") || series.starts_with("vllm_sim:"))
+                && series.ends_with('}'),
             "{line}"
         );
         assert!(

@@ -176,6 +176,7 @@ pub struct RedisMetrics {
     pub(crate) writer_restarts: Counter,
     pub(crate) mirror_lag: Histogram,
     pub(crate) mirror_applied: Counter,
+    pub(crate) mirror_charges: Counter,
     pub(crate) mirror_published: Counter,
     pub(crate) mirror_publish_dropped: Family<DroppedLabel, Counter>,
     pub(crate) mirror_reloads: Family<ReloadLabel, Counter>,
@@ -201,6 +202,7 @@ impl RedisMetrics {
             // 50 µs .. ~6.5 s
             mirror_lag: Histogram::new(exponential_buckets(50e-6, 2.0, 18)),
             mirror_applied: Counter::default(),
+            mirror_charges: Counter::default(),
             mirror_published: Counter::default(),
             mirror_publish_dropped: Family::default(),
             mirror_reloads: Family::default(),
@@ -260,6 +262,11 @@ impl RedisMetrics {
             "redis_mirror_applied",
             "Other replicas' changes applied to this replica's mirror",
             m.mirror_applied.clone(),
+        );
+        registry.register(
+            "redis_mirror_charges",
+            "Other replicas' requests counted as in-flight load on their pods here",
+            m.mirror_charges.clone(),
         );
         registry.register(
             "redis_mirror_published",

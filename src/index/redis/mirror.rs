@@ -22,7 +22,7 @@
 use std::collections::HashMap;
 use std::num::NonZeroUsize;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use futures::future::join_all;
@@ -39,7 +39,7 @@ use super::schema::parse_member;
 use super::{Local, Shared};
 use crate::blocks::BlockKey;
 use crate::config::RedisConfig;
-use crate::index::{IndexError, KvIndex};
+use crate::index::{Charge, IndexError, KvIndex, RemoteLoad};
 use crate::pods::PodId;
 
 /// Entries read per `XREAD`.
@@ -51,6 +51,10 @@ const BLOCK_MS: u64 = 250;
 pub(super) const MAX_KEYS: usize = 1 << 20;
 /// Longest pod name accepted from the stream.
 pub(super) const MAX_POD: usize = 512;
+/// Most uncached tokens one entry may charge (far above any model's context).
+const MAX_CHARGE_TOKENS: u64 = 1 << 24;
+/// Longest prefill one entry may charge, in ms (the in-flight accounting's own cap).
+const MAX_CHARGE_MS: u64 = crate::pods::MAX_PREFILL.as_millis() as u64;
 /// Recency-set members loaded per round trip.
 const LOAD_CHUNK: isize = 5_000;
 /// Changes published per batch.
@@ -79,11 +83,13 @@ impl EntryId {
 /// A change one replica publishes for the others.
 #[derive(Debug, Clone, PartialEq)]
 pub(super) enum Change {
-    /// A decision: `pod` was sent `keys` at `wall` (unix ms).
+    /// A decision: `pod` was sent `keys` at `wall` (unix ms), with the request's load when it
+    /// was a routed request.
     Record {
         pod: PodId,
         keys: Vec<BlockKey>,
         wall: u64,
+        charge: Option<Charge>,
     },
     /// A session (by hash) now goes to `pod`, for `ttl_ms` of idleness from `wall`.
     Session {
@@ -103,13 +109,25 @@ enum Publish {
 fn fields(origin: u64, c: &Change) -> Vec<(&'static str, Vec<u8>)> {
     let o = format!("{origin:016x}").into_bytes();
     match c {
-        Change::Record { pod, keys, wall } => vec![
-            ("o", o),
-            ("t", b"r".to_vec()),
-            ("w", wall.to_string().into_bytes()),
-            ("p", pod.as_str().as_bytes().to_vec()),
-            ("k", keys.iter().flat_map(|k| k.0.to_le_bytes()).collect()),
-        ],
+        Change::Record {
+            pod,
+            keys,
+            wall,
+            charge,
+        } => {
+            let mut f = vec![
+                ("o", o),
+                ("t", b"r".to_vec()),
+                ("w", wall.to_string().into_bytes()),
+                ("p", pod.as_str().as_bytes().to_vec()),
+                ("k", keys.iter().flat_map(|k| k.0.to_le_bytes()).collect()),
+            ];
+            if let Some(c) = charge {
+                f.push(("u", c.uncached_tokens.to_string().into_bytes()));
+                f.push(("d", c.prefill_ms.to_string().into_bytes()));
+            }
+            f
+        }
         Change::Session {
             hash,
             pod,
@@ -150,7 +168,20 @@ pub(super) fn parse_entry(map: &HashMap<String, Value>) -> Option<(u64, Change)>
                 .chunks_exact(8)
                 .map(|c| BlockKey(u64::from_le_bytes(c.try_into().expect("8 bytes"))))
                 .collect();
-            Change::Record { pod, keys, wall }
+            // Entries without a charge come from older replicas or from plain records.
+            let charge = match (map.contains_key("u"), map.contains_key("d")) {
+                (false, false) => None,
+                _ => Some(Charge {
+                    uncached_tokens: number("u").filter(|&u| u <= MAX_CHARGE_TOKENS)?,
+                    prefill_ms: number("d").filter(|&d| d <= MAX_CHARGE_MS)?,
+                }),
+            };
+            Change::Record {
+                pod,
+                keys,
+                wall,
+                charge,
+            }
         }
         "s" => Change::Session {
             hash: hex("s")?,
@@ -176,6 +207,10 @@ pub(super) struct Mirror {
     behind_ms: AtomicU64,
     max_len: usize,
     max_lag_ms: u64,
+    /// Where the other replicas' decisions are counted as load (the pods, once they exist).
+    remote: OnceLock<Arc<dyn RemoteLoad>>,
+    /// `mirror_load`: publish and apply each request's load.
+    pub(super) share_load: bool,
 }
 
 impl Mirror {
@@ -193,6 +228,8 @@ impl Mirror {
             behind_ms: AtomicU64::new(0),
             max_len: cfg.stream_max_len,
             max_lag_ms: cfg.mirror_max_lag_ms,
+            remote: OnceLock::new(),
+            share_load: cfg.mirror_load,
         });
         let rx = Arc::new(tokio::sync::Mutex::new(rx));
         let (sh, m) = (shared.clone(), mirror.clone());
@@ -209,6 +246,11 @@ impl Mirror {
         if self.tx.try_send(Publish::Change(change)).is_err() {
             shared.metrics.publish_dropped(Dropped::QueueFull, 1);
         }
+    }
+
+    /// Counts the other replicas' decisions as load on `sink` from now on (set once).
+    pub(super) fn attach(&self, sink: Arc<dyn RemoteLoad>) {
+        let _ = self.remote.set(sink);
     }
 
     /// Pins a session here (this replica's own pins, and the others' from the stream).
@@ -422,7 +464,21 @@ pub(super) async fn trimmed_past(
 /// Applies another replica's change to this replica's index and session map.
 async fn apply(shared: &Shared, mirror: &Mirror, local: &Local, change: Change) {
     match change {
-        Change::Record { pod, keys, wall } => {
+        Change::Record {
+            pod,
+            keys,
+            wall,
+            charge,
+        } => {
+            // Late entries (a reload's rewind, a lagging reader) teach the index, not the load:
+            // a scrape has seen those requests by now.
+            let age = shared.wall_now().saturating_sub(wall);
+            if let (Some(c), Some(sink)) = (charge, mirror.remote.get()) {
+                if mirror.share_load && age <= mirror.max_lag_ms {
+                    sink.charge(&pod, c, Duration::from_millis(age));
+                    shared.metrics.mirror_charges.inc();
+                }
+            }
             let now = shared.mono(wall);
             match local {
                 Local::Memory(m) => {
@@ -651,6 +707,16 @@ mod tests {
                     BlockKey(0x0123_4567_89ab_cdef),
                 ],
                 wall: 1_700_000_000_123,
+                charge: Some(Charge {
+                    uncached_tokens: 4_000,
+                    prefill_ms: 350,
+                }),
+            },
+            Change::Record {
+                pod: PodId::new("p"),
+                keys: vec![BlockKey(9)],
+                wall: 1,
+                charge: None,
             },
             Change::Session {
                 hash: 0xfeed_beef,
@@ -669,6 +735,10 @@ mod tests {
             pod: PodId::new("p"),
             keys: vec![BlockKey(7)],
             wall: 1,
+            charge: Some(Charge {
+                uncached_tokens: 10,
+                prefill_ms: 1,
+            }),
         };
         let base = fields(1, &good);
         let with = |f: &str, v: &[u8]| {
@@ -685,12 +755,19 @@ mod tests {
             with("p", &[b'x'; MAX_POD + 1]),
             with("p", b""),
             with("p", &[0xff, 0xfe]),
+            with("u", b"-5"),
+            with("u", (MAX_CHARGE_TOKENS + 1).to_string().as_bytes()),
+            with("d", (MAX_CHARGE_MS + 1).to_string().as_bytes()),
         ] {
             assert_eq!(parse_entry(&bad), None);
         }
-        let mut missing = as_map(base);
+        let mut missing = as_map(base.clone());
         missing.remove("p");
         assert_eq!(parse_entry(&missing), None);
+        // Half a charge is not one.
+        let mut half = as_map(base);
+        half.remove("d");
+        assert_eq!(parse_entry(&half), None);
     }
 
     #[test]

@@ -12,8 +12,10 @@ use super::mirror::{trimmed_past, EntryId};
 use crate::blocks::BlockKey;
 use crate::config::RedisConfig;
 use crate::index::contract::{doc_keys, pods};
-use crate::index::{KvIndex, Local, MemoryIndex, RedisIndex, RedisMetrics, RedisReload, Tuning};
-use crate::pods::PodId;
+use crate::index::{
+    Charge, KvIndex, Local, MemoryIndex, RedisIndex, RedisMetrics, RedisReload, Tuning,
+};
+use crate::pods::{PodId, PodRegistry, PodSpec};
 use kv_testkit::deploy::{find_redis_server, RedisProc};
 
 const BT: usize = 4;
@@ -296,4 +298,103 @@ async fn a_stream_trimmed_past_a_reader_is_a_gap() {
     assert!(!trimmed_past(shared, &mut con, ids[2_000]).await.unwrap());
     assert!(!trimmed_past(shared, &mut con, ids[2_500]).await.unwrap());
     assert!(!trimmed_past(shared, &mut con, ids[2_999]).await.unwrap());
+}
+
+fn registry_specs(p: &[PodId]) -> Vec<PodSpec> {
+    p.iter()
+        .map(|id| PodSpec {
+            id: id.clone(),
+            addr: id.as_str().parse().unwrap(),
+            models: vec![],
+            labels: Default::default(),
+            kv_events_endpoint: None,
+            kv_events_replay_endpoint: None,
+        })
+        .collect()
+}
+
+/// The router's monotonic milliseconds now, on `index`'s clock (what a live decision passes).
+fn now_ms(index: &RedisIndex) -> u64 {
+    index.shared.created.elapsed().as_millis() as u64
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_replicas_requests_count_as_load_here() {
+    let srv = server();
+    let cfg = RedisConfig {
+        mirror_max_lag_ms: 200,
+        mirror_load: true,
+        ..config(&srv.url(), "mirror-charge", 100_000)
+    };
+    let (a, b) = (replica(&cfg), replica(&cfg));
+    // A third replica with the setting off counts nothing of the others'.
+    let c = replica(&RedisConfig {
+        mirror_load: false,
+        ..cfg.clone()
+    });
+    let p = pods(3);
+    let registry = Arc::new(PodRegistry::default());
+    let unshared = Arc::new(PodRegistry::default());
+    registry.update(registry_specs(&p));
+    unshared.update(registry_specs(&p));
+    c.attach_remote_load(unshared.clone());
+    b.attach_remote_load(registry.clone());
+    let stale = Duration::from_secs(30);
+    let load = |i: usize| {
+        let l = registry
+            .snapshot()
+            .get(&p[i])
+            .unwrap()
+            .load(tokio::time::Instant::now(), stale);
+        (l.inflight_requests, l.inflight_tokens)
+    };
+    let charge = Charge {
+        uncached_tokens: 4_000,
+        prefill_ms: 20_000,
+    };
+    // B's own decisions are its guards' to count; a plain record (no request) charges nothing.
+    b.record_decision(&p[2], &doc_keys(1, 8, BT), now_ms(&b), charge)
+        .await
+        .unwrap();
+    a.record(&p[1], &doc_keys(2, 8, BT), now_ms(&a))
+        .await
+        .unwrap();
+    a.record_decision(&p[0], &doc_keys(3, 8, BT), now_ms(&a), charge)
+        .await
+        .unwrap();
+    let t = Instant::now();
+    while load(0) == (0.0, 0.0) {
+        assert!(t.elapsed() < BOUND * 5, "A's request never counted on B");
+        tokio::task::yield_now().await;
+    }
+    // Entries are applied in stream order: the two before it were applied already.
+    assert_eq!(load(0), (1.0, 4_000.0));
+    assert_eq!(load(1), (0.0, 0.0), "a plain record is no request");
+    assert_eq!(
+        load(2),
+        (0.0, 0.0),
+        "B's own decision came back from the stream"
+    );
+    assert_eq!(b.metrics().mirror_charges.get(), 1);
+    // A decision older than the mirror's lag bound teaches the index but charges nothing.
+    let late = cfg.mirror_max_lag_ms + 300;
+    tokio::time::sleep_until((a.shared.created + Duration::from_millis(late + 100)).into()).await;
+    let old = now_ms(&a) - late;
+    a.record_decision(&p[1], &doc_keys(4, 8, BT), old, charge)
+        .await
+        .unwrap();
+    a.flush().await.unwrap();
+    b.flush().await.unwrap();
+    assert!(sees(&b, &doc_keys(4, 8, BT), &p, 1).await);
+    assert_eq!(load(1), (0.0, 0.0));
+    c.flush().await.unwrap();
+    assert!(sees(&c, &doc_keys(3, 8, BT), &p, 0).await);
+    let now = tokio::time::Instant::now();
+    for pod in unshared.snapshot().pods() {
+        assert_eq!(
+            pod.load(now, stale).inflight_requests,
+            0.0,
+            "mirror_load off"
+        );
+    }
 }

@@ -43,7 +43,9 @@ use self::mirror::{Change, Mirror};
 pub use self::schema::{member, parse_member};
 use self::schema::{Schema, Scripts};
 use self::writer::WriteOp;
-use super::{ApplyStats, EventIndex, IndexError, IndexStats, KvIndex, MemoryIndex};
+use super::{
+    ApplyStats, Charge, EventIndex, IndexError, IndexStats, KvIndex, MemoryIndex, RemoteLoad,
+};
 use crate::blocks::BlockKey;
 use crate::config::{RedisConfig, RedisLookups, RedisMode};
 use crate::events::KvEventBatch;
@@ -418,6 +420,57 @@ impl RedisIndex {
             .collect()
     }
 
+    /// A record, published to the other replicas with its `charge` when it was a routed request.
+    async fn record_with(
+        &self,
+        pod: &PodId,
+        keys: &[BlockKey],
+        now_ms: u64,
+        charge: Option<Charge>,
+    ) -> Result<(), IndexError> {
+        let Some(first) = keys.first() else {
+            return self.local.index().record(pod, keys, now_ms).await;
+        };
+        let root = first.0;
+        let wall = self.shared.wall(now_ms);
+        let publish = |keys: &[BlockKey]| {
+            if let Some(m) = &self.mirror {
+                let (pod, keys) = (pod.clone(), keys.to_vec());
+                let change = Change::Record {
+                    pod,
+                    keys,
+                    wall,
+                    charge,
+                };
+                m.publish(&self.shared, change);
+            }
+        };
+        match &*self.local {
+            // A request that computes nothing gets no guess (`EventIndex::record_past`); its
+            // load still counts on every replica.
+            Local::Events(ev) => {
+                if !ev.record_past(pod, keys, ev.held_prefix(pod, keys), now_ms) {
+                    if charge.is_some() {
+                        publish(keys);
+                    }
+                    return Ok(());
+                }
+            }
+            Local::Memory(m) => m.record(pod, keys, now_ms).await?,
+        }
+        for &k in keys {
+            self.shared.wrote(k);
+        }
+        publish(keys);
+        self.enqueue(WriteOp::Record {
+            pod: pod.clone(),
+            root,
+            keys: keys.to_vec(),
+            expiry: wall.saturating_add(self.shared.tuning.record_ttl_ms),
+        });
+        Ok(())
+    }
+
     fn cache_key(keys: &[BlockKey], pods: &[PodId]) -> u64 {
         let mut h = Xxh3::new();
         for k in keys {
@@ -503,41 +556,25 @@ impl KvIndex for RedisIndex {
     }
 
     async fn record(&self, pod: &PodId, keys: &[BlockKey], now_ms: u64) -> Result<(), IndexError> {
-        let Some(first) = keys.first() else {
-            return self.local.index().record(pod, keys, now_ms).await;
-        };
-        let root = first.0;
-        match &*self.local {
-            // A request that computes nothing gets no guess (`EventIndex::record_past`).
-            Local::Events(ev) => {
-                if !ev.record_past(pod, keys, ev.held_prefix(pod, keys), now_ms) {
-                    return Ok(());
-                }
-            }
-            Local::Memory(m) => m.record(pod, keys, now_ms).await?,
-        }
-        for &k in keys {
-            self.shared.wrote(k);
-        }
-        let wall = self.shared.wall(now_ms);
+        self.record_with(pod, keys, now_ms, None).await
+    }
+
+    async fn record_decision(
+        &self,
+        pod: &PodId,
+        keys: &[BlockKey],
+        now_ms: u64,
+        charge: Charge,
+    ) -> Result<(), IndexError> {
+        let share = self.mirror.as_ref().is_some_and(|m| m.share_load);
+        self.record_with(pod, keys, now_ms, share.then_some(charge))
+            .await
+    }
+
+    fn attach_remote_load(&self, sink: Arc<dyn RemoteLoad>) {
         if let Some(m) = &self.mirror {
-            let keys = keys.to_vec();
-            m.publish(
-                &self.shared,
-                Change::Record {
-                    pod: pod.clone(),
-                    keys,
-                    wall,
-                },
-            );
+            m.attach(sink);
         }
-        self.enqueue(WriteOp::Record {
-            pod: pod.clone(),
-            root,
-            keys: keys.to_vec(),
-            expiry: wall.saturating_add(self.shared.tuning.record_ttl_ms),
-        });
-        Ok(())
     }
 
     async fn forget_pod(&self, pod: &PodId) -> Result<(), IndexError> {

@@ -15,7 +15,7 @@ use ahash::AHashMap;
 use parking_lot::Mutex;
 use tracing::{debug, info, warn};
 
-use super::{EngineTiming, LoadSample, PodId, PodSpec};
+use super::{EngineTiming, LoadSample, PodId, PodSpec, PrefixCounters};
 use crate::config::{CustomEngine, EngineSetting, PodsConfig, Preset};
 
 /// Pod label (or, on Kubernetes, annotation) naming a pod's engine; overrides the config.
@@ -50,10 +50,12 @@ pub struct MetricMap {
 /// SGLang would need `sglang:prompt_tokens_total`, `sglang:cached_tokens_total` and a
 /// scheduled-to-first-token histogram; llama.cpp has `llamacpp:prompt_tokens_total` and
 /// `llamacpp:prompt_seconds_total` but no request count: both read `None`.
-const VLLM_TIMING: [(&str, Field); 7] = [
+const VLLM_TIMING: [(&str, Field); 9] = [
     ("vllm:prompt_tokens_total", Field::PromptTokens),
     ("vllm:prefix_cache_hits_total", Field::Hits),
     ("vllm:gpu_prefix_cache_hits_total", Field::HitsOld),
+    ("vllm:prefix_cache_queries_total", Field::Queries),
+    ("vllm:gpu_prefix_cache_queries_total", Field::QueriesOld),
     ("vllm:request_prefill_time_seconds_sum", Field::PrefillSum),
     (
         "vllm:request_prefill_time_seconds_count",
@@ -178,9 +180,11 @@ enum Field {
     PrefillCount,
     QueueSum,
     QueueCount,
+    Queries,
+    QueriesOld,
 }
 
-const FIELDS: [Field; 12] = [
+const FIELDS: [Field; 14] = [
     Field::Waiting,
     Field::Running,
     Field::Kv,
@@ -193,6 +197,8 @@ const FIELDS: [Field; 12] = [
     Field::PrefillCount,
     Field::QueueSum,
     Field::QueueCount,
+    Field::Queries,
+    Field::QueriesOld,
 ];
 
 impl Field {
@@ -245,6 +251,14 @@ impl Totals {
 
     fn get(&self, f: Field) -> Option<f64> {
         self.timing[f as usize - Field::PromptTokens as usize]
+    }
+
+    /// The prefix-cache counters (hits and queries, new names else old), when both were seen and
+    /// are finite.
+    fn prefix_counters(&self) -> Option<PrefixCounters> {
+        let hits = self.get(Field::Hits).or(self.get(Field::HitsOld))?;
+        let queries = self.get(Field::Queries).or(self.get(Field::QueriesOld))?;
+        (hits.is_finite() && queries.is_finite()).then_some(PrefixCounters { queries, hits })
     }
 
     /// The prefill counters, when the prompt-token counter and the prefill-time histogram's
@@ -338,6 +352,7 @@ pub fn read(text: &str, map: &MetricMap) -> Reading {
         }
     }
     s.timing = t.engine_timing().filter(|_| !bad_timing);
+    s.prefix_cache = t.prefix_counters().filter(|_| !bad_timing);
     s.waiting = t.waiting;
     s.running = t.running;
     let kv = if t.kv_n > 0 {

@@ -257,7 +257,11 @@ fn vllm_timing_sums_both_engines() {
     );
     // The rest of the sample is what it was before vLLM's timing was read.
     assert_eq!(
-        LoadSample { timing: None, ..s },
+        LoadSample {
+            timing: None,
+            prefix_cache: None,
+            ..s
+        },
         LoadSample {
             waiting: 4.0,
             running: 14.0,
@@ -265,6 +269,7 @@ fn vllm_timing_sums_both_engines() {
             num_gpu_blocks: Some(55_680),
             block_size: Some(16),
             timing: None,
+            prefix_cache: None,
         }
     );
     // No other preset, and no custom mapping, reads timing.

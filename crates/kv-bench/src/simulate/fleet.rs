@@ -171,19 +171,20 @@ pub(super) fn simulate_replicas(
     opts: &SimulateOptions,
     one_index: bool,
 ) -> Result<RunOutcome, SimulateError> {
-    let cfg = strategy.router_config(&Config::default(), MODEL);
+    let mut cfg = strategy.router_config(&Config::default(), MODEL);
+    cfg.index.correction.enabled = opts.correction;
     let ecfg = EngineConfig {
         block_size: BLOCK_TOKENS,
         ..opts.engine.clone()
     };
     let ids: Vec<PodId> = (0..pods).map(|i| PodId::new(format!("pod-{i}"))).collect();
+    // As the router's maintenance loop does from the pods' `cache_config_info`.
+    let told = ecfg.num_gpu_blocks as f64 * opts.divergence.capacity_belief;
+    let cap = index_capacity(&cfg, told.round().max(1.0) as u64, BLOCK_TOKENS as u64);
     let new_index = || {
         let index = build_index(&cfg, None)
             .expect("simulated fleets use in-process indexes")
             .index;
-        // As the router's maintenance loop does from the pods' `cache_config_info`.
-        let told = ecfg.num_gpu_blocks as f64 * opts.divergence.capacity_belief;
-        let cap = index_capacity(&cfg, told.round().max(1.0) as u64, BLOCK_TOKENS as u64);
         for id in &ids {
             ready(index.set_capacity(id, cap)).expect("in-memory index");
         }
@@ -196,10 +197,10 @@ pub(super) fn simulate_replicas(
                 Some(index) => Some(index.clone()),
                 None => uses_index(strategy).then(new_index),
             };
-            SimRouter::new(&cfg, index, ids.clone())
+            SimRouter::new(&cfg, index, ids.clone()).with_capacity(cap)
         })
         .collect();
-    let mut router = Replicas::new(routers, how, one_index);
+    let mut router = Replicas::new(routers, how, one_index, opts.shared_load);
     // One tie-break stream per seed and fleet, whatever the strategy: two strategies are
     // compared on common random numbers, not on two streams' luck.
     let salt = SplitMix64::derive(opts.seed, "tie-breaks", pods as u64).next_u64();
@@ -285,6 +286,7 @@ pub(super) fn simulate_replicas(
         if t_tick == Some(t) {
             router.scrape(t, &fleet.engines);
             if ticks % sweep_every == 0 {
+                router.correct();
                 router.sweep(t);
             }
             ticks += 1;

@@ -125,6 +125,12 @@ pub struct SimulateOptions {
     pub replicas: Vec<usize>,
     /// Virtual ms before one replica's index record reaches the other replicas' indexes.
     pub propagation_ms: Vec<f64>,
+    /// Each replica counts the others' requests as in-flight load, from their records (the
+    /// live mirror's `mirror_load`); off: each charges only its own decisions.
+    pub shared_load: bool,
+    /// `index.correction.enabled`: approximate indexes scale each pod's capacity by its
+    /// reported hits.
+    pub correction: bool,
 }
 
 /// One way of running the router: `replicas` replicas, each with its own index, applying each
@@ -198,6 +204,8 @@ impl Default for SimulateOptions {
             divergence: Divergence::default(),
             replicas: vec![1],
             propagation_ms: vec![0.0],
+            shared_load: false,
+            correction: false,
         }
     }
 }

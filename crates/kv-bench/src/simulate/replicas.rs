@@ -2,16 +2,19 @@
 //! lookups from its own in-process index and decides with its own state (conversation memory,
 //! in-flight charges, round-robin turn); its index record lands in its own index at once and in
 //! every other replica's `propagation` later (the shared stream's delay). KV events reach every
-//! replica alike (each subscribes to every pod).
+//! replica alike (each subscribes to every pod). With `shared_load` each routed request's load
+//! travels with its record, as the live mirror's `mirror_load` sends it.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
 
 use kv_router::blocks::BlockKey;
+use kv_router::config::RedisConfig;
 use kv_router::decide::Plan;
 use kv_router::events::KvEventBatch;
 use kv_router::index::{ApplyStats, KvIndex};
 use kv_router::keys::Keys;
+use kv_router::pods::{prefill_time, Timestamp};
 use rand::Rng;
 use serde::Serialize;
 use vllm_sim::engine::Engine;
@@ -19,6 +22,14 @@ use vllm_sim::engine::Engine;
 use super::fleet::ready;
 use super::options::{Replication, MODEL};
 use super::router::{SimRouter, SimTime};
+
+/// A routed request's load as the deciding replica charged it: when, uncached tokens, prefill.
+#[derive(Clone, Copy)]
+struct Charge {
+    at: SimTime,
+    tokens: u64,
+    prefill: std::time::Duration,
+}
 
 /// The index writes the replicas published for each other (each counted once, at its origin).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
@@ -34,7 +45,9 @@ struct InFlight {
     due_us: u64,
     from: usize,
     pod: usize,
-    keys: Arc<[BlockKey]>,
+    /// `None` when the replicas hold one index object (nothing to copy).
+    keys: Option<Arc<[BlockKey]>>,
+    charge: Option<Charge>,
 }
 
 /// The router replicas of one run.
@@ -46,18 +59,29 @@ pub(super) struct Replicas {
     /// Every replica holds the same index object: a shared index with no delay at all (the
     /// reference the propagation is tested against).
     one_index: bool,
+    /// Other replicas' decisions are charged as in-flight load (the live mirror does).
+    shared_load: bool,
+    /// Charges older than this on arrival are not applied (`index.redis.mirror_max_lag_ms`).
+    max_charge_age_us: u64,
     pub(super) writes: Writes,
 }
 
 impl Replicas {
     /// `routers` (one per replica) propagating as `how` says; `one_index` when they were all
     /// built on one index object.
-    pub(super) fn new(routers: Vec<SimRouter>, how: Replication, one_index: bool) -> Self {
+    pub(super) fn new(
+        routers: Vec<SimRouter>,
+        how: Replication,
+        one_index: bool,
+        shared_load: bool,
+    ) -> Self {
         Self {
             routers,
             pending: VecDeque::new(),
             delay_us: (how.propagation_ms * 1e3).round() as u64,
             one_index,
+            shared_load,
+            max_charge_age_us: RedisConfig::default().mirror_max_lag_ms * 1000,
             writes: Writes::default(),
         }
     }
@@ -85,13 +109,19 @@ impl Replicas {
             return;
         };
         let now_ms = rec.due_us / 1000;
-        for (r, router) in self.routers.iter().enumerate() {
+        for (r, router) in self.routers.iter_mut().enumerate() {
             if r == rec.from {
                 continue;
             }
-            if let Some(index) = &router.index {
+            if let (Some(index), Some(keys)) = (&router.index, &rec.keys) {
                 let pod = &router.ids[rec.pod];
-                ready(index.record(pod, &rec.keys, now_ms)).expect("in-memory index");
+                ready(index.record(pod, keys, now_ms)).expect("in-memory index");
+            }
+            if let Some(c) = rec.charge {
+                if SimTime(rec.due_us).since(c.at).as_micros() as u64 <= self.max_charge_age_us {
+                    let until = c.at.after(c.prefill);
+                    router.views[rec.pod].settling.push(c.at, c.tokens, until);
+                }
             }
         }
     }
@@ -108,12 +138,22 @@ impl Replicas {
         if let Some(keys) = published {
             self.writes.records += 1;
             self.writes.blocks += keys.len() as u64;
-            if self.routers.len() > 1 && !self.one_index {
+            let charge = self.shared_load.then(|| Charge {
+                at: SimTime(t),
+                tokens: plan.uncached_tokens,
+                prefill: prefill_time(
+                    plan.uncached_tokens,
+                    plan.ranked[0].predicted.tokens_per_sec,
+                ),
+            });
+            let keys = (!self.one_index).then_some(keys);
+            if self.routers.len() > 1 && (keys.is_some() || charge.is_some()) {
                 self.pending.push_back(InFlight {
                     due_us: t + self.delay_us,
                     from: r,
                     pod: plan.primary,
                     keys,
+                    charge,
                 });
             }
         }
@@ -141,6 +181,13 @@ impl Replicas {
     }
 
     /// The TTL sweep of every index at `t`.
+    /// Every replica's capacity correction (the live maintenance loop's, once a second).
+    pub(super) fn correct(&mut self) {
+        for router in &mut self.routers {
+            router.correct();
+        }
+    }
+
     pub(super) fn sweep(&self, t: u64) {
         for index in self.indexes() {
             ready(index.sweep(t / 1000)).expect("in-memory index");

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kv_router::config::Config;
+use kv_router::config::CorrectionConfig;
 #[cfg(test)]
 use kv_router::decide::PlanInput;
 use kv_router::decide::{
@@ -14,7 +15,8 @@ use kv_router::decide::{
 use kv_router::index::KvIndex;
 use kv_router::keys::Keys;
 use kv_router::pods::{
-    fleet_models, prefill_time, LoadSample, PodId, PodLoad, Settling, Timestamp, TtftLearner,
+    fleet_models, predicted_hit_tokens, prefill_time, scaled_capacity, HitAccuracy, LoadSample,
+    PodId, PodLoad, PrefixCounters, Settling, Timestamp, TtftLearner,
 };
 use kv_router::scoring::{SessionKey, SessionStore};
 use rand::Rng;
@@ -44,6 +46,8 @@ pub(super) struct PodView {
     pub(super) settling: Settling<SimTime>,
     /// The prefill model learned from the engine's timing counters, as `Pod` learns it.
     pub(super) ttft: TtftLearner,
+    /// Predicted against reported prefix-cache hits, as `Pod` keeps them.
+    pub(super) accuracy: HitAccuracy,
 }
 
 impl PodView {
@@ -68,6 +72,10 @@ impl PodView {
         ));
         self.settling.observed_scrape(now);
         self.ttft.observe(s.timing(), s.waiting + s.running == 0);
+        self.accuracy.observe(Some(PrefixCounters {
+            queries: s.prefix_cache_queries as f64,
+            hits: s.prefix_cache_hits as f64,
+        }));
     }
 
     /// A request was routed here at `now` with `tokens` estimated uncached prompt tokens.
@@ -88,6 +96,11 @@ pub(super) struct SimRouter {
     pub(super) ids: Vec<PodId>,
     pub(super) views: Vec<PodView>,
     stale_after: Duration,
+    /// `index.correction`, off in precise mode (as the live maintenance loop does).
+    correction: CorrectionConfig,
+    /// Each pod's configured index capacity, and the capacity last set from its accuracy.
+    capacity: Option<usize>,
+    applied: Vec<usize>,
 }
 
 impl SimRouter {
@@ -99,8 +112,35 @@ impl SimRouter {
             state: DecisionState::new(cfg, Arc::new(sessions), Recording::InCommit),
             index,
             views: ids.iter().map(|_| PodView::default()).collect(),
+            applied: vec![0; ids.len()],
             ids,
             stale_after: Duration::from_millis(cfg.pods.stale_after_ms),
+            correction: CorrectionConfig {
+                enabled: cfg.index.correction.enabled && !cfg.kv_events.enabled,
+                ..cfg.index.correction
+            },
+            capacity: None,
+        }
+    }
+
+    /// Each pod's index capacity as configured (what `correct` scales).
+    pub(super) fn with_capacity(mut self, blocks: usize) -> Self {
+        self.capacity = Some(blocks);
+        self.applied.fill(blocks);
+        self
+    }
+
+    /// The live maintenance loop's correction: each pod's index capacity scaled by its accuracy.
+    pub(super) fn correct(&mut self) {
+        let (Some(index), Some(base)) = (&self.index, self.capacity) else {
+            return;
+        };
+        for ((v, id), applied) in self.views.iter_mut().zip(&self.ids).zip(&mut self.applied) {
+            let cap = scaled_capacity(base, v.accuracy.correct(&self.correction));
+            if cap != *applied {
+                ready(index.set_capacity(id, cap)).expect("in-memory index");
+                *applied = cap;
+            }
         }
     }
 
@@ -162,6 +202,7 @@ impl SimRouter {
         rng: &mut impl Rng,
     ) -> Plan {
         let now_ms = t / 1000;
+        let (per_block, prompt) = (keys.tokens_per_block, keys.prompt_tokens);
         let (req, pods) = self.gather(t, keys, session);
         let plan = self
             .state
@@ -176,6 +217,8 @@ impl SimRouter {
                     views[p].routed(SimTime(t), tokens, rate)
                 }),
         );
+        let hits = predicted_hit_tokens(plan.ranked[0].matched_blocks, per_block, prompt);
+        views[plan.primary].accuracy.predicted(hits, prompt);
         plan
     }
 

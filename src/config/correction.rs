@@ -1,0 +1,55 @@
+//! `index.correction`: how the approximate index corrects a pod's capacity from the gap between
+//! the prefix-cache hits this router predicted for it and the hits the pod reports.
+
+use serde::{Deserialize, Serialize};
+
+/// `index.correction`.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct CorrectionConfig {
+    /// Scale a pod's index capacity by what its hit counters show (approximate mode only).
+    pub enabled: bool,
+    /// Relative gap between observed and predicted hit rates that is left alone.
+    pub tolerance: f64,
+    /// Smallest fraction of the configured capacity a pod's index may be scaled to.
+    pub min_scale: f64,
+    /// Predicted hit tokens a pod must accumulate before its gap is judged.
+    pub min_predicted_tokens: u64,
+    /// Decisions a pod must accumulate before each judgement: predictions count when routed,
+    /// the pod's hits when it prefills, so a few long prompts straddle windows.
+    pub min_decisions: u64,
+}
+
+impl Default for CorrectionConfig {
+    fn default() -> Self {
+        Self {
+            // Off: on make bench's conversation window it cost hits where capacity was right
+            // (docs/results.md, "Prediction accuracy").
+            enabled: false,
+            tolerance: 0.2,
+            min_scale: 0.1,
+            min_predicted_tokens: 8192,
+            min_decisions: 32,
+        }
+    }
+}
+
+impl CorrectionConfig {
+    /// Problems by key under `index.correction`.
+    pub fn problems(&self) -> Vec<(&'static str, &'static str)> {
+        let mut out = Vec::new();
+        if !(self.tolerance > 0.0 && self.tolerance < 1.0) {
+            out.push(("tolerance", "must be in (0, 1)"));
+        }
+        if !(self.min_scale > 0.0 && self.min_scale <= 1.0) {
+            out.push(("min_scale", "must be in (0, 1]"));
+        }
+        if self.min_predicted_tokens == 0 {
+            out.push(("min_predicted_tokens", "must be positive"));
+        }
+        if self.min_decisions == 0 {
+            out.push(("min_decisions", "must be positive"));
+        }
+        out
+    }
+}

@@ -1,0 +1,322 @@
+//! Prefill/decode disaggregation: for a model with `prefill`-role pods, the decode pod is planned
+//! among the other pods as usual, and [`plan_pd`] (pure) decides whether the prompt is worth
+//! prefilling elsewhere and, if so, on which prefill pod.
+//!
+//! The rule: disaggregate when the chosen decode pod would compute at least
+//! `disaggregation.threshold_tokens` prompt tokens itself (prompt tokens minus the blocks the
+//! index predicts it holds). A short prompt, or one mostly cached where it will decode, costs
+//! less to prefill in place than to prefill, transfer and decode. The prefill pod is ranked by
+//! the same scorers (prefix cache, load) and gate among the prefill pods; when even the best
+//! one is saturated the decode pod prefills itself.
+
+use std::sync::Arc;
+
+use rand::Rng;
+use serde::Serialize;
+
+use super::input::{DecisionState, Planned, PodFacts, Recording, RequestFacts};
+use super::plan::{plan, Body, Plan, PlanInput, ScoredPod, Stages};
+use crate::blocks::BlockKey;
+use crate::pods::{Pod, PodId, PodRole};
+
+/// Why a request on a model with prefill pods was (or was not) disaggregated.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PdOutcome {
+    /// Prefilled on a prefill pod, decoded on the primary.
+    Disaggregated,
+    /// Fewer uncached prompt tokens on the decode pod than the threshold.
+    ShortOrCached,
+    /// Every prefill pod is saturated: the decode pod prefills.
+    PrefillSaturated,
+    /// No parsed body, so no prompt to measure.
+    NoPrompt,
+}
+
+impl PdOutcome {
+    /// Every outcome (metric series).
+    pub const ALL: [PdOutcome; 4] = [
+        Self::Disaggregated,
+        Self::ShortOrCached,
+        Self::PrefillSaturated,
+        Self::NoPrompt,
+    ];
+
+    /// The label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Disaggregated => "disaggregated",
+            Self::ShortOrCached => "short_or_cached",
+            Self::PrefillSaturated => "prefill_saturated",
+            Self::NoPrompt => "no_prompt",
+        }
+    }
+}
+
+/// The P/D half of a plan.
+#[derive(Debug, Clone, Serialize)]
+pub struct PdPlan {
+    /// What was decided.
+    pub outcome: PdOutcome,
+    /// The prefill pod (`ip:port`) when disaggregated.
+    pub prefill: Option<PodId>,
+    /// Prompt tokens the decode pod would compute itself.
+    pub decode_uncached_tokens: u64,
+    /// The threshold they were compared with.
+    pub threshold_tokens: u64,
+    /// The prefill candidates, best first.
+    pub prefill_ranked: Vec<ScoredPod>,
+    /// Prompt tokens the prefill pod computes (charged to it on commit).
+    #[serde(skip)]
+    pub prefill_uncached_tokens: u64,
+    /// The prefill pod's predicted prefill speed (tokens/s), for its load charge.
+    #[serde(skip)]
+    pub prefill_tokens_per_sec: f64,
+}
+
+/// Plans a request on a P/D model: `decode` ranks the decode candidates (primary and
+/// fallbacks), `prefill` the prefill candidates. Pure, like [`plan`].
+pub fn plan_pd(
+    stages: &Stages,
+    threshold_tokens: u64,
+    decode: PlanInput,
+    prefill: PlanInput,
+    rng: &mut impl Rng,
+) -> Plan {
+    let body = decode.body;
+    let mut p = plan(stages, decode, rng);
+    let pre = plan(stages, prefill, rng);
+    let best = &pre.ranked[0];
+    let outcome = if body != Body::Parsed {
+        PdOutcome::NoPrompt
+    } else if p.uncached_tokens < threshold_tokens || p.uncached_tokens == 0 {
+        PdOutcome::ShortOrCached
+    } else if best.saturated {
+        PdOutcome::PrefillSaturated
+    } else {
+        PdOutcome::Disaggregated
+    };
+    let disaggregated = outcome == PdOutcome::Disaggregated;
+    p.pd = Some(PdPlan {
+        outcome,
+        prefill: disaggregated.then(|| best.pod.clone()),
+        decode_uncached_tokens: p.uncached_tokens,
+        threshold_tokens,
+        prefill_uncached_tokens: pre.uncached_tokens,
+        prefill_tokens_per_sec: best.predicted.tokens_per_sec,
+        prefill_ranked: pre.ranked,
+    });
+    p
+}
+
+/// Splits candidates into (decode, prefill) positions when the model has prefill pods and
+/// something to decode on; `None`: plan as before (no roles, or only prefill pods).
+pub fn split_roles(pods: &[Arc<Pod>]) -> Option<(Vec<usize>, Vec<usize>)> {
+    let (prefill, decode): (Vec<usize>, Vec<usize>) =
+        (0..pods.len()).partition(|&i| pods[i].role() == PodRole::Prefill);
+    (!prefill.is_empty() && !decode.is_empty()).then_some((decode, prefill))
+}
+
+impl DecisionState {
+    /// [`DecisionState::plan`] for a P/D model: the decode pods' plan with its prefill choice.
+    /// Only the primary joins the unrecorded set; the prefill pod's record follows the reply.
+    #[allow(clippy::too_many_arguments)]
+    pub fn plan_pd(
+        &self,
+        stages: &Stages,
+        threshold_tokens: u64,
+        req: RequestFacts,
+        decode: &[PodFacts],
+        prefill: &[PodFacts],
+        now_ms: u64,
+        commit: bool,
+        rng: &mut impl Rng,
+    ) -> Planned {
+        let mut held = self.unrecorded().hold();
+        let deferred = commit && self.recording() == Recording::AfterReply;
+        let keys: Option<Arc<[BlockKey]>> =
+            (deferred && !req.keys.keys.is_empty()).then(|| req.keys.keys.as_slice().into());
+        let turn = self.turn(commit);
+        // The session pins the decode pod; prefill pods are chosen by cache and load alone.
+        let prefill_req = RequestFacts {
+            session: None,
+            session_pod: None,
+            ..req.clone()
+        };
+        let d = self.input_at(&mut held, req, decode, now_ms, turn);
+        let mut p = self.input_at(&mut held, prefill_req, prefill, now_ms, turn);
+        // Spreading new conversations is about where they decode; a prefill follows the cache.
+        (p.new_conversation, p.shares_prefix) = (false, false);
+        let plan = plan_pd(stages, threshold_tokens, d, p, rng);
+        let unrecorded = keys.map(|k| (held.add(plan.ranked[0].pod.clone(), k.clone()), k));
+        Planned { plan, unrecorded }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use rand::rngs::StdRng;
+    use rand::SeedableRng;
+
+    use super::*;
+    use crate::config::Config;
+    use crate::keys::Keys;
+    use crate::pods::PodLoad;
+    use crate::scoring::Candidate;
+
+    const TPB: usize = 16;
+
+    fn input(prompt_tokens: u64, pods: &[(&str, f64, f64)]) -> PlanInput {
+        PlanInput {
+            keys: Keys {
+                keys: (0..prompt_tokens / TPB as u64)
+                    .map(crate::blocks::BlockKey)
+                    .collect(),
+                tokens_per_block: TPB,
+                prompt_tokens,
+                ..Keys::default()
+            },
+            body: Body::Parsed,
+            candidates: pods
+                .iter()
+                .map(|&(id, matched_blocks, waiting)| Candidate {
+                    pod: PodId::new(id),
+                    matched_blocks,
+                    load: PodLoad {
+                        waiting,
+                        fresh: true,
+                        ..Default::default()
+                    },
+                    session_pod: false,
+                    conversations: 0.0,
+                    model: Default::default(),
+                })
+                .collect(),
+            session: None,
+            turn: 0,
+            new_conversation: false,
+            shares_prefix: false,
+        }
+    }
+
+    fn pd(plan: &Plan) -> &PdPlan {
+        plan.pd.as_ref().expect("a P/D plan")
+    }
+
+    const DECODE: &[(&str, f64, f64)] = &[("d:1", 0.0, 0.0), ("d:2", 0.0, 1.0)];
+
+    #[test]
+    fn a_short_prompt_is_not_disaggregated() {
+        let stages = Stages::new(&Config::default());
+        let prefill = &[("p:1", 0.0, 0.0)];
+        let p = plan_pd(
+            &stages,
+            512,
+            input(160, DECODE),
+            input(160, prefill),
+            &mut StdRng::seed_from_u64(1),
+        );
+        assert_eq!(pd(&p).outcome, PdOutcome::ShortOrCached);
+        assert_eq!(pd(&p).prefill, None);
+        assert_eq!(pd(&p).decode_uncached_tokens, 160);
+        assert_eq!(p.endpoints[0], PodId::new("d:1"), "decode by load");
+    }
+
+    #[test]
+    fn a_long_prompt_cached_on_its_decode_pod_is_not_disaggregated() {
+        let stages = Stages::new(&Config::default());
+        // 2048 tokens, 120 of 128 blocks held by d:2: 128 uncached tokens.
+        let decode = &[("d:1", 0.0, 0.0), ("d:2", 120.0, 0.0)];
+        let prefill = &[("p:1", 0.0, 0.0)];
+        let p = plan_pd(
+            &stages,
+            512,
+            input(2048, decode),
+            input(2048, prefill),
+            &mut StdRng::seed_from_u64(1),
+        );
+        assert_eq!(p.endpoints[0], PodId::new("d:2"));
+        assert_eq!(pd(&p).decode_uncached_tokens, 2048 - 120 * 16);
+        assert_eq!(pd(&p).outcome, PdOutcome::ShortOrCached);
+    }
+
+    #[test]
+    fn a_long_uncached_prompt_goes_to_the_prefill_pod_with_the_best_match() {
+        let stages = Stages::new(&Config::default());
+        let prefill = &[("p:1", 10.0, 0.0), ("p:2", 100.0, 0.0), ("p:3", 0.0, 0.0)];
+        for seed in 0..16 {
+            let p = plan_pd(
+                &stages,
+                512,
+                input(2048, DECODE),
+                input(2048, prefill),
+                &mut StdRng::seed_from_u64(seed),
+            );
+            let pd = pd(&p);
+            assert_eq!(pd.outcome, PdOutcome::Disaggregated);
+            assert_eq!(pd.prefill, Some(PodId::new("p:2")));
+            assert_eq!(pd.prefill_uncached_tokens, 2048 - 100 * 16);
+            assert_eq!(p.endpoints[0], PodId::new("d:1"), "the destination decodes");
+            assert!(p.endpoints.iter().all(|e| e.as_str().starts_with("d:")));
+        }
+    }
+
+    #[test]
+    fn with_equal_matches_the_less_loaded_prefill_pod_wins() {
+        let stages = Stages::new(&Config::default());
+        let prefill = &[("p:1", 0.0, 6.0), ("p:2", 0.0, 0.0)];
+        let p = plan_pd(
+            &stages,
+            512,
+            input(4096, DECODE),
+            input(4096, prefill),
+            &mut StdRng::seed_from_u64(7),
+        );
+        assert_eq!(pd(&p).prefill, Some(PodId::new("p:2")));
+    }
+
+    #[test]
+    fn saturated_prefill_pods_or_no_prompt_keep_the_prefill_on_the_decode_pod() {
+        let stages = Stages::new(&Config::default());
+        let busy = Config::default().gate.max_waiting + 1.0;
+        let prefill = &[("p:1", 0.0, busy)];
+        let p = plan_pd(
+            &stages,
+            512,
+            input(4096, DECODE),
+            input(4096, prefill),
+            &mut StdRng::seed_from_u64(1),
+        );
+        assert_eq!(pd(&p).outcome, PdOutcome::PrefillSaturated);
+        assert_eq!(pd(&p).prefill, None);
+        let mut none = input(4096, DECODE);
+        none.body = Body::Missing;
+        let p = plan_pd(
+            &stages,
+            512,
+            none,
+            input(4096, &[("p:1", 0.0, 0.0)]),
+            &mut StdRng::seed_from_u64(1),
+        );
+        assert_eq!(pd(&p).outcome, PdOutcome::NoPrompt);
+    }
+
+    #[test]
+    fn the_threshold_is_inclusive_and_zero_disaggregates_any_uncached_prompt() {
+        let stages = Stages::new(&Config::default());
+        let prefill = &[("p:1", 0.0, 0.0)];
+        let at = |threshold, tokens| {
+            let p = plan_pd(
+                &stages,
+                threshold,
+                input(tokens, DECODE),
+                input(tokens, prefill),
+                &mut StdRng::seed_from_u64(1),
+            );
+            pd(&p).outcome
+        };
+        assert_eq!(at(512, 512), PdOutcome::Disaggregated);
+        assert_eq!(at(512, 511), PdOutcome::ShortOrCached);
+        assert_eq!(at(0, 16), PdOutcome::Disaggregated);
+    }
+}

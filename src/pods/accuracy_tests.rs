@@ -1,0 +1,339 @@
+//! Tests of prediction accuracy and the capacity correction, on the engines' real metric texts
+//! (tests/fixtures/engine-metrics/) and the real approximate index.
+
+use super::*;
+use crate::blocks::BlockKey;
+use crate::config::Preset;
+use crate::index::{KvIndex, MemoryIndex};
+use crate::pods::{read, MetricMap, Pod, PodId, PodSpec};
+
+fn fixture(name: &str) -> String {
+    let path = format!(
+        "{}/tests/fixtures/engine-metrics/{name}",
+        env!("CARGO_MANIFEST_DIR")
+    );
+    std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path}: {e}"))
+}
+
+fn vllm(text: &str) -> Option<PrefixCounters> {
+    read(text, MetricMap::preset(Preset::Vllm))
+        .sample
+        .prefix_cache
+}
+
+/// The vLLM fixture with each engine's prefix-cache counters advanced by the given tokens.
+fn advanced(queries: [f64; 2], hits: [f64; 2]) -> String {
+    let base = fixture("vllm.txt");
+    let mut out = String::new();
+    for line in base.lines() {
+        let (name, q, h) = if line.starts_with("vllm:prefix_cache_queries_total") {
+            ("queries", queries, [0.0; 2])
+        } else if line.starts_with("vllm:prefix_cache_hits_total") {
+            ("hits", [0.0; 2], hits)
+        } else {
+            out.push_str(line);
+            out.push('\n');
+            continue;
+        };
+        let engine = usize::from(line.contains("engine=\"1\""));
+        let (head, value) = line.rsplit_once(' ').expect("sample line");
+        let v: f64 = value.parse().expect("value");
+        let add = if name == "queries" {
+            q[engine]
+        } else {
+            h[engine]
+        };
+        out.push_str(&format!("{head} {:.1}\n", v + add));
+    }
+    out
+}
+
+#[test]
+fn the_vllm_fixture_reads_its_prefix_counters_summed_over_engines() {
+    let c = vllm(&fixture("vllm.txt")).expect("vLLM reports prefix-cache counters");
+    assert_eq!(c.queries, 184_320.0 + 150_016.0);
+    assert_eq!(c.hits, 96_256.0 + 70_144.0);
+}
+
+#[test]
+fn engines_without_prefix_counters_read_none() {
+    for (file, p) in [
+        ("sglang.txt", Preset::Sglang),
+        ("llamacpp.txt", Preset::Llamacpp),
+        ("tgi.txt", Preset::Tgi),
+    ] {
+        let s = read(&fixture(file), MetricMap::preset(p)).sample;
+        assert_eq!(s.prefix_cache, None, "{file}");
+    }
+}
+
+#[test]
+fn older_vllm_names_are_read_and_a_negative_counter_is_refused() {
+    let old = "vllm:gpu_prefix_cache_queries_total{model_name=\"m\"} 100.0\n\
+               vllm:gpu_prefix_cache_hits_total{model_name=\"m\"} 40.0\n";
+    assert_eq!(
+        vllm(old),
+        Some(PrefixCounters {
+            queries: 100.0,
+            hits: 40.0
+        })
+    );
+    let bad = "vllm:prefix_cache_queries_total{model_name=\"m\"} -1\n\
+               vllm:prefix_cache_hits_total{model_name=\"m\"} 40.0\n";
+    assert_eq!(vllm(bad), None);
+}
+
+#[test]
+fn a_window_is_the_counters_difference_against_the_predictions_between_two_scrapes() {
+    let mut a = HitAccuracy::default();
+    a.predicted(1000, 2000);
+    assert_eq!(
+        a.observe(vllm(&fixture("vllm.txt"))),
+        None,
+        "the first scrape is the baseline"
+    );
+    a.predicted(3000, 4000);
+    let w = a
+        .observe(vllm(&advanced([2000.0, 2000.0], [1000.0, 500.0])))
+        .expect("a window");
+    assert_eq!(
+        w,
+        HitWindow {
+            routed: 4000.0,
+            predicted: 3000.0,
+            queries: 4000.0,
+            observed: 1500.0,
+        },
+        "predictions before the baseline are dropped"
+    );
+    assert_eq!(w.predicted_rate(), Some(0.75));
+    assert_eq!(w.observed_rate(), Some(0.375));
+    assert_eq!(w.accuracy(), Some(0.5));
+    let r = a.report();
+    assert_eq!(r.accuracy, Some(0.5));
+    assert_eq!(a.take_unexported(), w);
+    assert_eq!(a.take_unexported(), HitWindow::default());
+}
+
+#[test]
+fn counters_that_go_backwards_count_from_zero_as_a_restart() {
+    let mut a = HitAccuracy::default();
+    a.observe(vllm(&advanced([5000.0; 2], [5000.0; 2])));
+    let restarted = "vllm:prefix_cache_queries_total{engine=\"0\",model_name=\"m\"} 300.0\n\
+                     vllm:prefix_cache_hits_total{engine=\"0\",model_name=\"m\"} 100.0\n";
+    let w = a.observe(vllm(restarted)).expect("a window");
+    assert_eq!((w.queries, w.observed), (300.0, 100.0));
+    assert_eq!(a.report().counter_resets, 1);
+}
+
+#[test]
+fn the_report_spans_the_last_windows_only() {
+    let mut a = HitAccuracy::default();
+    let mut total = (0.0, 0.0);
+    a.observe(Some(PrefixCounters::default()));
+    for i in 1..=(WINDOWS as u64 + 3) {
+        a.predicted(100, 100);
+        total = (total.0 + 100.0, total.1 + i as f64);
+        a.observe(Some(PrefixCounters {
+            queries: total.0,
+            hits: total.1,
+        }));
+    }
+    let r = a.report().recent;
+    assert_eq!(r.routed, 100.0 * WINDOWS as f64);
+    let last: u64 = (4..=(WINDOWS as u64 + 3)).sum();
+    assert_eq!(r.observed, last as f64);
+}
+
+fn cfg() -> CorrectionConfig {
+    CorrectionConfig {
+        enabled: true,
+        tolerance: 0.2,
+        min_scale: 0.1,
+        min_predicted_tokens: 1000,
+        min_decisions: 1,
+    }
+}
+
+/// One scrape window in which the router predicted `rate_p` and the pod found `rate_o`.
+fn window(a: &mut HitAccuracy, at: &mut PrefixCounters, rate_p: f64, rate_o: f64) {
+    a.predicted((4000.0 * rate_p) as u64, 4000);
+    at.queries += 4000.0;
+    at.hits += 4000.0 * rate_o;
+    a.observe(Some(*at));
+}
+
+#[test]
+fn the_scale_shrinks_at_most_by_half_a_judgement_and_recovers_when_the_pod_finds_more() {
+    let (mut a, mut at) = (HitAccuracy::default(), PrefixCounters::default());
+    a.observe(Some(at));
+    window(&mut a, &mut at, 0.5, 0.0625);
+    assert_eq!(a.correct(&cfg()), 0.5, "ratio 1/8, but at most halved");
+    window(&mut a, &mut at, 0.5, 0.3125);
+    assert_eq!(
+        a.correct(&cfg()),
+        0.3125,
+        "ratio 0.625 is outside the tolerance"
+    );
+    window(&mut a, &mut at, 0.5, 0.4375);
+    assert_eq!(a.correct(&cfg()), 0.3125, "0.875 is within it");
+    window(&mut a, &mut at, 0.25, 0.5);
+    assert_eq!(
+        a.correct(&cfg()),
+        0.3125 * 1.25,
+        "ratio 2, grown at most 25 %"
+    );
+    for _ in 0..10 {
+        window(&mut a, &mut at, 0.25, 0.5);
+        a.correct(&cfg());
+    }
+    assert_eq!(a.scale(), 1.0, "never above the configured capacity");
+    for _ in 0..20 {
+        window(&mut a, &mut at, 0.5, 0.0);
+        a.correct(&cfg());
+    }
+    assert_eq!(a.scale(), 0.1, "never under min_scale");
+}
+
+#[test]
+fn too_few_predicted_hits_are_not_judged_and_disabled_means_full_capacity() {
+    let (mut a, mut at) = (HitAccuracy::default(), PrefixCounters::default());
+    a.observe(Some(at));
+    window(&mut a, &mut at, 0.2, 0.0);
+    assert_eq!(
+        a.correct(&cfg()),
+        1.0,
+        "800 predicted tokens: not judged yet"
+    );
+    window(&mut a, &mut at, 0.2, 0.0);
+    window(&mut a, &mut at, 0.2, 0.0);
+    assert_eq!(a.correct(&cfg()), 0.5, "2400 accumulated: judged");
+    let off = CorrectionConfig {
+        enabled: false,
+        ..cfg()
+    };
+    window(&mut a, &mut at, 0.5, 0.0);
+    assert_eq!(a.correct(&off), 1.0);
+}
+
+#[test]
+fn predicted_hits_are_whole_blocks_short_of_the_last_prompt_token() {
+    assert_eq!(
+        predicted_hit_tokens(4.0, 16, 64),
+        48,
+        "the last block is computed"
+    );
+    assert_eq!(predicted_hit_tokens(4.0, 16, 65), 64);
+    assert_eq!(predicted_hit_tokens(2.5, 16, 100), 40);
+    assert_eq!(predicted_hit_tokens(0.0, 16, 100), 0);
+    assert_eq!(predicted_hit_tokens(9.0, 16, 0), 0);
+}
+
+/// A prefix of `BLOCKS` keys, distinct per `p`.
+fn prefix(p: u64) -> Vec<BlockKey> {
+    (0..BLOCKS).map(|b| BlockKey(p * 1000 + b)).collect()
+}
+
+const BLOCKS: u64 = 20;
+const PREFIXES: u64 = 40;
+
+/// Scrapes after which the pod that dropped 3/4 of what the router believes it holds has lost
+/// the router's preference for the dropped prefixes.
+const WITHIN_SCRAPES: usize = 2;
+
+/// Pod A is configured for 800 router blocks and the router taught its index 40 prefixes of 20
+/// blocks; its real cache holds only the last 10 (a quarter). Each scrape window the router
+/// sends A every prefix the index still matches on A (elsewhere the rest), and A's vLLM counters
+/// report the hits it really has. Returns how many prefixes the router sent A in each window.
+async fn prefixes_sent_to_a(correction: CorrectionConfig) -> Vec<usize> {
+    let (a, b) = (PodId::new("10.0.0.1:8000"), PodId::new("10.0.0.2:8000"));
+    let pod = Pod::new(PodSpec {
+        id: a.clone(),
+        addr: "10.0.0.1:8000".parse().expect("addr"),
+        models: vec![],
+        labels: Default::default(),
+        kv_events_endpoint: None,
+        kv_events_replay_endpoint: None,
+    });
+    let (capacity, tokens) = (800usize, 16usize);
+    let index = MemoryIndex::new(3_600_000, capacity);
+    index.set_capacity(&a, capacity).await.expect("capacity");
+    for p in 0..PREFIXES {
+        index.record(&a, &prefix(p), 0).await.expect("record");
+    }
+    let real = PREFIXES - PREFIXES / 4..PREFIXES;
+    let prompt = BLOCKS * tokens as u64;
+    let text = |q: u64, h: u64| {
+        format!(
+            "vllm:prefix_cache_queries_total{{engine=\"0\",model_name=\"m\"}} {q}.0\n\
+             vllm:prefix_cache_hits_total{{engine=\"0\",model_name=\"m\"}} {h}.0\n"
+        )
+    };
+    let (mut queries, mut hits) = (0u64, 0u64);
+    let started = tokio::time::Instant::now();
+    pod.record_sample(
+        started,
+        read(&text(0, 0), MetricMap::preset(Preset::Vllm)).sample,
+    );
+    let mut sent = Vec::new();
+    for scrape in 1..=WITHIN_SCRAPES + 2 {
+        let mut to_a = 0;
+        for p in 0..PREFIXES {
+            let m = index.lookup(&prefix(p), &[a.clone(), b.clone()], 1).await;
+            let m = m.expect("lookup");
+            if m[0] <= m[1] {
+                continue;
+            }
+            to_a += 1;
+            pod.predicted_hits(predicted_hit_tokens(m[0], tokens, prompt), prompt);
+            queries += prompt;
+            if real.contains(&p) {
+                hits += predicted_hit_tokens(BLOCKS as f64, tokens, prompt);
+            }
+        }
+        sent.push(to_a);
+        let at = started + std::time::Duration::from_millis(scrape as u64 * 500);
+        pod.record_sample(
+            at,
+            read(&text(queries, hits), MetricMap::preset(Preset::Vllm)).sample,
+        );
+        // As the maintenance loop does once a second.
+        let scale = pod.correct_capacity(&correction);
+        index
+            .set_capacity(&a, scaled_capacity(capacity, scale))
+            .await
+            .expect("capacity");
+    }
+    sent
+}
+
+#[tokio::test]
+async fn a_pod_reporting_far_fewer_hits_than_predicted_loses_the_routers_preference() {
+    let on = CorrectionConfig {
+        enabled: true,
+        min_predicted_tokens: 4096,
+        min_decisions: 8,
+        ..CorrectionConfig::default()
+    };
+    let sent = prefixes_sent_to_a(on).await;
+    assert_eq!(sent[0], PREFIXES as usize, "the index believes A holds all");
+    assert!(
+        sent[WITHIN_SCRAPES..]
+            .iter()
+            .all(|&n| n <= PREFIXES as usize / 4),
+        "within {WITHIN_SCRAPES} scrapes A keeps only what it really holds: {sent:?}"
+    );
+    assert!(
+        *sent.last().expect("windows") >= PREFIXES as usize / 4 - 1,
+        "and still attracts what it does hold: {sent:?}"
+    );
+    let off = CorrectionConfig {
+        enabled: false,
+        ..on
+    };
+    let sent = prefixes_sent_to_a(off).await;
+    assert!(
+        sent.iter().all(|&n| n == PREFIXES as usize),
+        "without the correction A attracts every prefix: {sent:?}"
+    );
+}
