@@ -1,40 +1,27 @@
 //! End-to-end tests of the `vllm-sim` binary over HTTP.
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
+mod common;
+
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use serde_json::{json, Value};
 
+use common::SimProcess;
+
 /// A running `vllm-sim`; killed on drop.
 struct Sim {
-    child: Child,
+    _process: SimProcess,
     base: String,
     client: reqwest::Client,
 }
 
 impl Sim {
     fn start(args: &[&str]) -> Sim {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_vllm-sim"))
-            .args(["--port", "0"])
-            .args(args)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("spawn vllm-sim");
-        let mut line = String::new();
-        BufReader::new(child.stdout.take().expect("stdout"))
-            .read_line(&mut line)
-            .expect("read address line");
-        let addr = line
-            .trim()
-            .strip_prefix("vllm-sim listening on ")
-            .unwrap_or_else(|| panic!("unexpected first line {line:?}"))
-            .to_string();
+        let process = SimProcess::start(args);
         Sim {
-            child,
-            base: format!("http://{addr}"),
+            base: format!("http://{}", process.addr),
+            _process: process,
             client: reqwest::Client::new(),
         }
     }
@@ -59,13 +46,6 @@ impl Sim {
             .await
             .expect("request");
         (resp.status().as_u16(), resp.text().await.expect("body"))
-    }
-}
-
-impl Drop for Sim {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
     }
 }
 

@@ -2,9 +2,9 @@
 //! prefill header names, then decodes with the transferred blocks; a prefill pod that fails,
 //! hangs or cannot be named leaves the prefill local.
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
+mod common;
 
+use common::SimProcess;
 use serde_json::{json, Value};
 
 const HEADER: &str = "x-prefiller-host-port";
@@ -12,39 +12,18 @@ const PREFILLED_BY: &str = "x-vllm-sim-prefilled-by";
 
 /// A running `vllm-sim`; killed on drop.
 struct Sim {
-    child: Child,
+    _process: SimProcess,
     addr: String,
     client: reqwest::Client,
 }
 
 impl Sim {
     fn start(args: &[&str]) -> Sim {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_vllm-sim"))
-            .args([
-                "--port",
-                "0",
-                "--ttft-base-ms",
-                "1",
-                "--decode-ms-per-token",
-                "1",
-            ])
-            .args(args)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("spawn vllm-sim");
-        let mut line = String::new();
-        BufReader::new(child.stdout.take().expect("stdout"))
-            .read_line(&mut line)
-            .expect("read address line");
-        let addr = line
-            .trim()
-            .strip_prefix("vllm-sim listening on ")
-            .unwrap_or_else(|| panic!("unexpected first line {line:?}"))
-            .to_string();
+        let fast = ["--ttft-base-ms", "1", "--decode-ms-per-token", "1"];
+        let process = SimProcess::start(&[&fast[..], args].concat());
         Sim {
-            child,
-            addr,
+            addr: process.addr.clone(),
+            _process: process,
             client: reqwest::Client::new(),
         }
     }
@@ -83,13 +62,6 @@ impl Sim {
             .filter(|l| l[name.len()..].starts_with(['{', ' ']))
             .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
             .sum()
-    }
-}
-
-impl Drop for Sim {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
     }
 }
 
