@@ -29,6 +29,7 @@ pub mod config;
 pub mod decide;
 pub mod events;
 pub mod extproc;
+pub mod flow;
 pub mod index;
 mod ingest;
 pub mod keys;

@@ -241,6 +241,11 @@ fn ext_proc_configs_avoid_the_known_traps() {
             text.contains("message_timeout:"),
             "{name}: set message_timeout (200 ms default)"
         );
+        // Without it Envoy ignores flow control's extension and a queued request fails open.
+        assert!(
+            text.contains("max_message_timeout: 30s"),
+            "{name}: set max_message_timeout: 30s (flow_control.envoy_max_message_timeout_ms)"
+        );
         assert!(
             text.contains("timeout: 0s"),
             "{name}: route timeout should be 0s"

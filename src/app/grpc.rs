@@ -72,13 +72,16 @@ pub(super) async fn start(
     // One budget for every body this port buffers: ext_proc bodies and Pick messages.
     let budget = shared.bodies.clone();
     let errors = metrics.errors();
-    let extproc = ExtProc::new(
+    let mut extproc = ExtProc::new(
         shared.decider.clone(),
         metrics,
         cfg.body_limit_bytes,
         cfg.destination_header,
     )
     .with_shared_budget(budget.clone());
+    if let Some(flow) = &shared.flow {
+        extproc = extproc.with_flow_control(flow.clone());
+    }
     // Validated to at most 1 GiB; saturating all the same so no value can wrap the limit.
     let limit = cfg.body_limit_bytes.saturating_add(1 << 20);
     let pick_limit = cfg.pick_api.max_message_bytes;

@@ -11,6 +11,7 @@ use tracing::{info, warn};
 use crate::config::Config;
 use crate::decide::Decider;
 use crate::extproc::BodyBudget;
+use crate::flow::FlowControl;
 use crate::index::KvIndex;
 use crate::ingest::CatchUp;
 use crate::pods::{EngineResolver, PodRegistry};
@@ -54,6 +55,8 @@ struct Shared {
     catch_up: Option<Arc<CatchUp>>,
     /// Every request body the gRPC port buffers (ext_proc, Pick) draws from it.
     bodies: BodyBudget,
+    /// Requests held while every pod is saturated (`flow_control.enabled`).
+    flow: Option<Arc<FlowControl>>,
 }
 
 /// Runs the router until a shutdown signal. `tokenizers` were loaded from `cfg.tokenizers`
@@ -76,6 +79,17 @@ pub async fn run(cfg: Config, tokenizers: TokenizerRegistry) -> anyhow::Result<(
     info!(mode, policy = cfg.policy.as_str(), "kv-router starting");
     let supervisor = telemetry.supervisor;
     let catch_up = index::start_ingestion(&cfg, &supervisor, &pods, &index, telemetry.ingest);
+    let flow = telemetry.flow.map(|m| {
+        let flow = FlowControl::new(cfg.flow_control.clone(), m);
+        let (fc, decider) = (flow.clone(), decider.clone());
+        // A restarted dispatcher finds the waiters where it left them.
+        supervisor.spawn("flow_dispatch", move || {
+            let decider = decider.clone();
+            fc.clone()
+                .dispatch(move |model, subset| decider.has_room(model, subset))
+        });
+        flow
+    });
     let shared = Shared {
         pods,
         index,
@@ -84,6 +98,7 @@ pub async fn run(cfg: Config, tokenizers: TokenizerRegistry) -> anyhow::Result<(
         supervisor,
         catch_up,
         bodies: BodyBudget::new(cfg.server.max_buffered_body_bytes),
+        flow,
     };
     let errors = telemetry.errors;
     pods::start(

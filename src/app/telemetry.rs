@@ -8,6 +8,7 @@ use prometheus_client::registry::Registry;
 use crate::config::{Config, IndexBackend};
 use crate::decide::DecisionMetrics;
 use crate::extproc::ExtProcMetrics;
+use crate::flow::FlowMetrics;
 use crate::index::RedisMetrics;
 use crate::ingest::IngestMetrics;
 use crate::pods::PodMetrics;
@@ -39,6 +40,8 @@ pub(super) struct Telemetry {
     pub redis: Option<RedisMetrics>,
     /// Open and closed connections of both listeners.
     pub conns: ConnMetrics,
+    /// Flow control (`flow_control.enabled` only).
+    pub flow: Option<FlowMetrics>,
 }
 
 impl Telemetry {
@@ -58,6 +61,10 @@ impl Telemetry {
         let redis =
             (cfg.index.backend == IndexBackend::Redis).then(|| RedisMetrics::register(registry));
         let conns = ConnMetrics::register(registry);
+        let flow = cfg
+            .flow_control
+            .enabled
+            .then(|| FlowMetrics::register(registry, &cfg.flow_control));
         Self {
             registry: Arc::new(root),
             ingest,
@@ -69,6 +76,7 @@ impl Telemetry {
             supervisor,
             redis,
             conns,
+            flow,
         }
     }
 }

@@ -4,7 +4,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::{DisaggConfig, GateConfig, PodsConfig, Policy, RedisConfig, ScorersConfig};
+use super::{DisaggConfig, FlowConfig, GateConfig, PodsConfig, Policy, RedisConfig, ScorersConfig};
 
 /// Root of `router.yaml`.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -46,6 +46,8 @@ pub struct Config {
     pub admin: AdminConfig,
     /// Prefill/decode disaggregation (models with `prefill`-role pods only).
     pub disaggregation: DisaggConfig,
+    /// Requests held in the router while every pod is saturated (priorities, fairness).
+    pub flow_control: FlowConfig,
 }
 
 /// Admin port access: `/debug/*` needs `Authorization: Bearer <token>` when a token is set;
@@ -219,6 +221,7 @@ impl Default for Config {
             server: ServerConfig::default(),
             admin: AdminConfig::default(),
             disaggregation: DisaggConfig::default(),
+            flow_control: FlowConfig::default(),
         }
     }
 }

@@ -142,6 +142,9 @@ impl Config {
         for (key, reason) in self.disaggregation.problems() {
             bad(&format!("disaggregation.{key}"), reason);
         }
+        for (key, reason) in self.flow_control.problems() {
+            bad(&format!("flow_control.{key}"), reason);
+        }
         if self.pods.static_pods.is_empty()
             && self.pods.dns.is_empty()
             && self.pods.kubernetes.is_none()

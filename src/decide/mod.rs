@@ -25,11 +25,11 @@ use tokio::time::Instant;
 use tracing::debug;
 
 use crate::blocks::{BlockKey, BlockScheme};
-use crate::config::Config;
+use crate::config::{Config, GateConfig};
 use crate::index::{Charge, KvIndex};
 use crate::keys::{Keyer, Keys};
 use crate::pods::{
-    prefill_models, prefill_time, InflightGuard, Pod, PodId, PodRegistry, TtftPrior,
+    prefill_models, prefill_time, InflightGuard, Pod, PodId, PodLoad, PodRegistry, TtftPrior,
 };
 use crate::request::{self, RequestError, RoutingRequest};
 use crate::scoring::{SessionKey, SessionStore};
@@ -109,6 +109,17 @@ impl Drop for PendingRecord {
     }
 }
 
+/// Every candidate pod of the request is saturated: nothing was decided or committed (flow
+/// control holds the request and asks [`Decider::has_room`] when to try again).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Saturated {
+    /// The request's model.
+    pub model: Option<String>,
+}
+
+/// Flow control's "requests of this model already wait" test.
+pub type Waiting<'a> = dyn Fn(Option<&str>) -> bool + Sync + 'a;
+
 /// No decision could be made; the edge (ext_proc, Pick, explain) turns this into its status.
 #[derive(Debug, Error, PartialEq)]
 pub enum DecideError {
@@ -169,6 +180,8 @@ pub struct Decider {
     pd_threshold: u64,
     /// `disaggregation.header`.
     prefill_header: String,
+    /// The saturation gate's thresholds (flow control's test for room).
+    gate: GateConfig,
 }
 
 /// What a live decision gathered before it plans.
@@ -179,6 +192,12 @@ struct Gathered {
     pods: Vec<Arc<Pod>>,
     now: Instant,
     now_ms: u64,
+}
+
+impl Gathered {
+    fn loads(&self) -> Vec<&PodLoad> {
+        self.pod_facts.iter().map(|f| &f.load).collect()
+    }
 }
 
 /// A planned decision with the live pods it ranked.
@@ -236,6 +255,7 @@ impl Decider {
             epoch: Instant::now(),
             pd_threshold: cfg.disaggregation.threshold_tokens,
             prefill_header: cfg.disaggregation.header.clone(),
+            gate: cfg.gate.clone(),
         }
     }
 
@@ -277,13 +297,35 @@ impl Decider {
         &self,
         req: DecideRequest<'_>,
     ) -> Result<(Decision, Option<PendingRecord>), DecideError> {
+        match self.decide_or_hold(req, None).await? {
+            Ok(d) => Ok(d),
+            // Unreachable: nothing is held without `hold`.
+            Err(Saturated { .. }) => Err(DecideError::NoHealthyPod),
+        }
+    }
+
+    /// [`Self::decide_reply_first`], except that with `hold` (flow control), a request is not
+    /// decided when `hold(model)` says requests of its model already wait, or when none of its
+    /// candidate pods has room: it gets [`Saturated`] and nothing is committed.
+    pub async fn decide_or_hold(
+        &self,
+        req: DecideRequest<'_>,
+        hold: Option<&Waiting<'_>>,
+    ) -> Result<Result<(Decision, Option<PendingRecord>), Saturated>, DecideError> {
         let started = Instant::now();
-        let result = match self.prepare(req, true).await {
-            Ok(p) => Ok(self.commit(p).await),
+        let result = match self.gather(req).await {
+            Ok(g)
+                if hold.is_some_and(|waiting| {
+                    waiting(g.model.as_deref()) || !self.room_among(&g.pods, &g.loads())
+                }) =>
+            {
+                Ok(Err(Saturated { model: g.model }))
+            }
+            Ok(g) => Ok(Ok(self.commit(self.plan_gathered(g, true)).await)),
             Err(e) => Err(e),
         };
         self.finish(started, result.as_ref().err());
-        if let Ok((d, _)) = &result {
+        if let Ok(Ok((d, _))) = &result {
             self.metrics
                 .decisions
                 .get_or_create(&DecisionLabels {
@@ -299,6 +341,30 @@ impl Decider {
             }
         }
         result
+    }
+
+    /// Whether some pod that could serve `model` (in `subset`) has room now: not saturated by
+    /// the gate's load tests. No candidate at all counts as room: the decision reports why.
+    pub fn has_room(&self, model: Option<&str>, subset: Option<&[String]>) -> bool {
+        let Ok(pods) = self.candidates(subset, model) else {
+            return true;
+        };
+        let now = Instant::now();
+        let loads: Vec<PodLoad> = pods.iter().map(|p| p.load(now, self.stale_after)).collect();
+        self.room_among(&pods, &loads.iter().collect::<Vec<_>>())
+    }
+
+    /// The gate's room test over the pods that would take the request: the decode pods of a
+    /// P/D model (a saturated prefill pod only moves the prefill to the decode pod).
+    fn room_among(&self, pods: &[Arc<Pod>], loads: &[&PodLoad]) -> bool {
+        let loads: Vec<&PodLoad> = match split_roles(pods) {
+            None => loads.to_vec(),
+            Some((decode, _)) => decode
+                .iter()
+                .filter_map(|&i| loads.get(i).copied())
+                .collect(),
+        };
+        crate::picker::has_room(&self.gate, &loads)
     }
 
     /// Teaches the index a decision's keys on its pod; a failure is counted and logged.
@@ -399,7 +465,12 @@ impl Decider {
     /// Parses, looks up and plans; with `commit`, the plan joins the unrecorded decisions in
     /// the same step that overlaid them, so concurrent decisions see each other.
     async fn prepare(&self, req: DecideRequest<'_>, commit: bool) -> Result<Prepared, DecideError> {
-        let mut g = self.gather(req).await?;
+        let g = self.gather(req).await?;
+        Ok(self.plan_gathered(g, commit))
+    }
+
+    /// Plans what [`Self::gather`] found.
+    fn plan_gathered(&self, mut g: Gathered, commit: bool) -> Prepared {
         let mut prefill_pods = Vec::new();
         let planned = match split_roles(&g.pods) {
             None => self.state.plan(
@@ -436,7 +507,7 @@ impl Decider {
             debug!(error = %e, "scorer failed; its scores count as 0");
             self.metrics.errors.inc(ErrorKind::Scorer);
         }
-        Ok(Prepared {
+        Prepared {
             plan,
             model: g.model,
             pods: g.pods,
@@ -444,7 +515,7 @@ impl Decider {
             now_ms: g.now_ms,
             unrecorded: planned.unrecorded,
             prefill_pods,
-        })
+        }
     }
 
     /// Everything a decision reads before it plans: the parsed request, its keys and session,

@@ -32,7 +32,8 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 
-use crate::decide::{DecideRequest, Decider};
+use crate::decide::{DecideError, DecideRequest, Decider, Decision, PendingRecord, Saturated};
+use crate::flow::FlowControl;
 use crate::pods::InflightGuard;
 use crate::telemetry::Errors;
 pub use budget::{BodyBudget, Reservation};
@@ -103,9 +104,17 @@ pub struct ExtProc {
     body_limit: usize,
     destination_header: bool,
     budget: BodyBudget,
+    /// `flow_control.enabled`: requests wait here while every pod is saturated.
+    flow: Option<Arc<FlowControl>>,
 }
 
 impl ExtProc {
+    /// Holds requests in `flow` while every pod that could serve them is saturated.
+    pub fn with_flow_control(mut self, flow: Arc<FlowControl>) -> Self {
+        self.flow = Some(flow);
+        self
+    }
+
     /// Caps the request-body bytes buffered across all streams (default: unlimited).
     pub fn with_body_budget(self, bytes: usize) -> Self {
         self.with_shared_budget(BodyBudget::new(bytes))
@@ -130,6 +139,7 @@ impl ExtProc {
             body_limit,
             destination_header,
             budget: BodyBudget::new(usize::MAX),
+            flow: None,
         }
     }
 }
@@ -495,19 +505,11 @@ impl ExtProc {
     ) -> bool {
         st.decided = true;
         let has_body = body.is_some();
-        // Boxed: the decision's state lives only while it runs, not in every open stream's task.
-        let result = Box::pin(self.decider.decide_reply_first(DecideRequest {
-            path: &st.path,
-            headers: &st.headers,
-            body: body.as_deref(),
-            subset: st.subset.as_deref(),
-        }))
-        .await;
-        let (decision, pending) = match result {
+        let (decision, pending) = match self.decide(st, body.as_deref(), tx).await {
             Ok(d) => d,
             Err(e) => {
-                // The decision path counted the error.
-                send(tx, reply::immediate_error(&e.into())).await;
+                // The decision path or flow control counted the error.
+                send(tx, reply::immediate_error(&e)).await;
                 return false;
             }
         };
@@ -561,6 +563,53 @@ impl ExtProc {
             self.decider.record(p).await;
         }
         sent
+    }
+}
+
+impl ExtProc {
+    /// The decision; with flow control, first a wait in its queue while every pod is saturated.
+    async fn decide(
+        &self,
+        st: &StreamState,
+        body: Option<&[u8]>,
+        tx: &Tx,
+    ) -> Result<(Decision, Option<PendingRecord>), Rejection> {
+        let req = || DecideRequest {
+            path: &st.path,
+            headers: &st.headers,
+            body,
+            subset: st.subset.as_deref(),
+        };
+        // Boxed: the decision's state lives only while it runs, not in every open stream's task.
+        let Some(fc) = &self.flow else {
+            return Ok(Box::pin(self.decider.decide_reply_first(req())).await?);
+        };
+        let waiting = |model: Option<&str>| fc.holds(model);
+        let model = match Box::pin(self.decider.decide_or_hold(req(), Some(&waiting))).await? {
+            Ok(d) => return Ok(d),
+            Err(Saturated { model }) => model,
+        };
+        let retry_after = fc.config().retry_after_s;
+        let refused = |r| {
+            self.metrics
+                .errors
+                .inc(crate::telemetry::ErrorKind::FlowControl);
+            Rejection::Queue(r, retry_after)
+        };
+        let ticket = fc
+            .enqueue(fc.classify(&st.headers), model, st.subset.clone())
+            .map_err(refused)?;
+        // Envoy restarts its timer once per message: one extension covers the whole wait. If the
+        // stream is gone this future is dropped with it (and the ticket leaves the queue).
+        send(tx, reply::extend_timeout(fc.config().envoy_extension_ms())).await;
+        let release = ticket.wait().await.map_err(refused)?;
+        let decided = Box::pin(self.decider.decide_or_hold(req(), None)).await;
+        release.committed();
+        match decided? {
+            Ok(d) => Ok(d),
+            // Unreachable: nothing is held without `hold`.
+            Err(Saturated { .. }) => Err(DecideError::NoHealthyPod.into()),
+        }
     }
 }
 

@@ -13,6 +13,7 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
 use envoy_types::pb::google::protobuf::{value::Kind, Struct, Value};
 
 use crate::decide::DecideError;
+use crate::flow::Refusal;
 use crate::telemetry::ErrorKind;
 
 /// Dynamic-metadata namespace override_host reads.
@@ -279,6 +280,8 @@ pub enum Rejection {
     BodyTooLarge(usize),
     /// The router's budget of buffered body bytes (all streams) is spent: retry shortly.
     Overloaded,
+    /// Flow control refused the request (every pod saturated): retry after this many seconds.
+    Queue(Refusal, u64),
 }
 
 impl From<DecideError> for Rejection {
@@ -296,6 +299,7 @@ impl Rejection {
             Rejection::Decide(DecideError::BadRequest(_)) => 400,
             Rejection::BodyTooLarge(_) => 413,
             Rejection::Overloaded => 503,
+            Rejection::Queue(..) => 429,
         }
     }
 
@@ -305,6 +309,7 @@ impl Rejection {
             Rejection::Decide(e) => e.kind(),
             Rejection::BodyTooLarge(_) => ErrorKind::BodyTooLarge,
             Rejection::Overloaded => ErrorKind::BodyBudget,
+            Rejection::Queue(..) => ErrorKind::FlowControl,
         }
     }
 
@@ -318,6 +323,12 @@ impl Rejection {
             Rejection::Overloaded => {
                 "the router is buffering too many request bodies; retry shortly".to_string()
             }
+            Rejection::Queue(r, _) => match r {
+                Refusal::QueueFull => "every pod is saturated and the router's queue is full",
+                Refusal::Timeout => "every pod is saturated and the request waited too long",
+                Refusal::Shed => "every pod is saturated and this request's priority is shed",
+            }
+            .to_string(),
         }
     }
 
@@ -333,11 +344,24 @@ impl Rejection {
             Rejection::Decide(DecideError::BadRequest(_)) => ("BadRequestError", "invalid_request"),
             Rejection::BodyTooLarge(_) => ("RequestTooLargeError", "request_too_large"),
             Rejection::Overloaded => ("ServiceUnavailableError", "router_overloaded"),
+            Rejection::Queue(r, _) => ("RateLimitError", r.as_str()),
         };
         serde_json::to_vec(&serde_json::json!({
             "error": { "message": self.message(), "type": ty, "param": null, "code": code }
         }))
         .expect("static JSON")
+    }
+}
+
+/// Asks Envoy to wait `ms` for the reply to the message it sent last, instead of its
+/// `message_timeout` (once per message; ignored above the filter's `max_message_timeout`).
+pub fn extend_timeout(ms: u64) -> ProcessingResponse {
+    ProcessingResponse {
+        override_message_timeout: Some(envoy_types::pb::google::protobuf::Duration {
+            seconds: (ms / 1000) as i64,
+            nanos: ((ms % 1000) * 1_000_000) as i32,
+        }),
+        ..Default::default()
     }
 }
 
@@ -349,7 +373,13 @@ pub fn immediate_error(r: &Rejection) -> ProcessingResponse {
                 code: i32::from(r.status()),
             }),
             headers: Some(HeaderMutation {
-                set_headers: vec![header("content-type", "application/json")],
+                set_headers: match r {
+                    Rejection::Queue(_, after) => vec![
+                        header("content-type", "application/json"),
+                        header("retry-after", &after.to_string()),
+                    ],
+                    _ => vec![header("content-type", "application/json")],
+                },
                 remove_headers: vec![],
             }),
             body: r.openai_body(),
@@ -390,6 +420,9 @@ mod tests {
                 "invalid_request",
             ),
             (Rejection::BodyTooLarge(10), 413, "request_too_large"),
+            (Rejection::Queue(Refusal::Timeout, 2), 429, "queue_timeout"),
+            (Rejection::Queue(Refusal::QueueFull, 2), 429, "queue_full"),
+            (Rejection::Queue(Refusal::Shed, 2), 429, "shed"),
         ];
         for (r, status, code) in cases {
             assert_eq!(r.status(), status, "{r:?}");

@@ -74,6 +74,21 @@ pub(crate) fn judge(
     }
 }
 
+/// Whether some pod has room: one that is neither unusable, hot nor queue-saturated, counting
+/// this router's requests the pod has not started running as waiting (its scrape lags them).
+/// Flow control holds requests while this is false, so a release is seen at once. With no such
+/// lag it is exactly "not every candidate is saturated" by [`judge`].
+pub fn has_room(g: &GateConfig, loads: &[&PodLoad]) -> bool {
+    let hot = hot(g, loads);
+    loads.iter().zip(hot).any(|(l, hot)| {
+        let unstarted = PodLoad {
+            waiting: l.waiting.max(l.inflight_requests - l.running),
+            ..**l
+        };
+        !unusable(g, l) && !hot && !queued_full(g, &unstarted)
+    })
+}
+
 /// Whether a prompt that shares only a prefix should leave the prefix's holders (those with at
 /// least half the longest match): every holder has a request, and an ungated pod with none that
 /// holds none of the prompt would answer sooner, prefilling all of it, than the best holder after
@@ -142,4 +157,67 @@ fn hot(g: &GateConfig, loads: &[&PodLoad]) -> Vec<bool> {
             g.enabled && r - min > g.hot_abs && r > g.hot_rel * min
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::*;
+    use crate::pods::TtftModel;
+    use crate::scoring::Candidate;
+
+    fn load(waiting: f64, running: f64, kv_usage: f64, fresh: bool) -> PodLoad {
+        PodLoad {
+            waiting,
+            running,
+            kv_usage,
+            inflight_requests: 0.0,
+            inflight_tokens: 0.0,
+            fresh,
+        }
+    }
+
+    proptest! {
+        // Flow control's test must never release into a fleet the gate finds all saturated, and
+        // must not hold while the gate finds room unless the scrape lags the router's requests.
+        #[test]
+        fn has_room_is_not_all_saturated(
+            pods in prop::collection::vec((0u8..12, 0u8..12, 0u8..=100, any::<bool>(), 0u8..4, 0u8..16), 1..6),
+        ) {
+            let g = GateConfig::default();
+            let candidates: Vec<Candidate> = pods
+                .iter()
+                .enumerate()
+                .map(|(i, &(w, r, kv, fresh, m, inflight))| Candidate {
+                    pod: crate::pods::PodId::new(format!("10.0.0.{i}:8000")),
+                    matched_blocks: f64::from(m),
+                    load: PodLoad {
+                        inflight_requests: f64::from(inflight),
+                        ..load(f64::from(w), f64::from(r), f64::from(kv) / 100.0, fresh)
+                    },
+                    session_pod: false,
+                    conversations: 0.0,
+                    model: TtftModel::default(),
+                })
+                .collect();
+            let input = ScoreInput {
+                total_blocks: 4,
+                candidates,
+                new_conversation: false,
+                shares_prefix: false,
+                prompt_tokens: 256.0,
+                tokens_per_block: 64.0,
+            };
+            let predictions = input.predictions();
+            let verdict = judge(&g, &input, &predictions, 1.0);
+            let loads: Vec<&PodLoad> = input.candidates.iter().map(|c| &c.load).collect();
+            let lagless = loads.iter().all(|l| l.inflight_requests <= l.running);
+            // Room implies the gate routes to a pod with room; without lag they agree exactly.
+            prop_assert!(!has_room(&g, &loads) || !verdict.all_saturated);
+            if lagless {
+                prop_assert_eq!(has_room(&g, &loads), !verdict.all_saturated);
+            }
+        }
+    }
 }

@@ -20,6 +20,7 @@ mod round_robin;
 mod spread;
 mod weighted;
 
+pub use gate::has_room;
 use gate::Verdict;
 
 /// Why the primary pod was chosen (closed set; the `reason` label of decisions).

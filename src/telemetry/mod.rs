@@ -43,6 +43,8 @@ pub enum ErrorKind {
     ProbePanic,
     /// A body chunk was refused: the buffered-body budget of all streams was spent.
     BodyBudget,
+    /// Flow control answered 429: queue full, timed out, or shed.
+    FlowControl,
 }
 
 impl ErrorKind {
@@ -63,6 +65,7 @@ impl ErrorKind {
             ErrorKind::KubernetesRestart => "kubernetes_restart",
             ErrorKind::ProbePanic => "probe_panic",
             ErrorKind::BodyBudget => "body_budget",
+            ErrorKind::FlowControl => "flow_control",
         }
     }
 }

@@ -64,9 +64,19 @@ impl Deployment {
         templates: &[&str],
         tweak: impl FnOnce(&mut Config),
     ) -> Self {
+        Self::start_sims(&FAST_SIM, pods, templates, tweak).await
+    }
+
+    /// Like [`Deployment::start_with`], the pods started with `sim_args` (their speed, slots).
+    pub async fn start_sims(
+        sim_args: &[&str],
+        pods: usize,
+        templates: &[&str],
+        tweak: impl FnOnce(&mut Config),
+    ) -> Self {
         let envoy = envoy_bin();
         let bins = bins();
-        let args: Vec<String> = FAST_SIM.iter().map(|s| s.to_string()).collect();
+        let args: Vec<String> = sim_args.iter().map(|s| s.to_string()).collect();
         let pods: Vec<SimPod> = (0..pods)
             .map(|_| SimPod::spawn(&bins.vllm_sim, &args).expect("start vllm-sim"))
             .collect();

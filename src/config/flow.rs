@@ -1,0 +1,179 @@
+//! `flow_control`: when no pod of a request's model has room (the saturation gate's test), the
+//! request waits in the router instead of piling onto a saturated pod, and leaves in priority
+//! order, fairly between flows (tenants), when a pod has room again.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use super::disagg::header_problem;
+
+/// Longest flow id or objective name kept (longer ones are cut: they are client-supplied).
+pub const MAX_FLOW_ID_BYTES: usize = 64;
+
+/// Time a released request has, past `queue_timeout_ms`, to be decided and answered.
+pub const EXTENSION_MARGIN_MS: u64 = 1_000;
+
+/// `flow_control`.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct FlowConfig {
+    /// Hold requests while every candidate pod is saturated.
+    pub enabled: bool,
+    /// Most requests waiting at once (all priorities and flows).
+    pub max_queued: usize,
+    /// Longest a request waits before it gets a 429.
+    pub queue_timeout_ms: u64,
+    /// `Retry-After` (seconds) on a 429 from the queue.
+    pub retry_after_s: u64,
+    /// The request header carrying a priority (an integer; higher leaves first).
+    pub priority_header: String,
+    /// The priority of a request that names none (or an unparsable one).
+    pub default_priority: i32,
+    /// Priorities below this are sheddable: refused at once, never queued, while saturated
+    /// (the Gateway API Inference Extension's meaning of a negative priority).
+    pub shed_below: i32,
+    /// The header naming the request's objective (a gateway sets it); `objectives` maps it to a
+    /// priority, which wins over `priority_header`.
+    pub objective_header: String,
+    /// Objective name -> priority.
+    pub objectives: BTreeMap<String, i32>,
+    /// The header naming the request's flow (tenant); requests without one share one flow.
+    pub flow_header: String,
+    /// Named flows' weights (share of releases within a priority); others weigh 1. Only named
+    /// flows get their own metric label (flow ids are client-supplied).
+    pub flows: BTreeMap<String, u32>,
+    /// Most distinct flows queued at once; further flows share one overflow flow.
+    pub max_flows: usize,
+    /// How often queued requests are checked against the pods' load.
+    pub recheck_ms: u64,
+    /// The ext_proc filter's `max_message_timeout` (the bundled configs set 30 s). A queued
+    /// request extends Envoy's message timer once (Envoy allows one extension per message) to
+    /// `queue_timeout_ms` + 1 s; Envoy ignores an extension above this and fails open.
+    pub envoy_max_message_timeout_ms: u64,
+}
+
+impl Default for FlowConfig {
+    fn default() -> Self {
+        Self {
+            enabled: false,
+            max_queued: 1024,
+            queue_timeout_ms: 10_000,
+            retry_after_s: 2,
+            priority_header: "x-kv-router-priority".into(),
+            default_priority: 0,
+            shed_below: 0,
+            objective_header: "x-gateway-inference-objective".into(),
+            objectives: BTreeMap::new(),
+            flow_header: "x-kv-router-flow".into(),
+            flows: BTreeMap::new(),
+            max_flows: 1024,
+            recheck_ms: 10,
+            envoy_max_message_timeout_ms: 30_000,
+        }
+    }
+}
+
+impl FlowConfig {
+    /// The one extension of Envoy's message timer a queued request asks for.
+    pub fn envoy_extension_ms(&self) -> u64 {
+        self.queue_timeout_ms
+            .saturating_add(EXTENSION_MARGIN_MS)
+            .min(self.envoy_max_message_timeout_ms)
+    }
+
+    /// Problems, as (key under `flow_control.`, reason).
+    pub fn problems(&self) -> Vec<(String, &'static str)> {
+        let mut out = Vec::new();
+        let mut bad = |k: &str, r| out.push((k.to_string(), r));
+        if self.max_queued == 0 || self.max_queued > 1 << 20 {
+            bad("max_queued", "must be in 1..=1048576");
+        }
+        if !(1..=600_000).contains(&self.queue_timeout_ms) {
+            bad("queue_timeout_ms", "must be in 1..=600000");
+        }
+        if self.retry_after_s > 3600 {
+            bad("retry_after_s", "must be at most 3600");
+        }
+        for (k, v) in [
+            ("priority_header", &self.priority_header),
+            ("objective_header", &self.objective_header),
+            ("flow_header", &self.flow_header),
+        ] {
+            if let Some(r) = header_problem(v) {
+                bad(k, r);
+            }
+        }
+        if self.objectives.len() > 1024
+            || self
+                .objectives
+                .keys()
+                .any(|k| k.is_empty() || k.len() > MAX_FLOW_ID_BYTES)
+        {
+            bad("objectives", "at most 1024 names of 1-64 bytes");
+        }
+        if self.flows.len() > 1024
+            || self.flows.iter().any(|(k, w)| {
+                k.is_empty() || k.len() > MAX_FLOW_ID_BYTES || !(1..=1000).contains(w)
+            })
+        {
+            bad(
+                "flows",
+                "at most 1024 names of 1-64 bytes, weights in 1..=1000",
+            );
+        }
+        if self.max_flows == 0 || self.max_flows > 65_536 {
+            bad("max_flows", "must be in 1..=65536");
+        }
+        if !(1..=1000).contains(&self.recheck_ms) {
+            bad("recheck_ms", "must be in 1..=1000");
+        }
+        if !(1..=3_600_000).contains(&self.envoy_max_message_timeout_ms) {
+            bad("envoy_max_message_timeout_ms", "must be in 1..=3600000");
+        } else if self.queue_timeout_ms.saturating_add(EXTENSION_MARGIN_MS)
+            > self.envoy_max_message_timeout_ms
+        {
+            bad(
+                "queue_timeout_ms",
+                "plus 1000 ms must fit in envoy_max_message_timeout_ms (Envoy's max_message_timeout)",
+            );
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::config::Config;
+
+    #[test]
+    fn flow_control_parses_and_reports_bad_values() {
+        let ok = Config::from_yaml(
+            "pods: { static: [{ address: 127.0.0.1:1 }] }\nflow_control: {enabled: true, max_queued: 8, objectives: {chat: 10, batch: -1}, flows: {tenant-a: 3}}\n",
+        )
+        .unwrap();
+        assert!(ok.flow_control.enabled);
+        assert_eq!(ok.flow_control.objectives["batch"], -1);
+        assert_eq!(ok.flow_control.flows["tenant-a"], 3);
+        assert!(!Config::default().flow_control.enabled);
+        let err = Config::from_yaml(
+            "flow_control: {max_queued: 0, queue_timeout_ms: 0, flow_header: Bad, flows: {a: 0}, recheck_ms: 0, envoy_max_message_timeout_ms: 0}\n",
+        )
+        .unwrap_err()
+        .to_string();
+        for key in [
+            "flow_control.max_queued",
+            "flow_control.queue_timeout_ms",
+            "flow_control.flow_header",
+            "flow_control.flows",
+            "flow_control.recheck_ms",
+            "flow_control.envoy_max_message_timeout_ms",
+        ] {
+            assert!(err.contains(key), "{key} missing from {err}");
+        }
+        let err = Config::from_yaml("flow_control: {queue_timeout_ms: 30000}\n")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("flow_control.queue_timeout_ms"), "{err}");
+    }
+}
