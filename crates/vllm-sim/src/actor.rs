@@ -9,7 +9,7 @@ use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 
 use super::cache::CacheEvent;
-use super::engine::{Engine, Output, RequestId, Stats, Submission, Usage};
+use super::engine::{AdapterName, Engine, LoraInfo, Output, RequestId, Stats, Submission, Usage};
 use kv_router::blocks::BlockKey;
 
 /// What a request's owner receives.
@@ -28,6 +28,7 @@ enum Command {
     Submit {
         id: RequestId,
         sub: Submission,
+        lora: Option<AdapterName>,
         events: mpsc::UnboundedSender<RequestEvent>,
     },
     Cancel(RequestId),
@@ -35,6 +36,7 @@ enum Command {
     Stats(oneshot::Sender<Stats>),
     Cached(Vec<BlockKey>, oneshot::Sender<usize>),
     Import(Box<Submission>, oneshot::Sender<usize>),
+    LoraInfo(oneshot::Sender<Option<LoraInfo>>),
 }
 
 /// Cloneable access to the engine actor.
@@ -63,9 +65,19 @@ impl EngineHandle {
     /// Submits a request; events arrive on the returned [`RequestStream`]. Dropping the stream
     /// before `Done` cancels the request (frees its slot).
     pub fn submit(&self, sub: Submission) -> RequestStream {
+        self.submit_lora(sub, None)
+    }
+
+    /// [`EngineHandle::submit`] for LoRA adapter `lora` (`None`: the base model).
+    pub fn submit_lora(&self, sub: Submission, lora: Option<AdapterName>) -> RequestStream {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let (events, rx) = mpsc::unbounded_channel();
-        let _ = self.tx.send(Command::Submit { id, sub, events });
+        let _ = self.tx.send(Command::Submit {
+            id,
+            sub,
+            lora,
+            events,
+        });
         RequestStream {
             id,
             rx,
@@ -93,6 +105,14 @@ impl EngineHandle {
         let (tx, rx) = oneshot::channel();
         let _ = self.tx.send(Command::Import(Box::new(sub), tx));
         rx.await.unwrap_or(0)
+    }
+
+    /// Adapter label sets (timestamps in Unix microseconds) and residency; `None` when LoRA
+    /// is disabled.
+    pub async fn lora_info(&self) -> Option<LoraInfo> {
+        let (tx, rx) = oneshot::channel();
+        let _ = self.tx.send(Command::LoraInfo(tx));
+        rx.await.unwrap_or(None)
     }
 
     /// Current engine statistics.
@@ -140,6 +160,11 @@ async fn run(
     cache_events: Option<mpsc::UnboundedSender<Vec<CacheEvent>>>,
 ) {
     let start = Instant::now();
+    // Engine time 0 as Unix microseconds, for the timestamps vLLM publishes.
+    let unix_origin = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_micros().min(u64::MAX as u128) as u64)
+        .unwrap_or(0);
     let mut owners: std::collections::HashMap<RequestId, mpsc::UnboundedSender<RequestEvent>> =
         std::collections::HashMap::new();
     loop {
@@ -179,9 +204,14 @@ async fn run(
         let Some(cmd) = cmd else { continue };
         let now = micros(start);
         match cmd {
-            Command::Submit { id, sub, events } => {
+            Command::Submit {
+                id,
+                sub,
+                lora,
+                events,
+            } => {
                 owners.insert(id, events);
-                engine.submit(now, id, sub);
+                engine.submit_lora(now, id, sub, lora);
             }
             Command::Cancel(id) => {
                 owners.remove(&id);
@@ -198,6 +228,15 @@ async fn run(
             }
             Command::Import(sub, reply) => {
                 let _ = reply.send(engine.import(&sub));
+            }
+            Command::LoraInfo(reply) => {
+                let info = engine.lora_info().map(|mut info| {
+                    for s in &mut info.series {
+                        s.at_us = s.at_us.saturating_add(unix_origin);
+                    }
+                    info
+                });
+                let _ = reply.send(info);
             }
         }
     }

@@ -20,7 +20,7 @@ use xxhash_rust::xxh3::{xxh3_64_with_seed, Xxh3};
 use kv_router::blocks::namespace_seed;
 
 use super::actor::{EngineHandle, RequestEvent, RequestStream};
-use super::engine::{Submission, Usage, VllmInfo};
+use super::engine::{AdapterName, Submission, Usage, VllmInfo};
 use super::metrics::{self, MetricsInfo};
 use super::openai;
 use super::vllm_hash::{chain, BlockDigest, HashExtras};
@@ -38,6 +38,10 @@ pub const DEFAULT_MAX_TOKENS: u64 = 16;
 pub struct AppState {
     /// Served model names; the first is the default.
     pub models: Vec<String>,
+    /// LoRA adapters (`--lora-modules`), in flag order; requests name them in `model`.
+    pub adapters: Vec<Adapter>,
+    /// Whether adapters compete for slots (`--enable-lora`): `/metrics` then shows them.
+    pub lora_enabled: bool,
     /// Maximum prompt + output tokens.
     pub max_model_len: usize,
     /// Tokens per KV block.
@@ -60,6 +64,15 @@ pub struct AppState {
     pub pd: crate::pd::Pd,
 }
 
+/// A LoRA adapter the pod serves.
+#[derive(Debug, Clone)]
+pub struct Adapter {
+    /// Name requests use in `model`.
+    pub name: AdapterName,
+    /// Its path (`root` in `/v1/models`).
+    pub path: String,
+}
+
 /// What the HTTP layer needs to compute vLLM block hashes of a prompt.
 #[derive(Debug, Clone, Default)]
 pub struct VllmHashing {
@@ -76,7 +89,7 @@ pub fn router(state: Arc<AppState>) -> Router {
     Router::new()
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
-        .route("/v1/models", get(list_models))
+        .route("/v1/models", get(crate::models::list_models))
         .route("/health", get(health))
         .route("/metrics", get(metrics_text))
         .route("/reset_prefix_cache", post(reset_prefix_cache))
@@ -167,6 +180,10 @@ async fn reset_prefix_cache(State(state): State<Arc<AppState>>) -> StatusCode {
 
 async fn metrics_text(State(state): State<Arc<AppState>>) -> Response {
     let stats = state.engine.stats().await;
+    let lora = match state.engine.lora_info().await {
+        Some(l) if state.lora_enabled => metrics::render_lora(&state.models[0], &l, &stats),
+        _ => String::new(),
+    };
     let info = MetricsInfo {
         model_name: state.models[0].clone(),
         block_size: state.block_size,
@@ -177,82 +194,12 @@ async fn metrics_text(State(state): State<Arc<AppState>>) -> Response {
             header::CONTENT_TYPE,
             "text/plain; version=0.0.4; charset=utf-8",
         )],
-        metrics::render(&info, &stats) + &state.pd.render(),
+        metrics::render(&info, &stats) + &lora + &state.pd.render(),
     )
         .into_response()
 }
 
-#[derive(Serialize)]
-struct ModelList<'a> {
-    object: &'static str,
-    data: Vec<ModelCard<'a>>,
-}
-
-#[derive(Serialize)]
-struct ModelCard<'a> {
-    id: &'a str,
-    object: &'static str,
-    created: u64,
-    owned_by: &'static str,
-    root: &'a str,
-    parent: Option<()>,
-    max_model_len: usize,
-    permission: Vec<ModelPermission>,
-}
-
-#[derive(Serialize)]
-struct ModelPermission {
-    id: String,
-    object: &'static str,
-    created: u64,
-    allow_create_engine: bool,
-    allow_sampling: bool,
-    allow_logprobs: bool,
-    allow_search_indices: bool,
-    allow_view: bool,
-    allow_fine_tuning: bool,
-    organization: &'static str,
-    group: Option<()>,
-    is_blocking: bool,
-}
-
-async fn list_models(State(state): State<Arc<AppState>>) -> Response {
-    let data = state
-        .models
-        .iter()
-        .enumerate()
-        .map(|(i, m)| ModelCard {
-            id: m,
-            object: "model",
-            created: state.started,
-            owned_by: "vllm",
-            root: m,
-            parent: None,
-            max_model_len: state.max_model_len,
-            permission: vec![ModelPermission {
-                id: format!("modelperm-{}", hex_id(state.seed, i as u64 ^ 0x5eed)),
-                object: "model_permission",
-                created: state.started,
-                allow_create_engine: false,
-                allow_sampling: true,
-                allow_logprobs: true,
-                allow_search_indices: false,
-                allow_view: true,
-                allow_fine_tuning: false,
-                organization: "*",
-                group: None,
-                is_blocking: false,
-            }],
-        })
-        .collect();
-    Json(ModelList {
-        object: "list",
-        data,
-    })
-    .into_response()
-}
-
-fn hex_id(seed: u64, n: u64) -> String {
+pub(crate) fn hex_id(seed: u64, n: u64) -> String {
     let a = xxh3_64_with_seed(&n.to_le_bytes(), seed);
     let b = xxh3_64_with_seed(&n.to_le_bytes(), seed ^ 0x9e37_79b9_7f4a_7c15);
     format!("{a:016x}{b:016x}")
@@ -285,6 +232,8 @@ enum Api {
 struct Job {
     api: Api,
     model: String,
+    /// The LoRA adapter `model` names, if any.
+    lora: Option<AdapterName>,
     stream: bool,
     include_usage: bool,
     max_tokens: u32,
@@ -295,9 +244,18 @@ struct Job {
 fn parse_job(state: &AppState, api: Api, body: &[u8]) -> Result<Job, ApiError> {
     let req = openai::parse(api == Api::ChatCompletions, body).map_err(bad_request)?;
     let value: Value = serde_json::from_slice(body).map_err(|e| bad_request(e.to_string()))?;
+    let mut lora = None;
     let model = match req.model {
         None => state.models[0].clone(),
         Some(m) if state.models.contains(&m) => m,
+        Some(m) if state.adapters.iter().any(|a| *a.name == *m) => {
+            lora = state
+                .adapters
+                .iter()
+                .find(|a| *a.name == *m)
+                .map(|a| a.name.clone());
+            m
+        }
         Some(m) => {
             return Err(ApiError(
                 StatusCode::NOT_FOUND,
@@ -391,6 +349,7 @@ fn parse_job(state: &AppState, api: Api, body: &[u8]) -> Result<Job, ApiError> {
     Ok(Job {
         api,
         model,
+        lora,
         stream: req.stream,
         include_usage,
         max_tokens,
@@ -598,13 +557,14 @@ async fn respond(state: Arc<AppState>, job: Job) -> Response {
     let Job {
         api,
         model,
+        lora,
         stream,
         include_usage,
         max_tokens,
         text_seed,
         submission,
     } = job;
-    let events = state.engine.submit(submission);
+    let events = state.engine.submit_lora(submission, lora);
     let sse = Sse {
         events,
         chat: api == Api::ChatCompletions,

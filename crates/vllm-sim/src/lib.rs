@@ -13,6 +13,7 @@ pub mod engine;
 pub mod http;
 pub mod kv_events;
 pub mod metrics;
+pub mod models;
 pub mod openai;
 pub mod pd;
 pub mod translate;
@@ -80,6 +81,15 @@ pub struct Args {
     /// LoRA adapters served as extra models, `name=path` (repeatable, or several per flag).
     #[arg(long = "lora-modules", num_args = 1.., value_parser = parse_lora)]
     pub lora_modules: Vec<(String, String)>,
+    /// Schedule LoRA adapters like vLLM: `--max-loras` GPU slots, loads, LRU eviction.
+    #[arg(long)]
+    pub enable_lora: bool,
+    /// Adapters resident on the GPU at once (vLLM's `--max-loras`; needs `--enable-lora`).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=4096))]
+    pub max_loras: u32,
+    /// Time to load an adapter into a slot, milliseconds (sim only; paid before its prefill).
+    #[arg(long, default_value_t = 50.0)]
+    pub lora_load_ms: f64,
     /// Publish vLLM KV-cache events on this ZMQ PUB endpoint (binds if it contains `*` or
     /// `::` or is `ipc://`, else connects). `tcp://*:0` binds an ephemeral port on 127.0.0.1.
     #[arg(long)]
@@ -147,6 +157,21 @@ impl Args {
     }
 }
 
+impl Args {
+    /// The adapter scheduling these flags describe (`None` without `--enable-lora`).
+    pub fn lora_config(&self) -> Option<engine::LoraConfig> {
+        let ms = if self.lora_load_ms.is_finite() {
+            self.lora_load_ms.max(0.0)
+        } else {
+            0.0
+        };
+        self.enable_lora.then(|| engine::LoraConfig {
+            max_loras: self.max_loras.max(1) as usize,
+            load_us: ms * 1000.0,
+        })
+    }
+}
+
 /// Binds, prints `vllm-sim listening on <addr>` to stdout, and serves until the process ends.
 pub async fn run(args: Args) -> anyhow::Result<()> {
     let listener = tokio::net::TcpListener::bind((args.host.as_str(), args.port)).await?;
@@ -185,18 +210,28 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             (None, None)
         }
     };
-    let engine = actor::spawn(Engine::new(args.engine_config()), events_tx);
+    let mut engine = Engine::new(args.engine_config());
+    if let Some(cfg) = args.lora_config() {
+        engine = engine.with_lora(cfg);
+    }
+    let engine = actor::spawn(engine, events_tx);
     let mut models = args.models.clone();
     if models.is_empty() {
         models.push("sim-model".into());
     }
-    for (name, _) in &args.lora_modules {
-        if !models.contains(name) {
-            models.push(name.clone());
+    let mut adapters: Vec<http::Adapter> = Vec::new();
+    for (name, path) in &args.lora_modules {
+        if !models.contains(name) && !adapters.iter().any(|a| &*a.name == name) {
+            adapters.push(http::Adapter {
+                name: name.as_str().into(),
+                path: path.clone(),
+            });
         }
     }
     let state = Arc::new(http::AppState {
         models,
+        adapters,
+        lora_enabled: args.enable_lora,
         max_model_len: args.max_model_len,
         block_size: args.block_size.max(1),
         num_gpu_blocks: args.num_gpu_blocks,

@@ -6,7 +6,7 @@
 
 use std::fmt::Write;
 
-use super::engine::{Histogram, Stats, REQUEST_LATENCY_BUCKETS_US, TTFT_BUCKETS_US};
+use super::engine::{Histogram, LoraInfo, Stats, REQUEST_LATENCY_BUCKETS_US, TTFT_BUCKETS_US};
 
 /// Static labels and cache configuration for the exposition.
 #[derive(Debug, Clone)]
@@ -171,6 +171,66 @@ pub fn render(info: &MetricsInfo, s: &Stats) -> String {
     out
 }
 
+/// A sample value as prometheus_client's `floatToGoString` writes it: Python's `repr`, but
+/// positive values with more than 6 integer digits in Go's exponent form
+/// (`1732712345.25` → `1.73271234525e+09`).
+pub fn go_float(v: f64) -> String {
+    if v.is_nan() {
+        return "NaN".into();
+    }
+    if v.is_infinite() {
+        return if v > 0.0 { "+Inf" } else { "-Inf" }.into();
+    }
+    let s = num(v);
+    match s.find('.') {
+        Some(dot) if v > 0.0 && dot > 6 && !s.contains('e') => {
+            let mantissa = format!("{}.{}{}", &s[..1], &s[1..dot], &s[dot + 1..]);
+            let mantissa = mantissa.trim_end_matches(['0', '.']);
+            format!("{mantissa}e+0{}", dot - 1)
+        }
+        _ => s,
+    }
+}
+
+/// vLLM's LoRA gauge `vllm:lora_requests_info` (labels `max_lora`, `waiting_lora_adapters`,
+/// `running_lora_adapters` in vLLM's declaration order; one series per label set ever set,
+/// valued with the Unix time it was last set, so the newest is the current state), then the
+/// sim's `vllm_sim:lora_loads_total` and `vllm_sim:lora_evictions_total` counters.
+pub fn render_lora(model_name: &str, info: &LoraInfo, s: &Stats) -> String {
+    let mut out = String::with_capacity(256 + 96 * info.series.len());
+    let name = "vllm:lora_requests_info";
+    let _ = writeln!(out, "# HELP {name} Running stats on lora requests.");
+    let _ = writeln!(out, "# TYPE {name} gauge");
+    for series in &info.series {
+        let _ = writeln!(
+            out,
+            "{name}{{max_lora=\"{}\",waiting_lora_adapters=\"{}\",running_lora_adapters=\"{}\"}} {}",
+            info.max_loras,
+            escape(&series.waiting),
+            escape(&series.running),
+            go_float(series.at_us as f64 / 1e6)
+        );
+    }
+    let labels = format!("model_name=\"{}\",engine=\"0\"", escape(model_name));
+    for (family, help, v) in [
+        (
+            "vllm_sim:lora_loads",
+            "LoRA adapters loaded into a GPU slot (sim only).",
+            s.lora_loads,
+        ),
+        (
+            "vllm_sim:lora_evictions",
+            "Loaded LoRA adapters evicted to make room for another (sim only).",
+            s.lora_evictions,
+        ),
+    ] {
+        let _ = writeln!(out, "# HELP {family} {help}");
+        let _ = writeln!(out, "# TYPE {family} counter");
+        let _ = writeln!(out, "{family}_total{{{labels}}} {}", num(v as f64));
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::super::engine::{Engine, EngineConfig, Submission};
@@ -295,5 +355,54 @@ mod tests {
             assert_eq!(read.timing, Some(stats.timing()));
             assert_eq!(read.running, 0.0);
         }
+    }
+
+    #[test]
+    fn floats_as_prometheus_client_writes_them() {
+        assert_eq!(go_float(1_732_712_345.25), "1.73271234525e+09");
+        assert_eq!(go_float(1_700_000_000.0), "1.7e+09");
+        assert_eq!(go_float(1_234_567.5), "1.2345675e+06");
+        assert_eq!(go_float(123_456.5), "123456.5");
+        assert_eq!(go_float(3.0), "3.0");
+        assert_eq!(go_float(f64::INFINITY), "+Inf");
+    }
+
+    #[test]
+    fn lora_gauge_in_vllms_label_order() {
+        use super::super::engine::LoraSeries;
+        let info = LoraInfo {
+            max_loras: 4,
+            series: vec![
+                LoraSeries {
+                    running: "a,b".into(),
+                    waiting: "c".into(),
+                    at_us: 1_700_000_000_250_000,
+                },
+                LoraSeries {
+                    running: String::new(),
+                    waiting: String::new(),
+                    at_us: 1_700_000_001_000_000,
+                },
+            ],
+            resident: vec!["a".into()],
+        };
+        let s = Stats {
+            lora_loads: 7,
+            lora_evictions: 3,
+            ..Stats::default()
+        };
+        let text = render_lora("m", &info, &s);
+        let want = "# HELP vllm:lora_requests_info Running stats on lora requests.\n\
+                    # TYPE vllm:lora_requests_info gauge\n\
+                    vllm:lora_requests_info{max_lora=\"4\",waiting_lora_adapters=\"c\",\
+                    running_lora_adapters=\"a,b\"} 1.70000000025e+09\n\
+                    vllm:lora_requests_info{max_lora=\"4\",waiting_lora_adapters=\"\",\
+                    running_lora_adapters=\"\"} 1.700000001e+09\n";
+        assert!(text.starts_with(want), "{text}");
+        assert!(text.contains(
+            "# TYPE vllm_sim:lora_loads counter\n\
+             vllm_sim:lora_loads_total{model_name=\"m\",engine=\"0\"} 7.0\n"
+        ));
+        assert!(text.contains("vllm_sim:lora_evictions_total{model_name=\"m\",engine=\"0\"} 3.0\n"));
     }
 }
