@@ -189,6 +189,7 @@ async fn debug_pods(State(s): State<AdminState>) -> Json<Value> {
                 "load": p.load(now, s.stale_after),
                 "prefill_model": model,
                 "hit_accuracy": p.hit_accuracy(),
+                "lora": p.lora_report(now),
                 "metrics": sample.map(|(_, m)| m),
                 "metrics_age_ms": sample.map(|(t, _)| now.saturating_duration_since(t).as_millis() as u64),
             })

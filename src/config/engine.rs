@@ -72,6 +72,10 @@ pub struct CustomEngine {
     /// for engines that repeat a gauge on every tensor-parallel rank), groups add up.
     #[serde(default)]
     pub group_by: Option<String>,
+    /// Info gauge of LoRA adapter residency with vLLM's labels (`running_lora_adapters`,
+    /// `waiting_lora_adapters`: comma-separated names; `max_lora`); its newest series counts.
+    #[serde(default)]
+    pub lora_info: Option<String>,
 }
 
 fn one() -> f64 {
@@ -115,7 +119,8 @@ impl EngineSetting {
 }
 
 const EXPECTED: &str = "auto, vllm, sglang, llamacpp, tgi, or a mapping of metric names \
-                        (waiting, running, kv_usage, kv_usage_scale, kv_used, kv_total, group_by)";
+                        (waiting, running, kv_usage, kv_usage_scale, kv_used, kv_total, \
+                        group_by, lora_info)";
 
 impl Serialize for EngineSetting {
     fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
@@ -182,6 +187,7 @@ pub(super) fn problems(key: &str, setting: &EngineSetting) -> Vec<(String, Strin
         ("kv_used", &c.kv_used),
         ("kv_total", &c.kv_total),
         ("group_by", &c.group_by),
+        ("lora_info", &c.lora_info),
     ] {
         if name.as_deref().is_some_and(|n| !valid_name(n)) {
             bad(
@@ -263,6 +269,7 @@ mod tests {
         assert_eq!(c.waiting.as_deref(), Some("my_queue_depth"));
         assert_eq!(c.kv_usage_scale, 0.01);
         assert_eq!(c.group_by, None);
+        assert_eq!(c.lora_info, None);
         let again = parse(&serde_yaml::to_string(&cfg).unwrap()).unwrap();
         assert_eq!(again, cfg);
     }

@@ -14,6 +14,7 @@ mod error;
 mod flow;
 mod kubernetes;
 mod load;
+mod lora;
 mod pods;
 mod redis;
 mod routing;
@@ -26,6 +27,7 @@ pub use engine::{CustomEngine, EngineSetting, Preset, MAX_METRIC_NAME_BYTES};
 pub use error::{ConfigError, Problem};
 pub use flow::{FlowConfig, EXTENSION_MARGIN_MS, MAX_FLOW_ID_BYTES};
 pub use kubernetes::{KubernetesConfig, KubernetesOverrides, PoolRef, PortRef};
+pub use lora::{LoraScorerConfig, MAX_LORA_ADAPTERS, MAX_LORA_NAME_BYTES};
 pub use pods::{DnsSource, PodsConfig, StaticPod};
 pub use redis::{redact_url, RedisConfig, RedisLookups, RedisMode};
 pub use routing::{

@@ -44,6 +44,8 @@ pub struct ScorersConfig {
     pub load: LoadScorerConfig,
     /// The `predicted-ttft` policy's model.
     pub ttft: TtftConfig,
+    /// LoRA adapter residency (`docs/lora.md`).
+    pub lora: super::LoraScorerConfig,
 }
 
 /// The `predicted-ttft` policy: its prior (the prefill speed is `load.prefill_tokens_per_sec`)

@@ -11,13 +11,13 @@ use std::sync::Arc;
 use rand::Rng;
 
 use super::conversation::{Conversations, SessionSeen, PROMPT_ENDS};
-use super::plan::{commit, plan, Body, Committed, Plan, PlanInput, Stages, Stores};
+use super::plan::{commit, plan_with, Body, Committed, Plan, PlanInput, Stages, Stores};
 use super::unrecorded::{Held, Unrecorded};
 use crate::blocks::BlockKey;
 use crate::config::Config;
 use crate::index::KvIndex;
 use crate::keys::Keys;
-use crate::pods::{PodId, PodLoad, TtftModel};
+use crate::pods::{LoraFit, PodId, PodLoad, TtftModel};
 use crate::scoring::{Candidate, SessionKey, SessionStore};
 
 /// When a decision's keys reach the index: the one place the live router and the simulator
@@ -195,6 +195,22 @@ impl DecisionState {
         commit: bool,
         rng: &mut impl Rng,
     ) -> Planned {
+        self.plan_lora(stages, req, pods, None, now_ms, commit, rng)
+    }
+
+    /// [`Self::plan`] with each pod's [`LoraFit`] for the request's adapter, in `pods` order
+    /// (`crate::pods::lora_fits`; `None` for base-model requests).
+    #[allow(clippy::too_many_arguments)]
+    pub fn plan_lora(
+        &self,
+        stages: &Stages,
+        req: RequestFacts,
+        pods: &[PodFacts],
+        lora: Option<&[LoraFit]>,
+        now_ms: u64,
+        commit: bool,
+        rng: &mut impl Rng,
+    ) -> Planned {
         let mut held = self.unrecorded.hold();
         let deferred = commit && self.recording == Recording::AfterReply;
         let keys: Option<Arc<[BlockKey]>> =
@@ -203,7 +219,7 @@ impl DecisionState {
         // must not shift where the next request lands.
         let turn = self.turn(commit);
         let input = self.input_at(&mut held, req, pods, now_ms, turn);
-        let plan = plan(stages, input, rng);
+        let plan = plan_with(stages, input, lora, rng);
         // Without keys to record the set is released here, unchanged.
         let unrecorded = keys.map(|k| (held.add(plan.ranked[0].pod.clone(), k.clone()), k));
         Planned { plan, unrecorded }
@@ -225,5 +241,88 @@ impl DecisionState {
             conversations: Some(&self.conversations),
         };
         commit(plan, stores, now_ms, charge).await
+    }
+}
+
+#[cfg(test)]
+mod lora_tests {
+    use std::time::Duration;
+
+    use rand::rngs::StdRng;
+    use rand::SeedableRng;
+    use tokio::time::Instant;
+
+    use super::*;
+    use crate::pods::{lora_fits, serving, LoraResidency, Pod, PodSpec};
+
+    fn pod(addr: &str, running: &str, listed: &[&str]) -> Arc<Pod> {
+        let p = Pod::new(PodSpec {
+            id: PodId::new(addr),
+            addr: addr.parse().unwrap(),
+            models: vec![],
+            labels: Default::default(),
+            kv_events_endpoint: None,
+            kv_events_replay_endpoint: None,
+        });
+        let mut models = vec!["base".to_string()];
+        models.extend(listed.iter().map(|s| s.to_string()));
+        p.set_learned_models(Instant::now(), models);
+        p.set_learned_adapters(
+            listed
+                .iter()
+                .map(|a| (a.to_string(), "base".to_string()))
+                .collect(),
+        );
+        p.record_lora(
+            Instant::now(),
+            Some(LoraResidency {
+                max_lora: Some(1),
+                running: [running.to_string()].into(),
+                ..LoraResidency::default()
+            }),
+        );
+        Arc::new(p)
+    }
+
+    // The live path's steps in order (docs/lora.md, Wiring): filter, fits, plan.
+    #[test]
+    fn an_adapter_request_is_planned_onto_the_pod_running_it() {
+        let cfg = Config::default();
+        let stages = Stages::new(&cfg);
+        let sessions = Arc::new(SessionStore::new(100, 10_000));
+        let state = DecisionState::new(&cfg, sessions, Recording::InCommit);
+        let pods = [
+            pod("10.0.0.1:8000", "chat", &["sql", "chat"]),
+            pod("10.0.0.2:8000", "sql", &["sql", "chat"]),
+            pod("10.0.0.3:8000", "", &[]),
+        ];
+        let now = Instant::now();
+        let stale = Duration::from_secs(2);
+        for seed in 0..8 {
+            let cands = serving(pods.iter().collect(), Some("sql"), stages.lora_adapters());
+            assert_eq!(cands.len(), 2, "the pod not listing the adapter is out");
+            let fits = lora_fits(Some("sql"), &cands, stages.lora_adapters(), now, stale);
+            let facts: Vec<PodFacts> = cands
+                .iter()
+                .map(|p| PodFacts {
+                    id: p.id().clone(),
+                    load: PodLoad {
+                        fresh: true,
+                        ..PodLoad::default()
+                    },
+                    model: TtftModel::default(),
+                    matched_blocks: 0.0,
+                })
+                .collect();
+            let req = RequestFacts {
+                keys: Keys::default(),
+                body: Body::Parsed,
+                session: None,
+                session_pod: None,
+            };
+            let mut rng = StdRng::seed_from_u64(seed);
+            let p = state.plan_lora(&stages, req, &facts, fits.as_deref(), 0, false, &mut rng);
+            assert_eq!(p.plan.ranked[0].pod, PodId::new("10.0.0.2:8000"));
+        }
     }
 }

@@ -192,6 +192,8 @@ struct Gathered {
     pods: Vec<Arc<Pod>>,
     now: Instant,
     now_ms: u64,
+    /// Each pod's fit for the request's LoRA adapter (None: not an adapter request).
+    lora: Option<Vec<crate::pods::LoraFit>>,
 }
 
 impl Gathered {
@@ -211,6 +213,8 @@ struct Prepared {
     unrecorded: Option<(u64, Arc<[BlockKey]>)>,
     /// The prefill candidates of a P/D model (`plan.pd` names the chosen one).
     prefill_pods: Vec<Arc<Pod>>,
+    /// The request names a LoRA adapter.
+    adapter: bool,
 }
 
 impl Decider {
@@ -424,6 +428,9 @@ impl Decider {
             keys.prompt_tokens,
         );
         pods[p.plan.primary].predicted_hits(hits, keys.prompt_tokens);
+        if let (true, Some(model)) = (p.adapter, p.model.as_deref()) {
+            pods[p.plan.primary].lora_routed(model);
+        }
         let prefill_guard = p.plan.pd.as_ref().and_then(|pd| {
             let id = pd.prefill.as_ref()?;
             let pod = p.prefill_pods.iter().find(|q| q.id() == id)?;
@@ -472,11 +479,13 @@ impl Decider {
     /// Plans what [`Self::gather`] found.
     fn plan_gathered(&self, mut g: Gathered, commit: bool) -> Prepared {
         let mut prefill_pods = Vec::new();
+        let adapter = g.lora.is_some();
         let planned = match split_roles(&g.pods) {
-            None => self.state.plan(
+            None => self.state.plan_lora(
                 &self.stages,
                 g.facts,
                 &g.pod_facts,
+                g.lora.as_deref(),
                 g.now_ms,
                 commit,
                 &mut rand::rng(),
@@ -515,6 +524,7 @@ impl Decider {
             now_ms: g.now_ms,
             unrecorded: planned.unrecorded,
             prefill_pods,
+            adapter,
         }
     }
 
@@ -588,6 +598,13 @@ impl Decider {
                 session,
                 session_pod,
             },
+            lora: crate::pods::lora_fits(
+                model.as_deref(),
+                &pods,
+                self.stages.lora_adapters(),
+                now,
+                self.stale_after,
+            ),
             pod_facts,
             model,
             pods,
@@ -664,11 +681,8 @@ impl Decider {
         if in_subset.is_empty() {
             return Err(DecideError::EmptySubset);
         }
-        let pods: Vec<Arc<Pod>> = in_subset
-            .into_iter()
-            .filter(|p| p.serves(model))
-            .cloned()
-            .collect();
+        // An adapter goes to the pods that list it, else to those serving its base model.
+        let pods = crate::pods::serving(in_subset, model, self.stages.lora_adapters());
         if pods.is_empty() {
             return Err(DecideError::ModelNotFound(model.unwrap_or_default().into()));
         }

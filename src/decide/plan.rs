@@ -9,10 +9,10 @@ use crate::config::{Config, Policy};
 use crate::index::{IndexError, KvIndex};
 use crate::keys::Keys;
 use crate::picker::{Picker, Reason};
-use crate::pods::{PodId, TtftPrior};
+use crate::pods::{LoraFit, PodId, TtftPrior};
 use crate::scoring::{
-    run_scorer, Candidate, LoadScorer, Prediction, PrefixScorer, ScoreError, ScoreInput, Scorer,
-    SessionKey, SessionScorer, SessionStore,
+    run_scorer, Candidate, LoadScorer, LoraScorer, Prediction, PrefixScorer, ScoreError,
+    ScoreInput, Scorer, SessionKey, SessionScorer, SessionStore,
 };
 
 /// The scoring stages of a decision (scorers, load signal, pickers, retry list length) built
@@ -20,6 +20,7 @@ use crate::scoring::{
 pub struct Stages {
     scorers: Vec<Box<dyn Scorer>>,
     load: LoadScorer,
+    lora: LoraScorer,
     picker: Picker,
     least_loaded: Picker,
     fallbacks: usize,
@@ -38,10 +39,17 @@ impl Stages {
             Box::new(SessionScorer),
             Box::new(load.clone()),
         ];
-        let weights = vec![s.prefix.weight, s.session.weight, s.load.weight];
+        // The LoRA column comes last and only for adapter requests (see `plan_with`).
+        let weights = vec![
+            s.prefix.weight,
+            s.session.weight,
+            s.load.weight,
+            s.lora.weight,
+        ];
         Self {
             scorers,
             load,
+            lora: LoraScorer::new(s.lora.clone()),
             picker: Picker::new(cfg.policy, weights, cfg.gate.clone()).with_ties(s.ttft.clone()),
             least_loaded: Picker::new(Policy::LeastLoaded, vec![], cfg.gate.clone()),
             fallbacks: cfg.fallbacks,
@@ -58,6 +66,11 @@ impl Stages {
     /// Where every pod's TTFT model starts, and what it is pulled toward while data is scarce.
     pub fn ttft_prior(&self) -> &TtftPrior {
         &self.prior
+    }
+
+    /// `scorers.lora.adapters`: adapter → base model for adapters pods load on demand.
+    pub fn lora_adapters(&self) -> &std::collections::BTreeMap<String, String> {
+        self.lora.adapters()
     }
 
     /// The configured prefill rate (tokens/s) the in-flight estimate uses.
@@ -169,6 +182,18 @@ impl Plan {
 /// Scores and ranks the candidates of one request (at least one candidate). Pure: the same
 /// inputs and rng state give the same plan.
 pub fn plan(stages: &Stages, input: PlanInput, rng: &mut impl Rng) -> Plan {
+    plan_with(stages, input, None, rng)
+}
+
+/// [`plan`] with each candidate's [`LoraFit`] for the request's adapter (`None`: a base-model
+/// request, or LoRA unknown): an adapter request gets a `lora` column weighted
+/// `scorers.lora.weight`.
+pub fn plan_with(
+    stages: &Stages,
+    input: PlanInput,
+    lora: Option<&[LoraFit]>,
+    rng: &mut impl Rng,
+) -> Plan {
     let PlanInput {
         keys,
         body,
@@ -178,11 +203,15 @@ pub fn plan(stages: &Stages, input: PlanInput, rng: &mut impl Rng) -> Plan {
         new_conversation,
         shares_prefix,
     } = input;
+    let lora_scores = stages.lora.scores(lora, candidates.len());
+    // An adapter request is ranked by its scores, LoRA fit included, not spread by commitments
+    // like a new conversation: a pod without the adapter pays a load and evicts another.
+    let spreadable = lora_scores.is_none();
     let input = ScoreInput {
         total_blocks: keys.keys.len(),
         candidates,
-        new_conversation,
-        shares_prefix,
+        new_conversation: new_conversation && spreadable,
+        shares_prefix: shares_prefix && spreadable,
         prompt_tokens: keys.prompt_tokens.min(stages.max_prompt_tokens) as f64,
         tokens_per_block: keys.tokens_per_block as f64,
     };
@@ -192,7 +221,7 @@ pub fn plan(stages: &Stages, input: PlanInput, rng: &mut impl Rng) -> Plan {
         .map(|c| stages.load.busy(&c.load))
         .collect();
     let mut scorer_errors = Vec::new();
-    let scores: Vec<Vec<f64>> = stages
+    let mut scores: Vec<Vec<f64>> = stages
         .scorers
         .iter()
         .map(|scorer| {
@@ -202,6 +231,9 @@ pub fn plan(stages: &Stages, input: PlanInput, rng: &mut impl Rng) -> Plan {
             })
         })
         .collect();
+    if let Some(l) = &lora_scores {
+        scores.push(l.clone());
+    }
     let (ranking, reason) = match body {
         Body::Parsed => {
             let r = stages.picker.rank(&input, &scores, &busy, turn, rng);
@@ -226,8 +258,10 @@ pub fn plan(stages: &Stages, input: PlanInput, rng: &mut impl Rng) -> Plan {
             scores: stages
                 .scorers
                 .iter()
+                .map(|s| s.name())
+                .chain(lora_scores.as_ref().map(|_| stages.lora.name()))
                 .zip(&scores)
-                .map(|(s, v)| (s.name(), v[i]))
+                .map(|(name, v)| (name, v[i]))
                 .collect(),
             matched_blocks: input.candidates[i].matched_blocks,
             saturated: ranking.saturated[i],
@@ -381,6 +415,64 @@ mod tests {
             h.uncached_tokens,
             131_072 - 5 * 16,
             "capped at max_prompt_tokens"
+        );
+    }
+
+    #[test]
+    fn an_adapter_request_prefers_the_pod_running_it() {
+        let stages = Stages::new(&Config::default());
+        let input = || PlanInput {
+            keys: Keys {
+                keys: (0..4).map(crate::blocks::BlockKey).collect(),
+                tokens_per_block: 16,
+                prompt_tokens: 64,
+                ..Keys::default()
+            },
+            body: Body::Parsed,
+            candidates: (0..3)
+                .map(|i| Candidate {
+                    pod: PodId::new(format!("p:{i}")),
+                    matched_blocks: 0.0,
+                    load: crate::pods::PodLoad {
+                        fresh: true,
+                        ..Default::default()
+                    },
+                    session_pod: false,
+                    conversations: 0.0,
+                    model: Default::default(),
+                })
+                .collect(),
+            session: None,
+            turn: 0,
+            new_conversation: false,
+            shares_prefix: false,
+        };
+        let fits = [LoraFit::Evicts, LoraFit::FreeSlot, LoraFit::Resident];
+        for seed in 0..8 {
+            let p = plan_with(
+                &stages,
+                input(),
+                Some(&fits),
+                &mut StdRng::seed_from_u64(seed),
+            );
+            assert_eq!(p.primary, 2);
+            assert_eq!(p.ranked[0].scores.last(), Some(&("lora", 1.0)));
+            assert_eq!(
+                p.ranked[1].pod,
+                PodId::new("p:1"),
+                "a free slot before an eviction"
+            );
+        }
+        // A base-model request: no LoRA column, the same totals as before.
+        let base = plan_with(&stages, input(), None, &mut StdRng::seed_from_u64(1));
+        let plain = plan(&stages, input(), &mut StdRng::seed_from_u64(1));
+        assert!(base
+            .ranked
+            .iter()
+            .all(|r| r.scores.iter().all(|(n, _)| *n != "lora")));
+        assert_eq!(
+            serde_json::to_value(&base).unwrap(),
+            serde_json::to_value(&plain).unwrap()
         );
     }
 }

@@ -32,6 +32,7 @@ pub struct PodMetrics {
     observed_hits: Family<PodLabels, FloatCounter>,
     hit_accuracy: Family<PodLabels, FloatGauge>,
     capacity_scale: Family<PodLabels, FloatGauge>,
+    lora_loads: Family<PodLabels, Counter>,
 }
 
 impl PodMetrics {
@@ -103,6 +104,11 @@ impl PodMetrics {
             "Fraction of the pod's configured capacity its index entries are held to (index.correction)",
             m.capacity_scale.clone(),
         );
+        registry.register(
+            "lora_adapter_loads",
+            "LoRA adapters that started running on the pod (absent from its running set at the previous scrape)",
+            m.lora_loads.clone(),
+        );
         m
     }
 
@@ -146,6 +152,11 @@ impl PodMetrics {
         self.capacity_scale
             .get_or_create(&l)
             .set(report.capacity_scale);
+        let loads = pod.take_lora_loads();
+        // Only pods that report residency get a series: no zero rows for LoRA-less fleets.
+        if loads > 0 || pod.lora_residency().is_some() {
+            self.lora_loads.get_or_create(&l).inc_by(loads);
+        }
     }
 
     /// Drops the series of a pod that left.
@@ -166,6 +177,7 @@ impl PodMetrics {
         self.observed_hits.remove(&l);
         self.hit_accuracy.remove(&l);
         self.capacity_scale.remove(&l);
+        self.lora_loads.remove(&l);
     }
 }
 

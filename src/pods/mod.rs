@@ -7,6 +7,7 @@ mod engine;
 mod inflight;
 #[cfg(feature = "kubernetes")]
 pub mod kubernetes;
+mod lora;
 mod metrics;
 mod probe;
 mod role;
@@ -36,6 +37,10 @@ pub use engine::{
 pub use inflight::{prefill_time, InflightGuard, Settling, Timestamp, MAX_PREFILL};
 #[cfg(feature = "kubernetes")]
 pub use kubernetes::KubernetesSource;
+pub use lora::{
+    adapter_base, fits as lora_fits, listed_adapters, read_lora_info, serving, LoraFit, LoraReport,
+    LoraResidency, MAX_LORA_SERIES, MAX_POD_ADAPTERS,
+};
 pub use metrics::PodMetrics;
 pub(crate) use probe::Prober;
 pub use role::{role_of, PodRole, ROLE_LABEL};
@@ -175,6 +180,7 @@ pub struct Pod {
     engine: PodEngine,
     ttft: Mutex<TtftLearner>,
     accuracy: Mutex<HitAccuracy>,
+    lora: Mutex<lora::LoraState>,
 }
 
 impl Pod {
@@ -195,6 +201,7 @@ impl Pod {
             engine,
             ttft: Mutex::new(TtftLearner::default()),
             accuracy: Mutex::new(HitAccuracy::default()),
+            lora: Mutex::new(lora::LoraState::default()),
         }
     }
 
@@ -301,6 +308,77 @@ impl Pod {
     /// Stores models learned from `/v1/models`.
     pub fn set_learned_models(&self, at: Instant, models: Vec<String>) {
         *self.learned_models.write() = Some((at, models));
+    }
+
+    /// Whether `model` is among the pod's configured or learned models (no "unknown: any").
+    pub fn lists_model(&self, model: &str) -> bool {
+        if !self.spec.models.is_empty() {
+            return self.spec.models.iter().any(|m| m == model);
+        }
+        self.learned_models
+            .read()
+            .as_ref()
+            .is_some_and(|(_, models)| models.iter().any(|m| m == model))
+    }
+
+    /// Stores the adapters `/v1/models` listed (adapter → base model, see [`listed_adapters`]).
+    pub fn set_learned_adapters(&self, adapters: BTreeMap<String, String>) {
+        self.lora.lock().adapters = adapters;
+    }
+
+    /// The base model the pod lists for adapter `name`.
+    pub fn adapter_parent(&self, name: &str) -> Option<String> {
+        self.lora.lock().adapters.get(name).cloned()
+    }
+
+    /// Stores the LoRA residency of a scrape taken at `at` (`None`: the scrape had none).
+    pub fn record_lora(&self, at: Instant, report: Option<LoraResidency>) {
+        self.lora.lock().record(at, report);
+    }
+
+    /// The last residency report and its scrape time.
+    pub fn lora_residency(&self) -> Option<(Instant, Arc<LoraResidency>)> {
+        self.lora.lock().residency.clone()
+    }
+
+    /// How the pod would take a request for `adapter` at `now` (a report older than
+    /// `stale_after` counts as none).
+    pub fn lora_fit(
+        &self,
+        adapter: &str,
+        now: Instant,
+        stale_after: std::time::Duration,
+    ) -> LoraFit {
+        let l = self.lora.lock();
+        match &l.residency {
+            Some((at, r)) if now.saturating_duration_since(*at) <= stale_after => {
+                r.fit_with(adapter, &l.recent)
+            }
+            _ => LoraFit::Unreported,
+        }
+    }
+
+    /// A request for `adapter` was routed here: the pod loads it if it has not.
+    pub fn lora_routed(&self, adapter: &str) {
+        self.lora.lock().used(adapter);
+    }
+
+    /// Adapter loads seen since the last call (for the counter).
+    pub fn take_lora_loads(&self) -> u64 {
+        std::mem::take(&mut self.lora.lock().unexported_loads)
+    }
+
+    /// What `/debug/pods` shows of the pod's adapters.
+    pub fn lora_report(&self, now: Instant) -> LoraReport {
+        let l = self.lora.lock();
+        LoraReport {
+            residency: l.residency.as_ref().map(|(_, r)| r.clone()),
+            residency_age_ms: l
+                .residency
+                .as_ref()
+                .map(|(t, _)| now.saturating_duration_since(*t).as_millis() as u64),
+            adapters: l.adapters.clone(),
+        }
     }
 
     /// Load as the scorers see it at `now`.

@@ -148,13 +148,18 @@ impl Prober {
             .is_none_or(|t| t.elapsed() >= Duration::from_millis(self.cfg.models_refresh_ms));
         if ok && pod.spec.models.is_empty() && due {
             match self.fetch_models(&pod).await {
-                Ok(models) => pod.set_learned_models(Instant::now(), models),
+                Ok(cards) => {
+                    let models = cards.iter().map(|(id, _)| id.clone()).collect();
+                    pod.set_learned_adapters(super::listed_adapters(cards));
+                    pod.set_learned_models(Instant::now(), models)
+                }
                 Err(e) => debug!(pod = %pod.id(), error = %e, "reading /v1/models failed"),
             }
         }
     }
 
-    async fn fetch_models(&self, pod: &Pod) -> Result<Vec<String>, ProbeError> {
+    /// `(id, parent)` of each model card; vLLM lists each LoRA adapter with its base as parent.
+    async fn fetch_models(&self, pod: &Pod) -> Result<Vec<(String, Option<String>)>, ProbeError> {
         #[derive(serde::Deserialize)]
         struct Models {
             #[serde(default)]
@@ -163,12 +168,18 @@ impl Prober {
         #[derive(serde::Deserialize)]
         struct Model {
             id: Option<String>,
+            #[serde(default)]
+            parent: Option<String>,
         }
         let url = format!("http://{}/v1/models", pod.spec.addr);
         let resp = self.client.get(&url).send().await?.error_for_status()?;
         let body = read_capped(resp, self.cfg.max_response_bytes).await?;
         let models: Models = serde_json::from_slice(&body)?;
-        Ok(models.data.into_iter().filter_map(|m| m.id).collect())
+        Ok(models
+            .data
+            .into_iter()
+            .filter_map(|m| Some((m.id?, m.parent)))
+            .collect())
     }
 
     /// Scrapes `/metrics` of every pod forever.
@@ -203,7 +214,8 @@ impl Prober {
         match body {
             Ok(body) => {
                 let text = String::from_utf8_lossy(&body);
-                pod.record_sample(started, pod.engine().read(pod.id(), &text))
+                pod.record_sample(started, pod.engine().read(pod.id(), &text));
+                pod.record_lora(started, pod.engine().read_lora(&text));
             }
             Err(e) => debug!(pod = %pod.id(), error = %e, "scrape body failed"),
         }

@@ -2,6 +2,7 @@
 //! and read no clock; the index lookup and load snapshot arrive as plain values.
 
 mod load;
+mod lora;
 mod prefix;
 mod session;
 mod ttft;
@@ -11,6 +12,7 @@ use thiserror::Error;
 use crate::pods::{PodId, PodLoad, TtftModel};
 
 pub(crate) use load::LoadScorer;
+pub(crate) use lora::LoraScorer;
 pub(crate) use prefix::PrefixScorer;
 pub(crate) use session::SessionScorer;
 pub use session::{SessionKey, SessionStore, SharedSessions};

@@ -43,6 +43,8 @@ pub struct MetricMap {
     cache_info: Option<&'static str>,
     /// Names of the cumulative prefill counters ([`EngineTiming`]), vLLM only.
     timing: Option<&'static [(&'static str, Field)]>,
+    /// Info gauge of LoRA adapter residency (`super::lora`), vLLM's labels.
+    lora_info: Option<Cow<'static, str>>,
 }
 
 /// vLLM's prefill counters: `vllm/v1/metrics/loggers.py` (`PrometheusStatLogger`). The
@@ -81,6 +83,7 @@ static PRESETS: LazyLock<[MetricMap; 4]> = LazyLock::new(|| {
         group_by: None,
         cache_info: None,
         timing: None,
+        lora_info: None,
     };
     [
         MetricMap {
@@ -90,6 +93,8 @@ static PRESETS: LazyLock<[MetricMap; 4]> = LazyLock::new(|| {
             kv_usage: names(&["vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"]),
             cache_info: Some("vllm:cache_config_info"),
             timing: Some(&VLLM_TIMING),
+            // `vllm/v1/metrics/loggers.py`: one series per label set, valued with the time set.
+            lora_info: Some(Cow::Borrowed("vllm:lora_requests_info")),
             ..base.clone()
         },
         MetricMap {
@@ -143,6 +148,7 @@ impl MetricMap {
             group_by: own(&c.group_by),
             cache_info: None,
             timing: None,
+            lora_info: own(&c.lora_info),
         }
     }
 
@@ -470,6 +476,20 @@ impl PodEngine {
         }
     }
 
+    /// The LoRA residency of one scrape, through the engine [`Self::read`] settled on (call it
+    /// after `read`); `None` for engines without a residency gauge or scrapes without one.
+    pub fn read_lora(&self, text: &str) -> Option<super::lora::LoraResidency> {
+        let name = match &self.choice {
+            EngineChoice::Preset(p) => MetricMap::preset(*p).lora_info.clone(),
+            EngineChoice::Custom(m) => m.lora_info.clone(),
+            EngineChoice::Auto => {
+                let kept = *self.detected.lock();
+                kept.and_then(|p| MetricMap::preset(p).lora_info.clone())
+            }
+        }?;
+        super::lora::read_lora_info(text, &name)
+    }
+
     /// The load signals of one scrape of `pod`. `auto` detects the engine on the first scrape
     /// that shows one and keeps it; it looks again only when a scrape has none of the kept
     /// engine's names (another engine now answers at that address).
@@ -566,7 +586,7 @@ pub fn parse_vllm_metrics(text: &str) -> LoadSample {
 
 /// `name{labels} value [timestamp]` → its parts (the value may be `NaN` or infinite); `None` for
 /// anything else.
-fn split_sample(line: &str) -> Option<(&str, &str, f64)> {
+pub(super) fn split_sample(line: &str) -> Option<(&str, &str, f64)> {
     let (name, labels, rest) = match line.find('{') {
         Some(open) if line[..open].find(' ').is_none() => {
             // The closing brace must follow the opening one (`x}{ 1` once panicked here).
