@@ -51,10 +51,16 @@ pub enum Cmd {
     Hostile(HostileArgs),
     /// The router's CPU with no requests, per fleet size (probes and scrapes only).
     Idle(IdleArgs),
+    /// Overload on a saturated fleet behind Envoy: a light and a 5x heavy tenant without and
+    /// with flow control, then a high and a sheddable low priority class (docs/flow-control.md).
+    Flow(FlowArgs),
     /// A few chat sessions sharing a long system prompt on two and four slow pods: every
     /// strategy against round robin, held to the small-fleet goals (hit ≥ 0.95 × infinite
     /// oracle, TTFT p50 ≤ 0.4 × and p99 ≤ round robin's, no pod above 2/3 of the requests).
     SmallFleet(SmallFleetArgs),
+    /// 8 LoRA pods (4 slots, 32 adapters, Zipf popularity) behind Envoy and kv-router, with
+    /// and without the LoRA scorer: adapter loads and evictions per 1,000 requests, TTFT.
+    Lora(crate::lora::LoraArgs),
     /// Minutes of mixed traffic through real Envoy with a pod frozen every minute; samples the
     /// router's RSS and in-flight gauges; exits 1 if anything but the bad requests failed,
     /// in-flight load stays, or RSS keeps growing.
@@ -238,6 +244,52 @@ pub struct CompareArgs {
     pub trace: TraceArgs,
     #[command(flatten)]
     pub arrivals: ArrivalArgs,
+}
+
+#[derive(Args)]
+pub struct FlowArgs {
+    /// Envoy binary (default: $KV_ROUTER_ENVOY, .venv/bin/envoy, PATH).
+    #[arg(long)]
+    pub envoy: Option<PathBuf>,
+    /// vllm-sim pods.
+    #[arg(long, default_value_t = 4)]
+    pub pods: usize,
+    /// Requests each pod runs at once (`vllm-sim --max-num-seqs`).
+    #[arg(long, default_value_t = 4)]
+    pub max_num_seqs: usize,
+    /// Per generated token, ms (`vllm-sim --decode-ms-per-token`).
+    #[arg(long, default_value_t = 10.0)]
+    pub decode_ms_per_token: f64,
+    /// Seconds of traffic per arm.
+    #[arg(long, default_value_t = 20)]
+    pub seconds: u64,
+    /// The light (high-priority) class's requests per second.
+    #[arg(long, default_value_t = 8.0)]
+    pub light_rps: f64,
+    /// The heavy (low-priority) class sends this many times as much.
+    #[arg(long, default_value_t = 5.0)]
+    pub heavy_factor: f64,
+    /// Tokens generated per request.
+    #[arg(long, default_value_t = 32)]
+    pub max_tokens: u32,
+    /// Prompt bytes per request.
+    #[arg(long, default_value_t = 2000)]
+    pub prompt_bytes: usize,
+    /// Goodput counts completions with TTFT at most this, ms.
+    #[arg(long, default_value_t = 1000.0)]
+    pub slo_ms: f64,
+    /// flow_control.queue_timeout_ms of the flow-control arms.
+    #[arg(long, default_value_t = 5000)]
+    pub queue_timeout_ms: u64,
+    /// Rounds of all arms (order reversed every other round).
+    #[arg(long, default_value_t = 2)]
+    pub rounds: usize,
+    /// Seed of prompts and arrivals.
+    #[arg(long, default_value_t = 42)]
+    pub seed: u64,
+    /// Print a markdown table too.
+    #[arg(long)]
+    pub markdown: bool,
 }
 
 #[derive(Args)]

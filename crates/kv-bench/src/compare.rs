@@ -117,7 +117,7 @@ impl CompareFleet {
     }
 
     /// The router config every strategy starts from: these pods, their event endpoints.
-    fn base_config(&self) -> Result<Config> {
+    pub(crate) fn base_config(&self) -> Result<Config> {
         let mut cfg = deploy::local_router_config(&self.addrs())?;
         cfg.log.level = "warn".into();
         EventPod::set_endpoints(&mut cfg, &self.pods);
@@ -414,13 +414,18 @@ fn run_order(n: usize, rounds: usize) -> Vec<(usize, usize)> {
 
 /// One strategy's processes: its kv-router replicas, the Envoy in front of them and, for the
 /// shared index, the Redis they share. Dropping it stops them all.
-struct Stack {
+pub(crate) struct Stack {
     envoy: EnvoyProc,
     routers: Vec<RouterProc>,
     redis: Option<RedisProc>,
 }
 
 impl Stack {
+    /// The URL of its Envoy.
+    pub(crate) fn envoy_url(&self) -> String {
+        self.envoy.url()
+    }
+
     /// Writes each replica's `/metrics` to `dir/<label>-<replica>.prom`.
     async fn save_metrics(&self, dir: &std::path::Path, label: &str) -> Result<()> {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
@@ -477,7 +482,7 @@ impl Stack {
 
     /// `replicas` routers with `cfg` (pointed at a fresh Redis from `redis_bin` when given),
     /// each with every pod ready, then Envoy with all of them in its `kv_router` cluster.
-    async fn start(
+    pub(crate) async fn start(
         bins: &Binaries,
         fleet: &CompareFleet,
         mut cfg: Config,

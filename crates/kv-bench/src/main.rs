@@ -124,6 +124,11 @@ async fn real_main(cli: Cli) -> Result<()> {
             Ok(())
         }
         Cmd::RedisIndex(a) => redis_index(&a).await,
+        Cmd::Lora(a) => {
+            let arms = bench::lora::run(&Binaries::beside_current_exe()?, &a).await?;
+            println!("{}", bench::lora::markdown(&arms));
+            Ok(())
+        }
         Cmd::SmallFleet(a) => {
             let opts = a.options();
             let r = bench::small_fleet::run(&Binaries::beside_current_exe()?, &opts).await?;
@@ -198,6 +203,35 @@ async fn real_main(cli: Cli) -> Result<()> {
             }
             if let Some(path) = &a.json {
                 write_json(path, &results)?;
+            }
+            Ok(())
+        }
+        Cmd::Flow(a) => {
+            let sim_args = [
+                "--max-num-seqs".to_string(),
+                a.max_num_seqs.to_string(),
+                "--decode-ms-per-token".to_string(),
+                a.decode_ms_per_token.to_string(),
+            ]
+            .to_vec();
+            let opts = bench::flow::FlowOptions {
+                envoy: a.envoy.clone(),
+                pods: a.pods,
+                sim_args,
+                seconds: a.seconds,
+                light_rps: a.light_rps,
+                heavy_factor: a.heavy_factor,
+                max_tokens: a.max_tokens,
+                prompt_bytes: a.prompt_bytes,
+                slo_ms: a.slo_ms,
+                queue_timeout_ms: a.queue_timeout_ms,
+                rounds: a.rounds,
+                seed: a.seed,
+            };
+            let results = bench::flow::run(&Binaries::beside_current_exe()?, &opts).await?;
+            println!("{}", bench::flow::table(&results, Style::Plain));
+            if a.markdown {
+                println!("{}", bench::flow::table(&results, Style::Markdown));
             }
             Ok(())
         }
