@@ -225,6 +225,25 @@ impl DecisionState {
         Planned { plan, unrecorded }
     }
 
+    /// [`Self::commit`] of a decision whose index record follows the reply
+    /// ([`Recording::AfterReply`]): nothing to wait for, so the caller can hold the lock its
+    /// next decision plans in.
+    pub fn commit_now<G>(
+        &self,
+        plan: &Plan,
+        now_ms: u64,
+        charge: impl FnOnce(usize, u64, f64) -> G,
+    ) -> G {
+        debug_assert_eq!(self.recording, Recording::AfterReply);
+        super::plan::commit_local(
+            plan,
+            Some(&self.sessions),
+            Some(&self.conversations),
+            now_ms,
+            charge,
+        )
+    }
+
     /// Records `plan` at `now_ms`: conversations, the session's pin, the primary's load charge,
     /// and the index when it is recorded [`Recording::InCommit`] (`index` is `None` for
     /// policies that ignore it).

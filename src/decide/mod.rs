@@ -182,6 +182,8 @@ pub struct Decider {
     prefill_header: String,
     /// The saturation gate's thresholds (flow control's test for room).
     gate: GateConfig,
+    /// Held from reading the pods' loads to committing the charge: one decision at a time.
+    committing: parking_lot::Mutex<()>,
 }
 
 /// What a live decision gathered before it plans.
@@ -260,6 +262,7 @@ impl Decider {
             pd_threshold: cfg.disaggregation.threshold_tokens,
             prefill_header: cfg.disaggregation.header.clone(),
             gate: cfg.gate.clone(),
+            committing: parking_lot::Mutex::new(()),
         }
     }
 
@@ -325,7 +328,7 @@ impl Decider {
             {
                 Ok(Err(Saturated { model: g.model }))
             }
-            Ok(g) => Ok(Ok(self.commit(self.plan_gathered(g, true)).await)),
+            Ok(g) => Ok(Ok(self.plan_and_commit(g))),
             Err(e) => Err(e),
         };
         self.finish(started, result.as_ref().err());
@@ -411,15 +414,24 @@ impl Decider {
         }
     }
 
-    async fn commit(&self, p: Prepared) -> (Decision, Option<PendingRecord>) {
+    /// Plans and commits `g` as one step, its pods' loads read inside it: a decision whose
+    /// lookup overlapped another's plans on that one's charge and conversation, never on loads
+    /// read before it (two clients sending at once on a new prefix both went to one pod).
+    fn plan_and_commit(&self, mut g: Gathered) -> (Decision, Option<PendingRecord>) {
+        let _one_at_a_time = self.committing.lock();
+        g.now = Instant::now();
+        for (facts, pod) in g.pod_facts.iter_mut().zip(&g.pods) {
+            facts.load = pod.load(g.now, self.stale_after);
+        }
+        self.commit(self.plan_gathered(g, true))
+    }
+
+    fn commit(&self, p: Prepared) -> (Decision, Option<PendingRecord>) {
         let pods = &p.pods;
         let now = p.now;
-        let c = self
-            .state
-            .commit(&p.plan, None, p.now_ms, |i, tokens, rate| {
-                pods[i].begin_request(tokens, now, rate)
-            })
-            .await;
+        let guard = self.state.commit_now(&p.plan, p.now_ms, |i, tokens, rate| {
+            pods[i].begin_request(tokens, now, rate)
+        });
         // Checked against the pod's own hit counters (`pods::HitAccuracy`).
         let keys = &p.plan.keys;
         let hits = crate::pods::predicted_hit_tokens(
@@ -455,7 +467,7 @@ impl Decider {
         let decision = Decision {
             plan: p.plan,
             model: p.model,
-            guard: Some(c.guard),
+            guard: Some(guard),
             prefill_guard,
         };
         (decision, pending)

@@ -331,22 +331,9 @@ pub async fn commit<G>(
     now_ms: u64,
     charge: impl FnOnce(usize, u64, f64) -> G,
 ) -> Committed<G> {
-    let Stores {
-        index,
-        sessions,
-        conversations,
-    } = stores;
-    let guard = charge(
-        plan.primary,
-        plan.uncached_tokens,
-        plan.ranked[0].predicted.tokens_per_sec,
-    );
+    let guard = commit_local(plan, stores.sessions, stores.conversations, now_ms, charge);
     let primary = &plan.ranked[0].pod;
-    if let Some(c) = conversations {
-        let new_on = plan.new_conversation.then_some(primary);
-        c.record(&plan.keys.keys, plan.best_match, new_on, now_ms);
-    }
-    let index_error = match index {
+    let index_error = match stores.index {
         Some(index) if !plan.keys.keys.is_empty() => {
             let prefill = plan.prefill_pod().filter(|p| *p != primary);
             let on_prefill = match prefill {
@@ -358,10 +345,32 @@ pub async fn commit<G>(
         }
         _ => None,
     };
+    Committed { guard, index_error }
+}
+
+/// What [`commit`] records in this process (the load charge, conversations, the session's
+/// pin), all at once: the live router runs it under the lock its next decision plans in.
+pub fn commit_local<G>(
+    plan: &Plan,
+    sessions: Option<&SessionStore>,
+    conversations: Option<&Conversations>,
+    now_ms: u64,
+    charge: impl FnOnce(usize, u64, f64) -> G,
+) -> G {
+    let guard = charge(
+        plan.primary,
+        plan.uncached_tokens,
+        plan.ranked[0].predicted.tokens_per_sec,
+    );
+    let primary = &plan.ranked[0].pod;
+    if let Some(c) = conversations {
+        let new_on = plan.new_conversation.then_some(primary);
+        c.record(&plan.keys.keys, plan.best_match, new_on, now_ms);
+    }
     if let (Some(store), Some(s)) = (sessions, plan.session) {
         store.set(s, primary.clone(), now_ms);
     }
-    Committed { guard, index_error }
+    guard
 }
 
 #[cfg(test)]

@@ -367,6 +367,38 @@ async fn rank_only_plans_do_not_advance_round_robin() {
     assert_eq!(got, want, "rank-only plans moved the rotation");
 }
 
+/// Two conversations on one long system prompt whose lookups overlap: both gathered (index,
+/// loads) before either plans, as when two clients send at once. The second must plan on the
+/// first's load and conversation, committed under the lock it plans in. Before, it read the
+/// pods' load before the first's charge, saw the first's keys in the unrecorded set but neither
+/// its request nor its conversation, and joined it on the cold prefix; a closed loop then kept
+/// every request on that pod (kv-bench small-fleet --sessionless: 24 of 24, one CI run in five).
+#[tokio::test]
+async fn decisions_gathered_together_plan_on_each_others_charge() {
+    let (d, reg) = decider(2, |c| c.gate.replicate_to_idle = true).await;
+    let system = "You are a careful assistant; follow the house rules. ".repeat(110);
+    let first = |conv: usize| {
+        let text = format!(
+            "{system}Document {conv}: {} Question 0? Answer: fine.",
+            "its own words ".repeat(90)
+        );
+        serde_json::to_vec(&serde_json::json!({"model": "m", "prompt": text})).unwrap()
+    };
+    let (b0, b1) = (first(0), first(1));
+    let g0 = d.gather(req(&b0, &[])).await.unwrap();
+    let g1 = d.gather(req(&b1, &[])).await.unwrap();
+    let (a, _) = d.plan_and_commit(g0);
+    let (b, _) = d.plan_and_commit(g1);
+    let pods = reg.snapshot();
+    let holder = pods.get(&a.plan.endpoints[0]).unwrap();
+    assert_eq!(holder.inflight_counts().0, 1, "the first is charged");
+    assert_ne!(
+        b.plan.endpoints[0], a.plan.endpoints[0],
+        "the idle pod takes the second conversation: {:?}",
+        b.plan.reason
+    );
+}
+
 /// Issue 34's shape, in process: two pods, two clients in a closed loop, no session id, six
 /// conversations of four turns, each opening with the same long system prompt, then its own
 /// document (the shared part the longer one), then short questions. Returns the requests per

@@ -338,6 +338,10 @@ pub struct SmallFleetArgs {
     /// Write the report as JSON here.
     #[arg(long)]
     pub json: Option<PathBuf>,
+    /// Write each router's `/metrics` and log after each run into this directory (with
+    /// `RUST_LOG=kv_router=debug`, one log line per decision).
+    #[arg(long)]
+    pub router_metrics: Option<PathBuf>,
     /// Print the table as markdown with a heading (the command).
     #[arg(long)]
     pub markdown: bool,
@@ -354,6 +358,7 @@ impl SmallFleetArgs {
         let mut o = crate::small_fleet::SmallFleetOptions {
             envoy: self.envoy.clone(),
             seed: self.seed,
+            router_metrics: self.router_metrics.clone(),
             ..base
         };
         if self.quick && self.sessionless {

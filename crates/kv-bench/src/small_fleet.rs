@@ -50,6 +50,8 @@ pub struct SmallFleetOptions {
     pub goals: GoalSpec,
     /// Real llama.cpp pods instead of vllm-sim (`--engine llama`).
     pub llama: Option<LlamaOptions>,
+    /// Each router's `/metrics` and log after each run go here (`--router-metrics`).
+    pub router_metrics: Option<std::path::PathBuf>,
 }
 
 /// Thresholds of the goals, against round robin in the same cell.
@@ -100,6 +102,7 @@ impl Default for SmallFleetOptions {
             clients: None,
             goals: GoalSpec::default(),
             llama: None,
+            router_metrics: None,
         }
     }
 }
@@ -338,7 +341,7 @@ pub async fn run(bins: &Binaries, opts: &SmallFleetOptions) -> Result<SmallFleet
             model: "sim-model".into(),
             progress: false,
             replicas: None,
-            router_metrics: None,
+            router_metrics: opts.router_metrics.clone(),
             repeat: 1,
         };
         let spec = opts.spec(sessions);
