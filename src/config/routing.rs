@@ -188,8 +188,8 @@ pub struct GateConfig {
     /// Without a session id, a prompt that shares only a prefix with what the pods hold (a long
     /// system prompt, then its own text) is spread like a new conversation while every holder of
     /// the prefix is busy and a pod with no requests would answer it sooner: that pod warms the
-    /// prefix once, and later conversations have two holders to choose from. Off by default:
-    /// on `make bench`'s 8-pod conversation window it cost hits (simulated, docs/config.md).
+    /// prefix once, and later conversations have two holders to choose from. Only while at most
+    /// half the candidates have requests and the shared part is the longer one (docs/config.md).
     pub replicate_to_idle: bool,
 }
 
@@ -205,7 +205,7 @@ impl Default for GateConfig {
             hot_rel: 1.5,
             spread_new_conversations: true,
             spread_half_life_ms: 300_000,
-            replicate_to_idle: false,
+            replicate_to_idle: true,
         }
     }
 }

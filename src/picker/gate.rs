@@ -110,7 +110,19 @@ fn holders_queue(
         .iter()
         .map(|c| c.matched_blocks)
         .fold(0.0, f64::max);
-    if !g.enabled || best <= 0.0 {
+    // A prompt whose own part is the longer one is spread as a new conversation once its prefix
+    // is shared (`spread_new_conversations`); this rule covers the case that leaves out.
+    if !g.enabled || best <= 0.0 || 2.0 * best < input.total_blocks as f64 {
+        return false;
+    }
+    // Only while the fleet has fewer requests than pods: an idle pod is then spare capacity,
+    // not a gap between the next arrivals (each pod counted once: its scrape or this router's).
+    let busy: f64 = input
+        .candidates
+        .iter()
+        .map(|c| (c.load.waiting + c.load.running).max(c.load.inflight_requests))
+        .sum();
+    if 2.0 * busy > input.candidates.len() as f64 {
         return false;
     }
     let holds = |i: usize| input.candidates[i].matched_blocks >= best / 2.0;

@@ -556,6 +556,7 @@ mod tests {
             (r.order[0], r.reason)
         };
         let mut inp = ttft_input();
+        inp.total_blocks = 100;
         inp.shares_prefix = true;
         // An idle holder keeps it: a one-off question on a shared document warms nothing new.
         assert_eq!(rank(&inp, &weighted), (0, Reason::Scored));
@@ -572,9 +573,21 @@ mod tests {
         }
         assert_eq!(rank(&inp, &weighted), (0, Reason::Scored));
         inp.candidates[1].load.running = 0.0;
+        inp.candidates[2].load.running = 0.0;
         inp.candidates[0].load.inflight_tokens = 100.0;
         assert_eq!(rank(&inp, &weighted), (0, Reason::Scored), "short queue");
         inp.candidates[0].load.inflight_tokens = 2000.0;
+        assert_eq!(rank(&inp, &weighted).0, 1);
+        // Only while at most half the fleet has requests: a busy fleet's idle pod is a gap
+        // between arrivals (make bench's 8-pod conversation window lost hits to it).
+        inp.candidates[2].load.running = 1.0;
+        assert_eq!(rank(&inp, &weighted), (0, Reason::Scored), "2 of 3 busy");
+        inp.candidates[2].load.running = 0.0;
+        // Only when the shared part is the longer one: otherwise a new conversation is
+        // spread by `spread_new_conversations` once its prefix is shared.
+        inp.candidates[0].matched_blocks = 40.0;
+        assert_eq!(rank(&inp, &weighted).1, Reason::Scored, "own part longer");
+        inp.candidates[0].matched_blocks = 80.0;
         assert_eq!(rank(&inp, &weighted).0, 1);
         // A continuation (not sharing only a prefix), or the switch off: the holder keeps it.
         inp.shares_prefix = false;

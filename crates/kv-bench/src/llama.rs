@@ -36,7 +36,6 @@ pub async fn compare(
     strategies: &[Strategy],
     workload: impl Fn() -> Workload,
     concurrency: Option<usize>,
-    replicate_to_idle: bool,
 ) -> Result<Vec<Summary>> {
     check_llama(llama)?;
     let envoy_bin = deploy::find_envoy(envoy)?;
@@ -65,7 +64,6 @@ pub async fn compare(
                     strategy.router_config(&deploy::local_router_config(&addrs)?, &llama.alias);
                 cfg.log.level = "warn".into();
                 cfg.pods.engine = EngineSetting::Preset(Preset::Llamacpp);
-                cfg.gate.replicate_to_idle |= replicate_to_idle;
                 let r = RouterProc::spawn(&bins.kv_router, &cfg)
                     .await
                     .with_context(|| format!("starting {label}"))?;
@@ -88,6 +86,16 @@ pub async fn compare(
             },
         )
         .await?;
+        // A failed request's reason (status and body excerpt; no prompt text is sent back).
+        for r in run.records.iter().filter(|r| r.error.is_some()) {
+            eprintln!(
+                "kv-bench: {label}: session {} turn {} failed on {}: {}",
+                r.session,
+                r.turn,
+                r.pod.as_deref().unwrap_or("?"),
+                r.error.as_deref().unwrap_or_default()
+            );
+        }
         // The engines' own prompt counters, beside the responses' cached tokens.
         for (i, p) in fleet.iter().enumerate() {
             let m = p.metrics().await.unwrap_or_default();
