@@ -221,6 +221,14 @@ fn ext_proc_configs_avoid_the_known_traps() {
             !text.contains("append: true") && !text.contains("append:true"),
             "{name}: never append the destination header (the client's copy would win)"
         );
+        // Engines drop keep-alive connections idle 5 s; a pooled one reused as it closes is a
+        // 503 (llama.cpp pods, docs/results.md), so Envoy must close its own sooner.
+        if text.contains("- name: vllm_pool") || text.contains("- name: original_dst") {
+            assert!(
+                text.contains("common_http_protocol_options: { idle_timeout: 4s }"),
+                "{name}: the pods' cluster needs an idle_timeout under the engines' 5 s keep-alive"
+            );
+        }
         if !text.contains("envoy.filters.http.ext_proc") {
             continue;
         }

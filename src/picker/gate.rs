@@ -129,7 +129,10 @@ fn holders_queue(
     let n = input.candidates.len();
     let mut holder_ttft = f64::INFINITY;
     for i in (0..n).filter(|&i| holds(i)) {
-        if requests(&input.candidates[i].load) < 1.0 {
+        // Queued or sent by this router and not finished: a scrape's `running` alone may be a
+        // request that ended since (one-off questions sent one after another then alternated).
+        let l = &input.candidates[i].load;
+        if l.waiting + l.inflight_requests < 1.0 {
             return false;
         }
         holder_ttft = holder_ttft.min(predictions[i].ttft_ms);

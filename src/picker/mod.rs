@@ -558,8 +558,14 @@ mod tests {
         let mut inp = ttft_input();
         inp.total_blocks = 100;
         inp.shares_prefix = true;
-        // An idle holder keeps it: a one-off question on a shared document warms nothing new.
+        // An idle holder keeps it: a one-off question on a shared document warms nothing new;
+        // so does one whose last scrape still shows a request that has since ended (questions
+        // sent one after another alternated between two pods: tests/e2e.rs).
         assert_eq!(rank(&inp, &weighted), (0, Reason::Scored));
+        inp.candidates[0].load.running = 1.0;
+        inp.candidates[0].load.inflight_tokens = 2000.0;
+        assert_eq!(rank(&inp, &weighted), (0, Reason::Scored), "stale scrape");
+        inp.candidates[0].load.running = 0.0;
         // The holder is prefilling another conversation's first turn (2000 tokens of this
         // router's requests): an idle pod computes the whole prompt sooner, and warms the prefix.
         inp.candidates[0].load.inflight_requests = 1.0;
