@@ -380,21 +380,23 @@ mod tests {
 
     use super::*;
 
-    #[test]
-    fn plan_is_a_function_of_its_inputs() {
-        let stages = Stages::new(&Config::default());
-        let input = || PlanInput {
+    /// `blocks` keys of 16 tokens, `prompt_tokens` tokens, one fresh idle candidate per entry of
+    /// `matched` (its matched blocks), named `p:0`, `p:1`…
+    fn input(blocks: u64, prompt_tokens: u64, matched: &[f64]) -> PlanInput {
+        PlanInput {
             keys: Keys {
-                keys: (0..8).map(crate::blocks::BlockKey).collect(),
+                keys: (0..blocks).map(crate::blocks::BlockKey).collect(),
                 tokens_per_block: 16,
-                prompt_tokens: 130,
+                prompt_tokens,
                 ..Keys::default()
             },
             body: Body::Parsed,
-            candidates: (0..4)
-                .map(|i| Candidate {
+            candidates: matched
+                .iter()
+                .enumerate()
+                .map(|(i, &matched_blocks)| Candidate {
                     pod: PodId::new(format!("p:{i}")),
-                    matched_blocks: if i == 2 { 5.0 } else { 0.0 },
+                    matched_blocks,
                     load: crate::pods::PodLoad {
                         fresh: true,
                         ..Default::default()
@@ -408,7 +410,13 @@ mod tests {
             turn: 0,
             new_conversation: false,
             shares_prefix: false,
-        };
+        }
+    }
+
+    #[test]
+    fn plan_is_a_function_of_its_inputs() {
+        let stages = Stages::new(&Config::default());
+        let input = || input(8, 130, &[0.0, 0.0, 5.0, 0.0]);
         let a = plan(&stages, input(), &mut StdRng::seed_from_u64(3));
         let b = plan(&stages, input(), &mut StdRng::seed_from_u64(3));
         assert_eq!(
@@ -430,32 +438,7 @@ mod tests {
     #[test]
     fn an_adapter_request_prefers_the_pod_running_it() {
         let stages = Stages::new(&Config::default());
-        let input = || PlanInput {
-            keys: Keys {
-                keys: (0..4).map(crate::blocks::BlockKey).collect(),
-                tokens_per_block: 16,
-                prompt_tokens: 64,
-                ..Keys::default()
-            },
-            body: Body::Parsed,
-            candidates: (0..3)
-                .map(|i| Candidate {
-                    pod: PodId::new(format!("p:{i}")),
-                    matched_blocks: 0.0,
-                    load: crate::pods::PodLoad {
-                        fresh: true,
-                        ..Default::default()
-                    },
-                    session_pod: false,
-                    conversations: 0.0,
-                    model: Default::default(),
-                })
-                .collect(),
-            session: None,
-            turn: 0,
-            new_conversation: false,
-            shares_prefix: false,
-        };
+        let input = || input(4, 64, &[0.0; 3]);
         let fits = [LoraFit::Evicts, LoraFit::FreeSlot, LoraFit::Resident];
         for seed in 0..8 {
             let p = plan_with(
