@@ -7,25 +7,9 @@ use std::time::{Duration, Instant};
 use futures::StreamExt;
 use serde_json::{json, Value};
 
-use common::SimProcess;
-
-/// A running `vllm-sim`; killed on drop.
-struct Sim {
-    _process: SimProcess,
-    base: String,
-    client: reqwest::Client,
-}
+use common::{Sim, FAST};
 
 impl Sim {
-    fn start(args: &[&str]) -> Sim {
-        let process = SimProcess::start(args);
-        Sim {
-            base: format!("http://{}", process.addr),
-            _process: process,
-            client: reqwest::Client::new(),
-        }
-    }
-
     async fn post(&self, path: &str, body: &Value) -> (u16, Value) {
         let resp = self
             .client
@@ -48,15 +32,6 @@ impl Sim {
         (resp.status().as_u16(), resp.text().await.expect("body"))
     }
 }
-
-const FAST: &[&str] = &[
-    "--prefill-us-per-token",
-    "0",
-    "--ttft-base-ms",
-    "0",
-    "--decode-ms-per-token",
-    "0",
-];
 
 fn cached(v: &Value) -> u64 {
     v["usage"]["prompt_tokens_details"]["cached_tokens"]

@@ -7,24 +7,9 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use serde_json::{json, Value};
 
-use common::SimProcess;
-
-struct Sim {
-    _process: SimProcess,
-    base: String,
-    client: reqwest::Client,
-}
+use common::{Sim, FAST};
 
 impl Sim {
-    fn start(args: &[&str]) -> Sim {
-        let process = SimProcess::start(args);
-        Sim {
-            base: format!("http://{}", process.addr),
-            _process: process,
-            client: reqwest::Client::new(),
-        }
-    }
-
     async fn post(&self, body: Value) -> (u16, Value) {
         let resp = self
             .client
@@ -68,15 +53,6 @@ impl Sim {
         }
     }
 }
-
-const FAST: &[&str] = &[
-    "--prefill-us-per-token",
-    "0",
-    "--ttft-base-ms",
-    "0",
-    "--decode-ms-per-token",
-    "0",
-];
 
 fn args<'a>(extra: &[&'a str]) -> Vec<&'a str> {
     let mut v = vec!["--model", "base-model"];

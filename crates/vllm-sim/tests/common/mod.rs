@@ -38,3 +38,36 @@ impl Drop for SimProcess {
         let _ = self.child.wait();
     }
 }
+
+/// No modelled latency: for tests of behaviour, not of timing.
+#[allow(dead_code)] // not every test binary uses it
+pub const FAST: &[&str] = &[
+    "--prefill-us-per-token",
+    "0",
+    "--ttft-base-ms",
+    "0",
+    "--decode-ms-per-token",
+    "0",
+];
+
+/// A running `vllm-sim` (killed on drop) with a client for its base URL; each test binary adds
+/// the requests it needs in its own `impl Sim`.
+#[allow(dead_code)] // not every test binary uses it
+pub struct Sim {
+    _process: SimProcess,
+    pub base: String,
+    pub client: reqwest::Client,
+}
+
+#[allow(dead_code)]
+impl Sim {
+    /// Starts `vllm-sim <args>` on a free port.
+    pub fn start(args: &[&str]) -> Sim {
+        let process = SimProcess::start(args);
+        Sim {
+            base: format!("http://{}", process.addr),
+            _process: process,
+            client: reqwest::Client::new(),
+        }
+    }
+}
