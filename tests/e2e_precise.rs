@@ -500,13 +500,16 @@ async fn all_blocks_cleared_stops_preference() {
 async fn burst_with_new_prefix_lands_on_one_pod() {
     // The hot-pod gate (hot_abs 4 by default) deliberately spills a burst once the chosen pod
     // has 5+ more requests than the idlest one, and the saturation gate once 8 of them wait
-    // (max_waiting): that is load protection, not a prefix-routing failure, so both are relaxed.
+    // (max_waiting), and a busy holder's prefix goes to an idle pod while at most half the pods
+    // have requests (replicate_to_idle): that is load spreading, not a prefix-routing failure,
+    // so all three are relaxed.
     // All 16 leave at once: each decision sees the ones answered before it whose entries are
     // not in the index yet (the record follows the reply). Before that, two of them picked
     // different cold pods and the rest split 8/8 about one run in six.
     let d = Precise::start(&[&[], &[], &[], &[]], true, |c| {
         c.gate.hot_abs = 100.0;
         c.gate.max_waiting = 100.0;
+        c.gate.replicate_to_idle = false;
     })
     .await;
     let prefix = long_prompt(401);

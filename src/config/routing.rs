@@ -189,9 +189,7 @@ pub struct GateConfig {
     /// system prompt, then its own text) is spread like a new conversation while every holder of
     /// the prefix is busy and a pod with no requests would answer it sooner: that pod warms the
     /// prefix once, and later conversations have two holders to choose from. Only while at most
-    /// half the candidates have requests and the shared part is the longer one. Off by default:
-    /// a holder's finished request still counts until Envoy closes its ext_proc stream, so
-    /// one-off questions sent one after another were replicated (docs/config.md).
+    /// half the candidates have requests and the shared part is the longer one.
     pub replicate_to_idle: bool,
 }
 
@@ -207,7 +205,7 @@ impl Default for GateConfig {
             hot_rel: 1.5,
             spread_new_conversations: true,
             spread_half_life_ms: 300_000,
-            replicate_to_idle: false,
+            replicate_to_idle: true,
         }
     }
 }

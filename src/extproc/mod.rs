@@ -239,6 +239,18 @@ struct StreamState {
     prefill_guard: Option<InflightGuard>,
 }
 
+impl StreamState {
+    /// The stream ends without showing the request's end: its charges settle.
+    fn settle_guards(&mut self) {
+        if let Some(g) = self.guard.take() {
+            g.settle();
+        }
+        if let Some(g) = self.prefill_guard.take() {
+            g.settle();
+        }
+    }
+}
+
 /// A body as the chunks it came in, joined once at the decision: appended to one `Vec`, its
 /// capacity doubled as it grew, so held bodies cost up to twice their bytes (plus each copy).
 #[derive(Default)]
@@ -301,12 +313,14 @@ impl ExtProc {
         };
         let mut first = true;
         let mut ending = None;
+        let mut reset = false;
         while let Some(msg) = inbound.next().await {
             let msg = match msg {
                 Ok(m) => m,
                 // Envoy resets the side stream when the HTTP stream ends: a normal end.
                 Err(status) => {
                     debug!(code = ?status.code(), "ext_proc stream ended by Envoy");
+                    reset = true;
                     break;
                 }
             };
@@ -387,7 +401,7 @@ impl ExtProc {
                 // arrive; 1024 such resets and h2 drops the whole connection (ENHANCE_YOUR_CALM).
                 st.body = Chunks::default();
                 st.reserved.release();
-                drop(st.guard.take());
+                st.settle_guards();
                 // The receive buffer lives until the stream ends: wait only if the budget holds it.
                 // A protocol error ends at once: it is not Envoy, and owes no late frames.
                 if ending.is_none() && st.reserved.grow(st.largest_chunk) {
@@ -397,8 +411,11 @@ impl ExtProc {
                 break;
             }
         }
-        // Dropping the guard here accounts for resets and client disconnects too.
-        drop(st.guard.take());
+        // A reset is the HTTP stream's end (so is this future's drop, when Envoy's reset comes
+        // first): the request is over. A half-close says nothing of the response.
+        if !reset {
+            st.settle_guards();
+        }
         ending
     }
 
@@ -514,8 +531,14 @@ impl ExtProc {
             }
         };
         let destination = decision.plan.destination();
-        st.guard = decision.guard;
-        st.prefill_guard = decision.prefill_guard;
+        st.guard = decision.guard.map(|mut g| {
+            g.ends_with_drop();
+            g
+        });
+        st.prefill_guard = decision.prefill_guard.map(|mut g| {
+            g.ends_with_drop();
+            g
+        });
         let set_header = self.destination_header;
         let prefill = reply::Prefill {
             header: self.decider.prefill_header(),

@@ -101,11 +101,16 @@ impl<T: Timestamp> Settling<T> {
                 .map_or(released_at, |&b| b.max(released_at));
             self.requests.push_back(released_at);
         }
+        self.push_tokens(tokens, tokens_until);
+    }
+
+    /// `tokens` still prefilling until `until`, for a request counted elsewhere.
+    pub fn push_tokens(&mut self, tokens: u64, until: T) {
         if tokens > 0 {
             if self.tokens.len() >= MAX_SETTLING {
                 self.pop_tokens();
             }
-            self.tokens.push(Reverse((tokens_until, tokens)));
+            self.tokens.push(Reverse((until, tokens)));
             self.tokens_sum += tokens;
         }
     }
@@ -205,8 +210,8 @@ impl RemoteLoad for PodRegistry {
     }
 }
 
-/// Holds one routed request's load on its pod; released on drop (stream end, reset or
-/// disconnect alike).
+/// Holds one routed request's load on its pod. Dropped, it settles (counted until the pod's
+/// next scrape) unless [`InflightGuard::ends_with_drop`] said its owner's end is the request's.
 #[derive(Debug)]
 pub struct InflightGuard {
     pod: Arc<Pod>,
@@ -214,6 +219,7 @@ pub struct InflightGuard {
     tokens_until: Instant,
     prefill_done: bool,
     completed: bool,
+    drop_completes: bool,
 }
 
 impl InflightGuard {
@@ -233,7 +239,21 @@ impl InflightGuard {
             tokens_until: now + prefill_time(tokens, prefill_tokens_per_sec),
             prefill_done: false,
             completed: false,
+            drop_completes: false,
         }
+    }
+
+    /// Dropping the guard from now on means the request is over: Envoy ends an ext_proc stream
+    /// when the HTTP stream ends (1.40, every body mode), so a reset releases at once instead of
+    /// waiting for a scrape (a client's next question then found its own last one in flight).
+    pub fn ends_with_drop(&mut self) {
+        self.drop_completes = true;
+    }
+
+    /// The stream ended without showing the request's end (a half-close, or this router ended
+    /// it): counted until the pod's next scrape shows its own numbers.
+    pub fn settle(mut self) {
+        self.drop_completes = false;
     }
     /// The pod's response has started: its prefill is over.
     pub fn prefill_done(&mut self) {
@@ -262,6 +282,11 @@ impl InflightGuard {
 impl Drop for InflightGuard {
     fn drop(&mut self) {
         if self.completed {
+            return;
+        }
+        if self.drop_completes {
+            self.prefill_done();
+            self.pod.inflight.requests.fetch_sub(1, Ordering::Relaxed);
             return;
         }
         let pending_tokens = if self.prefill_done { 0 } else { self.tokens };
@@ -329,6 +354,24 @@ mod tests {
         assert_eq!(p.inflight.current(Instant::now(), stale), (1, 0));
         g.complete();
         assert_eq!(p.inflight.current(Instant::now(), stale), (0, 0));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_guard_whose_drop_is_the_requests_end_releases_at_once() {
+        let p = pod();
+        let stale = Duration::from_secs(2);
+        let mut g = p.begin_request(500, Instant::now(), 1000.0);
+        g.ends_with_drop();
+        drop(g);
+        assert_eq!(p.inflight.current(Instant::now(), stale), (0, 0));
+        // The same guard told its stream ended without the response settles as before.
+        let mut g = p.begin_request(500, Instant::now(), 1000.0);
+        g.ends_with_drop();
+        g.settle();
+        assert_eq!(p.inflight.current(Instant::now(), stale), (1, 500));
+        tokio::time::advance(Duration::from_millis(1)).await;
+        p.inflight.observed_scrape(Instant::now());
+        assert_eq!(p.inflight.current(Instant::now(), stale), (0, 500));
     }
 
     #[tokio::test(start_paused = true)]

@@ -52,9 +52,6 @@ pub struct CompareOptions {
     /// Rounds over the strategies, each in an order rotated by one (`#1`, `#2`… in labels when
     /// more than one): a single run's verdict can be its slot or the machine's noise.
     pub repeat: usize,
-    /// Sets `gate.replicate_to_idle` (off by default) for every router strategy: the placement
-    /// for sessionless prompts behind a long shared prefix (`small-fleet --sessionless`).
-    pub replicate_to_idle: bool,
 }
 
 impl CompareOptions {
@@ -300,11 +297,7 @@ pub async fn compare(
                 let s = Stack::start(
                     bins,
                     &fleet,
-                    {
-                        let mut cfg = strategy.router_config(&base, &opts.model);
-                        cfg.gate.replicate_to_idle |= opts.replicate_to_idle;
-                        cfg
-                    },
+                    strategy.router_config(&base, &opts.model),
                     opts.replicas(strategy),
                     redis.as_deref(),
                 )
@@ -823,7 +816,6 @@ mod tests {
 
     fn opts(replicas: Option<usize>) -> CompareOptions {
         CompareOptions {
-            replicate_to_idle: false,
             envoy: None,
             pods: 4,
             gpu_blocks: 64,

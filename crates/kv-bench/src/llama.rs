@@ -36,7 +36,6 @@ pub async fn compare(
     strategies: &[Strategy],
     workload: impl Fn() -> Workload,
     concurrency: Option<usize>,
-    replicate_to_idle: bool,
 ) -> Result<Vec<Summary>> {
     check_llama(llama)?;
     let envoy_bin = deploy::find_envoy(envoy)?;
@@ -65,7 +64,6 @@ pub async fn compare(
                     strategy.router_config(&deploy::local_router_config(&addrs)?, &llama.alias);
                 cfg.log.level = "warn".into();
                 cfg.pods.engine = EngineSetting::Preset(Preset::Llamacpp);
-                cfg.gate.replicate_to_idle |= replicate_to_idle;
                 let r = RouterProc::spawn(&bins.kv_router, &cfg)
                     .await
                     .with_context(|| format!("starting {label}"))?;

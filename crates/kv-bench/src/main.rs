@@ -51,7 +51,6 @@ async fn real_main(cli: Cli) -> Result<()> {
         Cmd::Demo(a) => {
             let bins = Binaries::beside_current_exe()?;
             let opts = CompareOptions {
-                replicate_to_idle: false,
                 envoy: a.envoy.clone(),
                 pods: a.pods,
                 gpu_blocks: a.gpu_blocks,

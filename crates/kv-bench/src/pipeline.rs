@@ -46,7 +46,6 @@ pub async fn compare_section(
     let (workload, concurrency) =
         crate::cli::workload_factory(a.workload, &a.args, &a.shared_prefix, &a.trace, &a.arrivals)?;
     let opts = CompareOptions {
-        replicate_to_idle: false,
         envoy: a.envoy.clone(),
         pods: a.pods.unwrap_or(8),
         gpu_blocks: a.gpu_blocks.unwrap_or(4096),

@@ -330,7 +330,6 @@ pub async fn run(bins: &Binaries, opts: &SmallFleetOptions) -> Result<SmallFleet
             )
             .collect();
         let copts = CompareOptions {
-            replicate_to_idle: !opts.session_header,
             envoy: opts.envoy.clone(),
             pods,
             gpu_blocks: 4096,
@@ -362,7 +361,6 @@ pub async fn run(bins: &Binaries, opts: &SmallFleetOptions) -> Result<SmallFleet
                 &strategies,
                 || spec.build().with_arrivals(arrivals, seed),
                 arrivals.concurrency(),
-                !opts.session_header,
             )
             .await?;
             cells.push(CellReport {

@@ -84,11 +84,6 @@ impl Deployment {
         let needs_router = templates.iter().any(|t| *t != "round-robin.yaml");
         let router = if needs_router {
             let mut cfg = deploy::local_router_config(&addrs).expect("router config");
-            // The fast pods answer in ~1 ms, so a test's sequential requests all fall inside one
-            // 100 ms scrape window and would look like a burst to the hot-pod gate (BUFFERED mode
-            // cannot see responses end). The gate has its own unit tests; here it stays out of
-            // the way of the affinity being tested.
-            cfg.gate.hot_abs = 16.0;
             tweak(&mut cfg);
             let r = RouterProc::spawn(&bins.kv_router, &cfg)
                 .await
