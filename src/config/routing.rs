@@ -126,7 +126,8 @@ impl Default for SessionScorerConfig {
 pub struct LoadScorerConfig {
     /// Weight in the sum.
     pub weight: f64,
-    /// Requests (waiting at the pod + in flight from this router) that count as fully loaded.
+    /// Requests (the larger of the pod's waiting + running and this router's in-flight count)
+    /// that count as fully loaded.
     pub queue_full: f64,
     /// Weight of the queue signal.
     pub queue_weight: f64,

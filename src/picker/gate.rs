@@ -104,7 +104,7 @@ fn holders_queue(
     predictions: &[Prediction],
     saturated: &[bool],
 ) -> bool {
-    let requests = |l: &PodLoad| l.waiting + l.running + l.inflight_requests;
+    let requests = |l: &PodLoad| l.requests();
     let best = input
         .candidates
         .iter()
@@ -117,11 +117,7 @@ fn holders_queue(
     }
     // Only while the fleet has fewer requests than pods: an idle pod is then spare capacity,
     // not a gap between the next arrivals (each pod counted once: its scrape or this router's).
-    let busy: f64 = input
-        .candidates
-        .iter()
-        .map(|c| (c.load.waiting + c.load.running).max(c.load.inflight_requests))
-        .sum();
+    let busy: f64 = input.candidates.iter().map(|c| c.load.requests()).sum();
     if 2.0 * busy > input.candidates.len() as f64 {
         return false;
     }
@@ -160,7 +156,7 @@ fn queued_full(g: &GateConfig, load: &PodLoad) -> bool {
 /// imbalance test, per pod): more than `hot_abs` above the minimum and over `hot_rel` times
 /// it. A shared hot prefix then spills to other pods instead of piling onto one.
 fn hot(g: &GateConfig, loads: &[&PodLoad]) -> Vec<bool> {
-    let requests = |l: &PodLoad| l.waiting + l.running + l.inflight_requests;
+    let requests = |l: &PodLoad| l.requests();
     let min = loads
         .iter()
         .map(|l| requests(l))

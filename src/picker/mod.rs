@@ -306,8 +306,9 @@ mod tests {
             &mut StdRng::seed_from_u64(1),
         );
         assert_eq!(r.order[0], 0);
-        // One more and it is hot: the prefix no longer wins it the request.
-        inp.candidates[0].load.inflight_requests = 1.0;
+        // One more (this router has six in flight there, the scrape shows five) and it is hot:
+        // the prefix no longer wins it the request.
+        inp.candidates[0].load.inflight_requests = 6.0;
         let r = p.rank(
             &inp,
             &[vec![1.0, 0.0, 0.0]],

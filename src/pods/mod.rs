@@ -144,6 +144,12 @@ pub struct PodLoad {
 }
 
 impl PodLoad {
+    /// Requests on the pod, each counted once: its scrape's or this router's in-flight count,
+    /// whichever is larger (a request this router sent is in both once the pod runs it).
+    pub fn requests(&self) -> f64 {
+        (self.waiting + self.running).max(self.inflight_requests)
+    }
+
     /// The load at `now` from the last scrape (trusted while at most `stale_after` old) and the
     /// router's own in-flight counts.
     pub fn at<T: Timestamp>(

@@ -22,8 +22,7 @@ impl LoadScorer {
         if total <= 0.0 {
             return 0.0;
         }
-        let queue =
-            ((load.waiting + load.running + load.inflight_requests) / c.queue_full).min(1.0);
+        let queue = (load.requests() / c.queue_full).min(1.0);
         let kv = load.kv_usage.clamp(0.0, 1.0);
         let tokens = (load.inflight_tokens / c.tokens_full).min(1.0);
         (c.queue_weight * queue + c.kv_weight * kv + c.tokens_weight * tokens) / total

@@ -779,6 +779,9 @@ pub struct SimulateArgs {
     /// (`index.correction.enabled`).
     #[arg(long)]
     pub correction: bool,
+    /// Turns `gate.replicate_to_idle` off (it is on by default), to measure what it changes.
+    #[arg(long)]
+    pub no_replicate_to_idle: bool,
     /// Seed of tie-breaks and the random policy.
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
@@ -842,6 +845,7 @@ impl SimulateArgs {
             propagation_ms: self.propagation_ms.clone(),
             shared_load: self.shared_load,
             correction: self.correction,
+            replicate_to_idle: !self.no_replicate_to_idle,
         };
         if self.quick {
             opts.quick()

@@ -85,6 +85,8 @@ pub(super) struct Fleet<'a> {
     pub(super) prefilled: Vec<u64>,
     pub(super) done: usize,
     pub(super) makespan_us: u64,
+    /// Requests finished since the run loop last looked (their router releases them).
+    pub(super) finished: Vec<usize>,
 }
 
 impl Fleet<'_> {
@@ -106,6 +108,7 @@ impl Fleet<'_> {
                         u64::from(usage.prompt_tokens.saturating_sub(usage.cached_tokens));
                     self.done += 1;
                     self.makespan_us = self.makespan_us.max(at);
+                    self.finished.push(i);
                 }
             }
         }
@@ -173,6 +176,7 @@ pub(super) fn simulate_replicas(
 ) -> Result<RunOutcome, SimulateError> {
     let mut cfg = strategy.router_config(&Config::default(), MODEL);
     cfg.index.correction.enabled = opts.correction;
+    cfg.gate.replicate_to_idle = opts.replicate_to_idle;
     let ecfg = EngineConfig {
         block_size: BLOCK_TOKENS,
         ..opts.engine.clone()
@@ -241,13 +245,21 @@ pub(super) fn simulate_replicas(
         prefilled: vec![0; pods],
         done: 0,
         makespan_us: 0,
+        finished: Vec::new(),
     };
     let mut per_pod = vec![0usize; pods];
     let mut all_saturated = 0usize;
     let mut applied = ApplyStats::default();
     let (mut next_req, mut next_tick, mut ticks) = (0usize, 0u64, 0u64);
+    // The pod each request was routed to (a bypassed one has none): its router's charge.
+    let mut routed_to: Vec<Option<usize>> = vec![None; n];
 
     loop {
+        for i in fleet.finished.drain(..) {
+            if let Some(p) = routed_to[i] {
+                router.finished(i, p);
+            }
+        }
         let wake = fleet.next_wakeup();
         let t_pod = wake.map(|w| w.0);
         let t_arr = prep.at_us.get(next_req).copied();
@@ -329,6 +341,7 @@ pub(super) fn simulate_replicas(
         }
         let p = plan.primary;
         per_pod[p] += 1;
+        routed_to[i] = Some(p);
         fleet.engines[p].submit(t, i as u64, submission(prep, i));
         fleet.settle(p, t);
     }

@@ -131,6 +131,8 @@ pub struct SimulateOptions {
     /// `index.correction.enabled`: approximate indexes scale each pod's capacity by its
     /// reported hits.
     pub correction: bool,
+    /// `gate.replicate_to_idle` (on by default): off measures what the rule changes.
+    pub replicate_to_idle: bool,
 }
 
 /// One way of running the router: `replicas` replicas, each with its own index, applying each
@@ -206,6 +208,7 @@ impl Default for SimulateOptions {
             propagation_ms: vec![0.0],
             shared_load: false,
             correction: false,
+            replicate_to_idle: true,
         }
     }
 }

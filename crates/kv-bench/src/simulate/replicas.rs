@@ -160,6 +160,12 @@ impl Replicas {
         plan
     }
 
+    /// Request `i`, routed to pod `p` by its replica, finished.
+    pub(super) fn finished(&mut self, i: usize, p: usize) {
+        let r = i % self.routers.len();
+        self.routers[r].views[p].finished();
+    }
+
     /// A scrape of every pod by every replica at `t`.
     pub(super) fn scrape(&mut self, t: u64, engines: &[Engine]) {
         for router in &mut self.routers {

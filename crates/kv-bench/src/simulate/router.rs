@@ -39,10 +39,14 @@ impl Timestamp for SimTime {
 }
 
 /// A pod as the router sees it: last scrape plus its own in-flight accounting (`pods/inflight.rs`
-/// in BUFFERED mode: every guard is released as soon as the request is routed).
+/// behind Envoy 1.40, which ends a request's ext_proc stream when the response ends: a routed
+/// request counts until the engine finishes it, its uncached tokens for their estimated prefill).
 #[derive(Debug, Default)]
 pub(super) struct PodView {
     pub(super) sample: Option<(SimTime, LoadSample)>,
+    /// This router's requests on the pod that have not finished (their streams are open).
+    pub(super) live: u64,
+    /// Other replicas' requests (counted until a later scrape) and every request's tokens.
     pub(super) settling: Settling<SimTime>,
     /// The prefill model learned from the engine's timing counters, as `Pod` learns it.
     pub(super) ttft: TtftLearner,
@@ -53,8 +57,13 @@ pub(super) struct PodView {
 impl PodView {
     /// `Pod::load` at `now`.
     pub(super) fn load(&mut self, now: SimTime, stale_after: Duration) -> PodLoad {
-        let inflight = self.settling.count(now, stale_after);
-        PodLoad::at(now, self.sample, inflight, stale_after)
+        let (requests, tokens) = self.settling.count(now, stale_after);
+        PodLoad::at(
+            now,
+            self.sample,
+            (requests + self.live, tokens),
+            stale_after,
+        )
     }
 
     /// A scrape sent at `now` succeeded (`Pod::record_sample`).
@@ -81,7 +90,13 @@ impl PodView {
     /// A request was routed here at `now` with `tokens` estimated uncached prompt tokens.
     pub(super) fn routed(&mut self, now: SimTime, tokens: u64, prefill_tokens_per_sec: f64) {
         let until = now.after(prefill_time(tokens, prefill_tokens_per_sec));
-        self.settling.push(now, tokens, until);
+        self.live += 1;
+        self.settling.push_tokens(tokens, until);
+    }
+
+    /// A request this router routed here finished: Envoy resets its stream, the guard goes.
+    pub(super) fn finished(&mut self) {
+        self.live = self.live.saturating_sub(1);
     }
 }
 
