@@ -531,14 +531,8 @@ impl ExtProc {
             }
         };
         let destination = decision.plan.destination();
-        st.guard = decision.guard.map(|mut g| {
-            g.ends_with_drop();
-            g
-        });
-        st.prefill_guard = decision.prefill_guard.map(|mut g| {
-            g.ends_with_drop();
-            g
-        });
+        st.guard = decision.guard.map(InflightGuard::ends_with_drop);
+        st.prefill_guard = decision.prefill_guard.map(InflightGuard::ends_with_drop);
         let set_header = self.destination_header;
         let prefill = reply::Prefill {
             header: self.decider.prefill_header(),

@@ -104,7 +104,6 @@ fn holders_queue(
     predictions: &[Prediction],
     saturated: &[bool],
 ) -> bool {
-    let requests = |l: &PodLoad| l.requests();
     let best = input
         .candidates
         .iter()
@@ -136,7 +135,7 @@ fn holders_queue(
     (0..n).any(|i| {
         input.candidates[i].matched_blocks <= 0.0
             && !saturated[i]
-            && requests(&input.candidates[i].load) <= 0.0
+            && input.candidates[i].load.requests() <= 0.0
             && predictions[i].ttft_ms < holder_ttft
     })
 }
@@ -156,15 +155,14 @@ fn queued_full(g: &GateConfig, load: &PodLoad) -> bool {
 /// imbalance test, per pod): more than `hot_abs` above the minimum and over `hot_rel` times
 /// it. A shared hot prefix then spills to other pods instead of piling onto one.
 fn hot(g: &GateConfig, loads: &[&PodLoad]) -> Vec<bool> {
-    let requests = |l: &PodLoad| l.requests();
     let min = loads
         .iter()
-        .map(|l| requests(l))
+        .map(|l| l.requests())
         .fold(f64::INFINITY, f64::min);
     loads
         .iter()
         .map(|l| {
-            let r = requests(l);
+            let r = l.requests();
             g.enabled && r - min > g.hot_abs && r > g.hot_rel * min
         })
         .collect()

@@ -246,8 +246,9 @@ impl InflightGuard {
     /// Dropping the guard from now on means the request is over: Envoy ends an ext_proc stream
     /// when the HTTP stream ends (1.40, every body mode), so a reset releases at once instead of
     /// waiting for a scrape (a client's next question then found its own last one in flight).
-    pub fn ends_with_drop(&mut self) {
+    pub fn ends_with_drop(mut self) -> Self {
         self.drop_completes = true;
+        self
     }
 
     /// The stream ended without showing the request's end (a half-close, or this router ended
@@ -268,6 +269,10 @@ impl InflightGuard {
 
     /// The response ended and was observed: release everything now.
     pub fn complete(mut self) {
+        self.release_now();
+    }
+
+    fn release_now(&mut self) {
         self.prefill_done();
         self.completed = true;
         self.pod.inflight.requests.fetch_sub(1, Ordering::Relaxed);
@@ -285,8 +290,7 @@ impl Drop for InflightGuard {
             return;
         }
         if self.drop_completes {
-            self.prefill_done();
-            self.pod.inflight.requests.fetch_sub(1, Ordering::Relaxed);
+            self.release_now();
             return;
         }
         let pending_tokens = if self.prefill_done { 0 } else { self.tokens };
@@ -360,13 +364,15 @@ mod tests {
     async fn a_guard_whose_drop_is_the_requests_end_releases_at_once() {
         let p = pod();
         let stale = Duration::from_secs(2);
-        let mut g = p.begin_request(500, Instant::now(), 1000.0);
-        g.ends_with_drop();
+        let g = p
+            .begin_request(500, Instant::now(), 1000.0)
+            .ends_with_drop();
         drop(g);
         assert_eq!(p.inflight.current(Instant::now(), stale), (0, 0));
         // The same guard told its stream ended without the response settles as before.
-        let mut g = p.begin_request(500, Instant::now(), 1000.0);
-        g.ends_with_drop();
+        let g = p
+            .begin_request(500, Instant::now(), 1000.0)
+            .ends_with_drop();
         g.settle();
         assert_eq!(p.inflight.current(Instant::now(), stale), (1, 500));
         tokio::time::advance(Duration::from_millis(1)).await;
