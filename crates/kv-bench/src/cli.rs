@@ -129,6 +129,9 @@ pub struct HostileArgs {
     /// Seconds each attack is held (with --attacks).
     #[arg(long, default_value_t = 10)]
     pub hold_s: u64,
+    /// With --attacks: only the attacks whose name contains this (e.g. "Pick flood").
+    #[arg(long)]
+    pub only: Option<String>,
     /// Print a markdown table too.
     #[arg(long)]
     pub markdown: bool,

@@ -123,48 +123,65 @@ async fn probe_grpc(grpc: SocketAddr) -> Result<()> {
         .context("timeout")?
 }
 
-/// Samples and probes while an attack runs.
+/// Samples and probes while an attack runs, on a thread of its own (as a kubelet probes from its
+/// own process): the attack's work in this process never delays a probe.
 struct Watch {
     stop: Arc<AtomicBool>,
-    task: tokio::task::JoinHandle<(u64, usize, Vec<Option<Duration>>)>,
+    thread: std::thread::JoinHandle<(u64, usize, Vec<Option<Duration>>)>,
 }
 
 impl Watch {
     fn start(pid: u32, admin: SocketAddr, grpc: SocketAddr) -> Self {
         let stop = Arc::new(AtomicBool::new(false));
         let flag = stop.clone();
-        let task = tokio::spawn(async move {
-            let (mut rss, mut fds, mut lat) = (0, 0, Vec::new());
-            let sampler = async {
-                while !flag.load(Ordering::Relaxed) {
-                    rss = rss.max(proc_rss(pid));
-                    fds = fds.max(proc_fds(pid));
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                }
-            };
-            let prober = async {
-                while !flag.load(Ordering::Relaxed) {
-                    for http in [true, false] {
-                        let t = Instant::now();
-                        let ok = if http {
-                            probe_http(admin).await
-                        } else {
-                            probe_grpc(grpc).await
-                        };
-                        lat.push(ok.is_ok().then(|| t.elapsed()));
+        let thread = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("probe runtime");
+            rt.block_on(async move {
+                let (mut rss, mut fds, mut lat) = (0, 0, Vec::new());
+                let sampler = async {
+                    while !flag.load(Ordering::Relaxed) {
+                        rss = rss.max(proc_rss(pid));
+                        fds = fds.max(proc_fds(pid));
+                        tokio::time::sleep(Duration::from_millis(50)).await;
                     }
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                }
-            };
-            tokio::join!(sampler, prober);
-            (rss, fds, lat)
+                };
+                let prober = async {
+                    while !flag.load(Ordering::Relaxed) {
+                        for http in [true, false] {
+                            let t = Instant::now();
+                            let ok = if http {
+                                probe_http(admin).await
+                            } else {
+                                probe_grpc(grpc).await
+                            };
+                            if let Err(e) = &ok {
+                                let which = if http { "/healthz" } else { "gRPC readiness" };
+                                eprintln!(
+                                    "kv-bench hostile: {which} probe failed after {:?}: {e:#}",
+                                    t.elapsed()
+                                );
+                            }
+                            lat.push(ok.is_ok().then(|| t.elapsed()));
+                        }
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                    }
+                };
+                tokio::join!(sampler, prober);
+                (rss, fds, lat)
+            })
         });
-        Self { stop, task }
+        Self { stop, thread }
     }
 
     async fn finish(self) -> (u64, usize, Vec<Option<Duration>>) {
         self.stop.store(true, Ordering::Relaxed);
-        self.task.await.unwrap_or_default()
+        let thread = self.thread;
+        tokio::task::spawn_blocking(move || thread.join().unwrap_or_default())
+            .await
+            .unwrap_or_default()
     }
 }
 
@@ -277,11 +294,17 @@ async fn pick_flood(
                 held.push(body);
                 answers.push(resp);
             }
-            for resp in answers {
-                if let Ok(Ok(_)) = tokio::time::timeout(Duration::from_millis(500), resp).await {
-                    refused.fetch_add(1, Ordering::Relaxed);
+            // Every stream's answer waited for at once: a held stream must not hide the refusals
+            // behind it.
+            let answered = answers.into_iter().map(|resp| {
+                let refused = refused.clone();
+                async move {
+                    if let Ok(Ok(_)) = tokio::time::timeout(Duration::from_secs(2), resp).await {
+                        refused.fetch_add(1, Ordering::Relaxed);
+                    }
                 }
-            }
+            });
+            futures::future::join_all(answered).await;
             std::future::pending::<()>().await;
             drop(held);
         }));
@@ -398,8 +421,9 @@ async fn dribble(
 pub const BASE: u64 = 80 << 20;
 pub const FACTOR: f64 = 2.2;
 
-/// Runs every attack; `hold` is how long each is held.
-pub async fn run(bins: &Binaries, hold: Duration) -> Result<Vec<AttackResult>> {
+/// Runs every attack whose name contains `only` (all without it); `hold` is how long each is held.
+pub async fn run(bins: &Binaries, hold: Duration, only: Option<&str>) -> Result<Vec<AttackResult>> {
+    let wanted = |name: &str| only.is_none_or(|o| name.contains(o));
     let sim_args: Vec<String> = ["--ttft-base-ms", "1", "--model", "m"]
         .iter()
         .map(|s| s.to_string())
@@ -415,74 +439,89 @@ pub async fn run(bins: &Binaries, hold: Duration) -> Result<Vec<AttackResult>> {
     let ports = (router.admin, router.grpc);
     let mut out = Vec::new();
     let preface = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
-    out.push(
-        measure(
-            "Pick flood: 4 conns x 100 streams, 2 MiB announced, 1 MiB sent",
-            pid,
-            ports,
-            bound,
-            hold,
-            pick_flood(router.grpc, 4, 100, 2 << 20, 1 << 20),
-        )
-        .await,
-    );
-    out.push(
-        measure(
-            "Pick flood: 40 streams, 60 MiB announced, 40 MiB sent",
-            pid,
-            ports,
-            bound,
-            hold,
-            pick_flood(router.grpc, 1, 40, 60 << 20, 40 << 20),
-        )
-        .await,
-    );
+    if wanted("Pick flood: 4 conns x 100 streams, 2 MiB announced, 1 MiB sent") {
+        out.push(
+            measure(
+                "Pick flood: 4 conns x 100 streams, 2 MiB announced, 1 MiB sent",
+                pid,
+                ports,
+                bound,
+                hold,
+                pick_flood(router.grpc, 4, 100, 2 << 20, 1 << 20),
+            )
+            .await,
+        );
+    }
+    if wanted("Pick flood: 40 streams, 60 MiB announced, 40 MiB sent") {
+        out.push(
+            measure(
+                "Pick flood: 40 streams, 60 MiB announced, 40 MiB sent",
+                pid,
+                ports,
+                bound,
+                hold,
+                pick_flood(router.grpc, 1, 40, 60 << 20, 40 << 20),
+            )
+            .await,
+        );
+    }
     let explain = "POST /debug/explain HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: 125000000\r\n\r\n{\"body\": \"".to_string();
-    out.push(
-        measure(
-            "explain flood: 64 conns, Content-Length 125 MB, 96 MiB sent",
-            pid,
-            ports,
-            bound,
-            hold,
-            stalled_uploads(router.admin, 64, explain, 96 << 20, 64 << 10),
-        )
-        .await,
-    );
-    out.push(
-        measure(
-            "preface flood: 2,000 gRPC conns sending only the preface",
-            pid,
-            ports,
-            bound,
-            hold,
-            stalled_uploads(
-                router.grpc,
-                2_000,
-                String::from_utf8_lossy(preface).into(),
-                0,
-                1,
-            ),
-        )
-        .await,
-    );
-    out.push(
-        measure(
-            "admin slowloris: 2,000 conns, a header byte a second, reconnecting",
-            pid,
-            ports,
-            bound,
-            hold,
-            dribble(router.admin, 2_000, b"GET /healthz HTTP/1.1\r\nhost: x\r\n"),
-        )
-        .await,
-    );
+    if wanted("explain flood: 64 conns, Content-Length 125 MB, 96 MiB sent") {
+        out.push(
+            measure(
+                "explain flood: 64 conns, Content-Length 125 MB, 96 MiB sent",
+                pid,
+                ports,
+                bound,
+                hold,
+                stalled_uploads(router.admin, 64, explain, 96 << 20, 64 << 10),
+            )
+            .await,
+        );
+    }
+    if wanted("preface flood: 2,000 gRPC conns sending only the preface") {
+        out.push(
+            measure(
+                "preface flood: 2,000 gRPC conns sending only the preface",
+                pid,
+                ports,
+                bound,
+                hold,
+                stalled_uploads(
+                    router.grpc,
+                    2_000,
+                    String::from_utf8_lossy(preface).into(),
+                    0,
+                    1,
+                ),
+            )
+            .await,
+        );
+    }
+    if wanted("admin slowloris: 2,000 conns, a header byte a second, reconnecting") {
+        out.push(
+            measure(
+                "admin slowloris: 2,000 conns, a header byte a second, reconnecting",
+                pid,
+                ports,
+                bound,
+                hold,
+                dribble(router.admin, 2_000, b"GET /healthz HTTP/1.1\r\nhost: x\r\n"),
+            )
+            .await,
+        );
+    }
     let envoy = find_envoy(None)?;
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../envoy");
     for (mode, file) in [
         ("FULL_DUPLEX", "gie-full-duplex.yaml"),
         ("BUFFERED", "override-host-buffered.yaml"),
     ] {
+        let name =
+            format!("{mode} held uploads via Envoy: 400 x 2 MiB, 1 MiB sent in 64 KiB writes");
+        if !wanted(&name) {
+            continue;
+        }
         let e = EnvoyProc::spawn(&envoy, &root.join(file), Some(router.grpc), &[pod.addr]).await?;
         let head = format!(
             "POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{{\"model\": \"m\", \"prompt\": \"",
@@ -490,7 +529,7 @@ pub async fn run(bins: &Binaries, hold: Duration) -> Result<Vec<AttackResult>> {
         );
         out.push(
             measure(
-                &format!("{mode} held uploads via Envoy: 400 x 2 MiB, 1 MiB sent in 64 KiB writes"),
+                &name,
                 pid,
                 ports,
                 bound,

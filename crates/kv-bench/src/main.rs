@@ -173,8 +173,12 @@ async fn real_main(cli: Cli) -> Result<()> {
         }
         Cmd::Hostile(a) if a.attacks => {
             let hold = Duration::from_secs(a.hold_s);
-            let results =
-                bench::hostile_attacks::run(&Binaries::beside_current_exe()?, hold).await?;
+            let results = bench::hostile_attacks::run(
+                &Binaries::beside_current_exe()?,
+                hold,
+                a.only.as_deref(),
+            )
+            .await?;
             println!("{}", bench::hostile_attacks::table(&results, Style::Plain));
             if a.markdown {
                 println!(
