@@ -71,20 +71,52 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 extern "C" {
     fn mi_option_set(option: std::ffi::c_int, value: std::ffi::c_long);
+    fn mi_collect(force: bool);
 }
 
 /// `mi_option_purge_delay` in the bundled mimalloc v3's `mi_option_t`.
 const MI_OPTION_PURGE_DELAY: std::ffi::c_int = 15;
 
-/// Freed pages go back to the OS at once, not after mimalloc's default 1 s delay, which only
-/// elapses with further allocator activity: after a Pick or explain flood RSS stayed 3-5× its
-/// pre-flood level for over 60 s; with 0 it was back at once (`kv-bench hostile --attacks`,
-/// docs/results.md). `MIMALLOC_PURGE_DELAY` in the environment still wins.
-fn purge_freed_memory_at_once() {
+/// Memory freed after a burst goes back to the OS (`kv-bench hostile --attacks`, docs/results.md):
+/// - purge delay 0: mimalloc's default 1 s delay only elapses with further allocator activity, so
+///   after a Pick or explain flood RSS stayed 3-5x its pre-flood level for over 60 s;
+/// - no transparent huge pages for this process: khugepaged collapsed every 2 MiB range a flood
+///   had touched into a huge page, so an idle router's RSS crept up in 10 s steps (32 -> 59 MiB
+///   after held uploads), and its idle RSS was twice what it used (32 vs 17 MiB). mimalloc's own
+///   `allow_thp` option is read before `main`, hence the process-wide switch.
+///
+/// `MIMALLOC_PURGE_DELAY` / `MIMALLOC_ALLOW_THP` in the environment still win.
+fn return_freed_memory() {
     if std::env::var_os("MIMALLOC_PURGE_DELAY").is_none() {
         // SAFETY: sets one integer option of the linked mimalloc; any value is valid.
         unsafe { mi_option_set(MI_OPTION_PURGE_DELAY, 0) }
     }
+    if std::env::var_os("MIMALLOC_ALLOW_THP").is_none() {
+        // SAFETY: PR_SET_THP_DISABLE takes integer arguments only; a kernel without it (< 3.15)
+        // answers EINVAL, which changes nothing.
+        unsafe { libc::prctl(libc::PR_SET_THP_DISABLE, 1, 0, 0, 0) };
+    }
+}
+
+/// Called when a runtime worker goes idle: at most once a second per thread, mimalloc collects that
+/// thread's heap, so pages freed by other threads (a body buffered on one worker and dropped on
+/// another) and retired pages go back to the OS instead of waiting for this thread's next burst
+/// of allocations.
+fn collect_when_idle() {
+    use std::cell::Cell;
+    use std::time::{Duration, Instant};
+    thread_local!(static LAST: Cell<Option<Instant>> = const { Cell::new(None) });
+    LAST.with(|last| {
+        let now = Instant::now();
+        if last
+            .get()
+            .is_none_or(|t| now.duration_since(t) >= Duration::from_secs(1))
+        {
+            last.set(Some(now));
+            // SAFETY: collects the calling thread's own heap; no pointer crosses the boundary.
+            unsafe { mi_collect(true) }
+        }
+    });
 }
 
 fn main() -> ExitCode {
@@ -117,8 +149,12 @@ fn main() -> ExitCode {
                 }
             };
             kv_router::telemetry::init_logging(&cfg.log);
-            purge_freed_memory_at_once();
-            let rt = match tokio::runtime::Runtime::new() {
+            return_freed_memory();
+            let rt = match tokio::runtime::Builder::new_multi_thread()
+                .enable_all()
+                .on_thread_park(collect_when_idle)
+                .build()
+            {
                 Ok(rt) => rt,
                 Err(e) => {
                     eprintln!("cannot start the runtime: {e}");

@@ -527,6 +527,84 @@ async fn silent_grpc_connections_are_reaped_and_never_lock_out_a_probe() {
     }
 }
 
+/// Reads HTTP/2 frames until the server's SETTINGS ACK: the server has read this connection's
+/// preface and SETTINGS. False when the connection closed (or nothing came in 5 s).
+async fn settings_acked(s: &mut tokio::net::TcpStream) -> bool {
+    use tokio::io::AsyncReadExt;
+    let read = async {
+        loop {
+            let mut head = [0u8; 9];
+            s.read_exact(&mut head).await.ok()?;
+            let len = u32::from_be_bytes([0, head[0], head[1], head[2]]) as usize;
+            let mut payload = vec![0u8; len];
+            s.read_exact(&mut payload).await.ok()?;
+            if head[3] == 4 && head[4] & 1 == 1 {
+                return Some(());
+            }
+        }
+    };
+    matches!(
+        tokio::time::timeout(Duration::from_secs(5), read).await,
+        Ok(Some(()))
+    )
+}
+
+/// HTTP/2 connections that complete their handshake and then say nothing pass the preface check;
+/// on the old main, once they filled `server.max_connections` every new connection was refused,
+/// the kubelet's readiness probe and the gateway's too. At the cap, the connection quiet the
+/// longest now makes room.
+#[tokio::test]
+async fn quiet_http2_connections_at_the_cap_never_lock_out_a_probe() {
+    use tokio::io::AsyncWriteExt;
+    const CAP: usize = 16;
+    let (_pod, r) = router(|c| c.server.max_connections = CAP).await;
+    let hello = [
+        &b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"[..],
+        &[0, 0, 0, 4, 0, 0, 0, 0, 0], // an empty SETTINGS frame
+    ]
+    .concat();
+    let mut quiet = Vec::new();
+    for i in 0..CAP + 4 {
+        let mut s = tokio::net::TcpStream::connect(r.grpc).await.unwrap();
+        s.write_all(&hello).await.unwrap();
+        let established = settings_acked(&mut s).await;
+        assert!(
+            established || i >= CAP,
+            "connection {i} under the cap was not served"
+        );
+        quiet.push(s);
+    }
+    let started = Instant::now();
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", r.grpc))
+        .unwrap()
+        .connect_timeout(Duration::from_secs(2))
+        .connect()
+        .await
+        .expect("a new connection at the cap is accepted");
+    let mut health = HealthClient::new(channel);
+    let answer = tokio::time::timeout(
+        Duration::from_secs(2),
+        health.check(HealthCheckRequest {
+            service: "readiness".into(),
+        }),
+    )
+    .await;
+    assert!(
+        matches!(answer, Ok(Ok(_))),
+        "readiness check behind {} quiet connections: {answer:?} after {:?}",
+        CAP + 4,
+        started.elapsed()
+    );
+    let m = reqwest::get(format!("{}/metrics", r.admin_url()))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let evicted = r#"kv_router_connections_closed_total{port="grpc",reason="evicted"}"#;
+    assert!(sample(&m, evicted) >= 5.0, "{m}");
+}
+
 /// The value of one sample in a Prometheus text exposition (0 when absent).
 fn sample(metrics: &str, series: &str) -> f64 {
     metrics
@@ -632,5 +710,128 @@ async fn an_admin_slowloris_never_starves_healthz_or_metrics() {
             "no header timeout counted in 10 s:\n{m}"
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// VmRSS of a process, bytes (0 once it is gone).
+fn rss(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    let kib = status.lines().find_map(|l| {
+        let v = l.strip_prefix("VmRSS:")?.trim().strip_suffix("kB")?;
+        v.trim().parse::<u64>().ok()
+    });
+    kib.unwrap_or(0) * 1024
+}
+
+/// Finding 5: bodies held through Envoy's FULL_DUPLEX mode cost at most the documented 2.2 bytes
+/// per budgeted byte (docs/operations.md), and the memory goes back once the streams close. On
+/// the old main RSS stayed ≥ 1.35× its level before the uploads, and crept up while idle as
+/// khugepaged turned the touched ranges into huge pages.
+#[tokio::test]
+async fn held_full_duplex_uploads_stay_in_the_memory_bound_and_give_it_back() {
+    use tokio::io::AsyncWriteExt;
+    const BUDGET: u64 = 48 << 20;
+    const UPLOADS: usize = 80; // 1 MiB each: more than the budget holds
+    let d = common::Deployment::start_with(1, &["gie-full-duplex.yaml"], |c| {
+        c.body_limit_bytes = 4 << 20;
+        c.server.max_buffered_body_bytes = BUDGET as usize;
+    })
+    .await;
+    let mut router = d.router.expect("kv-router");
+    let pid = router.process().pid().expect("router pid");
+    let listen = d.envoys[0].listen;
+    // One routed request first, so the base is a router that has served (its pools exist).
+    let ok = d
+        .client
+        .post(format!("{}/v1/completions", d.envoys[0].url()))
+        .json(&common::completion("warm up", 2))
+        .send()
+        .await
+        .expect("warm-up request");
+    assert!(ok.status().is_success(), "{:?}", ok.status());
+    let before = rss(pid);
+    let head = format!(
+        "POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{{\"model\": \"sim-model\", \"prompt\": \"",
+        2 << 20
+    );
+    let chunk = vec![b' '; 64 << 10];
+    let mut uploads = Vec::new();
+    for _ in 0..UPLOADS {
+        let mut s = tokio::net::TcpStream::connect(listen).await.unwrap();
+        s.write_all(head.as_bytes()).await.unwrap();
+        uploads.push(s);
+    }
+    // 1 MiB each, in 64 KiB writes (the ones refused at the budget stop taking bytes).
+    for _ in 0..16 {
+        for s in &mut uploads {
+            let _ = tokio::time::timeout(Duration::from_millis(200), s.write_all(&chunk)).await;
+        }
+    }
+    // Held until the router has buffered what the budget allows; the peak is sampled meanwhile.
+    let mut peak = rss(pid);
+    let refused = |m: &str| sample(m, r#"kv_router_errors_total{kind="body_budget"}"#);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        peak = peak.max(rss(pid));
+        let m = reqwest::get(format!("{}/metrics", router.admin_url()))
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        if refused(&m) >= 1.0 || Instant::now() > deadline {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    for _ in 0..10 {
+        peak = peak.max(rss(pid));
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // docs/operations.md: RSS ≈ 80 MiB + 2.2 × server.max_buffered_body_bytes at worst.
+    let bound = (80 << 20) + (2.2 * BUDGET as f64) as u64;
+    let mib = |b: u64| b as f64 / f64::from(1 << 20);
+    eprintln!(
+        "RSS before {:.1} MiB, peak {:.1} MiB, bound {:.1} MiB",
+        mib(before),
+        mib(peak),
+        mib(bound)
+    );
+    assert!(
+        peak > before + BUDGET / 2,
+        "the uploads were not held (peak {:.1} MiB)",
+        mib(peak)
+    );
+    assert!(
+        peak <= bound,
+        "peak {:.1} > bound {:.1} MiB",
+        mib(peak),
+        mib(bound)
+    );
+    drop(uploads);
+    // Back within 20 % of the level before, and staying there (the old main crept back up).
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let within = |r: u64| r as f64 <= before as f64 * 1.2;
+    while !within(rss(pid)) {
+        assert!(
+            Instant::now() < deadline,
+            "RSS {:.1} MiB 60 s after the uploads closed (before: {:.1} MiB)",
+            mib(rss(pid)),
+            mib(before)
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    let back = Instant::now();
+    // Past one khugepaged scan (10 s by default), which is what pushed it back up.
+    while back.elapsed() < Duration::from_secs(12) {
+        let now = rss(pid);
+        assert!(
+            within(now),
+            "RSS back up to {:.1} MiB {:?} after returning (before: {:.1} MiB)",
+            mib(now),
+            back.elapsed(),
+            mib(before)
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
     }
 }

@@ -52,8 +52,7 @@ pub(super) async fn start(
         stopping: shutdown.stopping.clone(),
         body_limit: explain_limit,
     });
-    let listener = tokio::net::TcpListener::bind(admin_addr)
-        .await
+    let listener = super::conns::bind(admin_addr)
         .with_context(|| format!("binding admin listener {admin_addr}"))?;
     Ok(crate::admin_serve::serve(
         listener,

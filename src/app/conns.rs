@@ -6,14 +6,19 @@
 //!
 //! Evictable means: on the gRPC port, short of its first `HANDSHAKE_BYTES` (the HTTP/2 preface, or
 //! a TLS ClientHello), which must also arrive within the handshake timeout; on the admin port, not
-//! serving a request (reading headers or idle between requests; hyper bounds both in time).
+//! serving a request (reading headers or idle between requests; hyper bounds both in time). When
+//! nothing is, a gRPC port at its cap evicts the connection that has read nothing the longest: a
+//! flood of HTTP/2 connections that complete their handshake and then say nothing once locked out
+//! every new one. A gateway's live connection reads at least its keepalive PING ACKs every 30 s,
+//! so it is never the quietest while such a flood lasts.
 
 use std::collections::VecDeque;
 use std::fmt::Write as _;
 use std::future::Future;
 use std::io;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::LazyLock;
 use std::sync::{Arc, Weak};
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -26,10 +31,27 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::{TcpListener, TcpSocket, TcpStream};
 use tokio::time::{Instant, Sleep};
 use tonic::transport::server::{Connected, TcpConnectInfo};
 use tracing::debug;
+
+/// The accept queue asked of the kernel (which caps it at `net.core.somaxconn`): with tokio's
+/// 1,024, 2,000 clients reconnecting at once overflowed it, and a health probe whose SYN was
+/// dropped waited the kernel's 1 s retransmit (`kv-bench hostile --attacks`, admin slowloris).
+const LISTEN_BACKLOG: u32 = 4096;
+
+/// Binds a listener (SO_REUSEADDR, as `TcpListener::bind` does) with [`LISTEN_BACKLOG`].
+pub(crate) fn bind(addr: std::net::SocketAddr) -> io::Result<TcpListener> {
+    let socket = if addr.is_ipv4() {
+        TcpSocket::new_v4()?
+    } else {
+        TcpSocket::new_v6()?
+    };
+    socket.set_reuseaddr(true)?;
+    socket.bind(addr)?;
+    socket.listen(LISTEN_BACKLOG)
+}
 
 /// The HTTP/2 client preface is 24 bytes; a TLS ClientHello is longer.
 const HANDSHAKE_BYTES: u64 = 24;
@@ -117,10 +139,18 @@ impl ConnMetrics {
     }
 }
 
+/// Milliseconds since the first call: the connections' common clock for "quiet the longest".
+fn now_ms() -> u64 {
+    static START: LazyLock<std::time::Instant> = LazyLock::new(std::time::Instant::now);
+    START.elapsed().as_millis() as u64
+}
+
 /// One connection's entry in the tracker; dropped with the connection.
 struct Slot {
     /// Evictable now (see the module comment).
     evictable: AtomicBool,
+    /// When it last read a byte ([`now_ms`]); gRPC only.
+    last_read: AtomicU64,
     evicted: AtomicBool,
     waker: AtomicWaker,
     port: Port,
@@ -171,7 +201,18 @@ impl Tracker {
                 w.upgrade()
                     .is_some_and(|s| s.evictable.load(Ordering::Acquire))
             });
-            let Some(oldest) = oldest else {
+            // gRPC: else the connection that has read nothing the longest.
+            let quietest = || {
+                let live = open.iter().enumerate();
+                let quiet = live
+                    .filter_map(|(i, w)| Some((w.upgrade()?.last_read.load(Ordering::Relaxed), i)));
+                quiet.min().map(|(_, i)| i)
+            };
+            let victim = match self.port {
+                Port::Grpc => oldest.or_else(quietest),
+                Port::Admin => oldest,
+            };
+            let Some(oldest) = victim else {
                 self.metrics.closed(self.port, Closed::Refused);
                 return None;
             };
@@ -186,6 +227,7 @@ impl Tracker {
             .inc();
         let slot = Arc::new(Slot {
             evictable: AtomicBool::new(true),
+            last_read: AtomicU64::new(now_ms()),
             evicted: AtomicBool::new(false),
             waker: AtomicWaker::new(),
             port: self.port,
@@ -205,7 +247,6 @@ impl Tracker {
             slot,
             read: 0,
             deadline: None,
-            watching: true,
             handshake_bytes: None,
         };
         Some((conn, busy))
@@ -238,8 +279,6 @@ pub struct Guarded {
     slot: Arc<Slot>,
     read: u64,
     deadline: Option<Pin<Box<Sleep>>>,
-    /// Eviction is checked on each read (gRPC: only until the handshake bytes came).
-    watching: bool,
     /// gRPC: evictable until this many bytes were read.
     handshake_bytes: Option<u64>,
 }
@@ -258,33 +297,34 @@ impl AsyncRead for Guarded {
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
         let this = &mut *self;
-        if this.watching {
-            this.slot.waker.register(cx.waker());
-            if this.slot.evicted.load(Ordering::Acquire) {
-                return Poll::Ready(Err(this.closed("evicted at the connection cap")));
-            }
-            if let Some(d) = this.deadline.as_mut() {
-                if d.as_mut().poll(cx).is_ready() {
-                    this.deadline = None;
-                    // Not evictable any more and counted once: later reads fail as evicted.
-                    this.slot.evictable.store(false, Ordering::Release);
-                    this.slot.evicted.store(true, Ordering::Release);
-                    this.slot
-                        .metrics
-                        .closed(this.slot.port, Closed::HandshakeTimeout);
-                    return Poll::Ready(Err(this.closed("handshake timeout")));
-                }
+        this.slot.waker.register(cx.waker());
+        if this.slot.evicted.load(Ordering::Acquire) {
+            return Poll::Ready(Err(this.closed("evicted at the connection cap")));
+        }
+        if let Some(d) = this.deadline.as_mut() {
+            if d.as_mut().poll(cx).is_ready() {
+                this.deadline = None;
+                // Not evictable any more and counted once: later reads fail as evicted.
+                this.slot.evictable.store(false, Ordering::Release);
+                this.slot.evicted.store(true, Ordering::Release);
+                this.slot
+                    .metrics
+                    .closed(this.slot.port, Closed::HandshakeTimeout);
+                return Poll::Ready(Err(this.closed("handshake timeout")));
             }
         }
         let before = buf.filled().len();
         let res = Pin::new(&mut this.inner).poll_read(cx, buf);
-        if let (Poll::Ready(Ok(())), Some(need)) = (&res, this.handshake_bytes) {
-            this.read += (buf.filled().len() - before) as u64;
-            if this.read >= need {
-                this.handshake_bytes = None;
-                this.deadline = None;
-                this.watching = false;
-                this.slot.evictable.store(false, Ordering::Release);
+        let got = buf.filled().len() - before;
+        if matches!(res, Poll::Ready(Ok(()))) && got > 0 && this.slot.port == Port::Grpc {
+            this.slot.last_read.store(now_ms(), Ordering::Relaxed);
+            if let Some(need) = this.handshake_bytes {
+                this.read += got as u64;
+                if this.read >= need {
+                    this.handshake_bytes = None;
+                    this.deadline = None;
+                    this.slot.evictable.store(false, Ordering::Release);
+                }
             }
         }
         res
@@ -363,7 +403,6 @@ pub fn incoming(
                     deadline: Some(Box::pin(tokio::time::sleep_until(
                         Instant::now() + handshake_timeout,
                     ))),
-                    watching: true,
                     handshake_bytes: Some(HANDSHAKE_BYTES),
                 };
                 return Some((Ok(conn), listener));
@@ -383,7 +422,7 @@ mod tests {
     #[test]
     fn at_the_cap_the_oldest_evictable_connection_is_evicted_else_the_new_one_refused() {
         let m = ConnMetrics::default();
-        let t = Tracker::new(Port::Grpc, 2, m.clone());
+        let t = Tracker::new(Port::Admin, 2, m.clone());
         let a = t.admit().unwrap();
         let b = t.admit().unwrap();
         a.evictable.store(false, Ordering::Release);
@@ -397,15 +436,43 @@ mod tests {
         let closed = |reason| {
             m.closed
                 .get_or_create(&ClosedLabels {
-                    port: Port::Grpc,
+                    port: Port::Admin,
                     reason,
                 })
                 .get()
         };
         assert_eq!((closed(Closed::Evicted), closed(Closed::Refused)), (1, 1));
         drop((b, c));
-        let open = m.open.get_or_create(&PortLabels { port: Port::Grpc }).get();
+        let open = m
+            .open
+            .get_or_create(&PortLabels { port: Port::Admin })
+            .get();
         assert_eq!(open, 1, "only the last admitted one is still open");
+    }
+
+    #[test]
+    fn a_grpc_port_at_its_cap_with_every_handshake_done_evicts_the_quietest() {
+        let t = Tracker::new(Port::Grpc, 3, ConnMetrics::default());
+        let slots: Vec<_> = (0..3).map(|_| t.admit().unwrap()).collect();
+        for (s, last_read) in slots.iter().zip([50, 10, 30]) {
+            s.evictable.store(false, Ordering::Release);
+            s.last_read.store(last_read, Ordering::Relaxed);
+        }
+        assert!(t.admit().is_some(), "a new connection is never refused");
+        let evicted: Vec<_> = slots
+            .iter()
+            .map(|s| s.evicted.load(Ordering::Acquire))
+            .collect();
+        assert_eq!(
+            evicted,
+            [false, true, false],
+            "the one that read nothing the longest"
+        );
+        // The admin port keeps refusing instead: its busy connections are serving requests.
+        let admin = Tracker::new(Port::Admin, 1, ConnMetrics::default());
+        let busy = admin.admit().unwrap();
+        busy.evictable.store(false, Ordering::Release);
+        assert!(admin.admit().is_none());
     }
 
     #[test]

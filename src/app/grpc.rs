@@ -96,9 +96,7 @@ pub(super) async fn start(
         errors,
     );
     let addr = cfg.grpc_addr();
-    let listener = tokio::net::TcpListener::bind(addr)
-        .await
-        .with_context(|| format!("binding gRPC listener {addr}"))?;
+    let listener = conns::bind(addr).with_context(|| format!("binding gRPC listener {addr}"))?;
     let incoming = conns::incoming(
         listener,
         cfg.server.max_connections,

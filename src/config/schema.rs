@@ -75,7 +75,7 @@ pub struct ServerConfig {
     /// Request-body bytes buffered across all ext_proc streams; a chunk past it gets a 503.
     pub max_buffered_body_bytes: usize,
     /// Most gRPC connections open at once; at the cap the oldest one still in its handshake is
-    /// closed to make room, else the new one is.
+    /// closed to make room, else the one that has read nothing the longest.
     pub max_connections: usize,
     /// A gRPC connection that has not sent its HTTP/2 preface (or TLS hello) by then is closed.
     pub handshake_timeout_ms: u64,
