@@ -190,4 +190,38 @@ mod tests {
             tonic::Code::Unavailable
         );
     }
+
+    /// Pick answers both pods of a disaggregated request, and says when it is not one.
+    #[tokio::test]
+    async fn pick_names_the_prefill_pod_of_a_disaggregated_request() {
+        use crate::config::PodRole;
+        let (decider, _) = crate::decide::tests::decider(4, |c| {
+            for (i, p) in c.pods.static_pods.iter_mut().enumerate() {
+                p.role = Some(if i < 2 {
+                    PodRole::Prefill
+                } else {
+                    PodRole::Decode
+                });
+            }
+            c.disaggregation.threshold_tokens = 16;
+        })
+        .await;
+        let svc = PickService::new(Arc::new(decider), PickApiConfig::default());
+        let prefill = ["127.0.0.1:8000", "127.0.0.1:8001"];
+        let r = svc.pick(pick(false)).await.unwrap().into_inner();
+        assert_eq!(r.pd_outcome, "disaggregated");
+        assert!(prefill.contains(&r.prefill_endpoint.as_str()), "{r:?}");
+        assert!(
+            !prefill.contains(&r.endpoints[0].address.as_str()),
+            "the destination is a decode pod: {r:?}"
+        );
+        let short = Request::new(PickRequest {
+            path: "/v1/completions".into(),
+            body: br#"{"model": "m", "prompt": "hi"}"#.to_vec(),
+            ..Default::default()
+        });
+        let r = svc.pick(short).await.unwrap().into_inner();
+        assert_eq!(r.pd_outcome, "short_or_cached");
+        assert_eq!(r.prefill_endpoint, "", "{r:?}");
+    }
 }
