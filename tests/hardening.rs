@@ -304,12 +304,7 @@ async fn prompts_and_session_ids_never_reach_logs_or_metrics() {
         .text()
         .await
         .unwrap();
-    let metrics = reqwest::get(format!("{}/metrics", r.admin_url()))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = metrics(&r).await;
     // The log must hold what these requests logged before it is searched for an absence: at
     // least the decision lines of the two routed streams and of explain (the last request),
     // and the unparsable body's line.
@@ -420,12 +415,7 @@ async fn stalled_pick_uploads_are_held_to_the_body_budget() {
         "two held, three refused with RESOURCE_EXHAUSTED"
     );
     drop(bodies);
-    let metrics = reqwest::get(format!("{}/metrics", r.admin_url()))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = metrics(&r).await;
     assert!(
         metrics.contains(r#"kv_router_errors_total{kind="body_budget"} 3"#),
         "{metrics}"
@@ -595,14 +585,15 @@ async fn quiet_http2_connections_at_the_cap_never_lock_out_a_probe() {
         CAP + 4,
         started.elapsed()
     );
-    let m = reqwest::get(format!("{}/metrics", r.admin_url()))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let m = metrics(&r).await;
     let evicted = r#"kv_router_connections_closed_total{port="grpc",reason="evicted"}"#;
     assert!(sample(&m, evicted) >= 5.0, "{m}");
+}
+
+/// The router's `/metrics` text.
+async fn metrics(r: &RouterProc) -> String {
+    let resp = reqwest::get(format!("{}/metrics", r.admin_url())).await;
+    resp.unwrap().text().await.unwrap()
 }
 
 /// The value of one sample in a Prometheus text exposition (0 when absent).
@@ -773,12 +764,7 @@ async fn held_full_duplex_uploads_stay_in_the_memory_bound_and_give_it_back() {
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
         peak = peak.max(rss(pid));
-        let m = reqwest::get(format!("{}/metrics", router.admin_url()))
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
+        let m = metrics(&router).await;
         if refused(&m) >= 1.0 || Instant::now() > deadline {
             break;
         }

@@ -250,6 +250,35 @@ async fn measure(
     r
 }
 
+/// One router under attack: each attack wanted by `only` is measured in turn into `results`.
+struct Session<'a> {
+    pid: u32,
+    ports: (SocketAddr, SocketAddr),
+    bound: u64,
+    hold: Duration,
+    only: Option<&'a str>,
+    results: Vec<AttackResult>,
+}
+
+impl Session<'_> {
+    /// Whether `name` is to run (its name contains `only`, or there is none).
+    fn wants(&self, name: &str) -> bool {
+        self.only.is_none_or(|o| name.contains(o))
+    }
+
+    /// Measures `attack` under `name` when wanted (an unwanted one is never started).
+    async fn attack(
+        &mut self,
+        name: &str,
+        attack: impl std::future::Future<Output = (Held, Arc<parking_lot::Mutex<String>>)>,
+    ) {
+        if self.wants(name) {
+            let r = measure(name, self.pid, self.ports, self.bound, self.hold, attack).await;
+            self.results.push(r);
+        }
+    }
+}
+
 /// Streams to `Pick` announcing `announce` bytes and sending `send`, then stalling.
 async fn pick_flood(
     grpc: SocketAddr,
@@ -423,7 +452,6 @@ pub const FACTOR: f64 = 2.2;
 
 /// Runs every attack whose name contains `only` (all without it); `hold` is how long each is held.
 pub async fn run(bins: &Binaries, hold: Duration, only: Option<&str>) -> Result<Vec<AttackResult>> {
-    let wanted = |name: &str| only.is_none_or(|o| name.contains(o));
     let sim_args: Vec<String> = ["--ttft-base-ms", "1", "--model", "m"]
         .iter()
         .map(|s| s.to_string())
@@ -436,81 +464,47 @@ pub async fn run(bins: &Binaries, hold: Duration, only: Option<&str>) -> Result<
     let mut router = RouterProc::spawn(&bins.kv_router, &cfg).await?;
     router.wait_pods_ready(1, Duration::from_secs(20)).await?;
     let pid = router.process().pid().context("router pid")?;
-    let ports = (router.admin, router.grpc);
-    let mut out = Vec::new();
+    let mut s = Session {
+        pid,
+        ports: (router.admin, router.grpc),
+        bound,
+        hold,
+        only,
+        results: Vec::new(),
+    };
     let preface = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
-    if wanted("Pick flood: 4 conns x 100 streams, 2 MiB announced, 1 MiB sent") {
-        out.push(
-            measure(
-                "Pick flood: 4 conns x 100 streams, 2 MiB announced, 1 MiB sent",
-                pid,
-                ports,
-                bound,
-                hold,
-                pick_flood(router.grpc, 4, 100, 2 << 20, 1 << 20),
-            )
-            .await,
-        );
-    }
-    if wanted("Pick flood: 40 streams, 60 MiB announced, 40 MiB sent") {
-        out.push(
-            measure(
-                "Pick flood: 40 streams, 60 MiB announced, 40 MiB sent",
-                pid,
-                ports,
-                bound,
-                hold,
-                pick_flood(router.grpc, 1, 40, 60 << 20, 40 << 20),
-            )
-            .await,
-        );
-    }
+    s.attack(
+        "Pick flood: 4 conns x 100 streams, 2 MiB announced, 1 MiB sent",
+        pick_flood(router.grpc, 4, 100, 2 << 20, 1 << 20),
+    )
+    .await;
+    s.attack(
+        "Pick flood: 40 streams, 60 MiB announced, 40 MiB sent",
+        pick_flood(router.grpc, 1, 40, 60 << 20, 40 << 20),
+    )
+    .await;
     let explain = "POST /debug/explain HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: 125000000\r\n\r\n{\"body\": \"".to_string();
-    if wanted("explain flood: 64 conns, Content-Length 125 MB, 96 MiB sent") {
-        out.push(
-            measure(
-                "explain flood: 64 conns, Content-Length 125 MB, 96 MiB sent",
-                pid,
-                ports,
-                bound,
-                hold,
-                stalled_uploads(router.admin, 64, explain, 96 << 20, 64 << 10),
-            )
-            .await,
-        );
-    }
-    if wanted("preface flood: 2,000 gRPC conns sending only the preface") {
-        out.push(
-            measure(
-                "preface flood: 2,000 gRPC conns sending only the preface",
-                pid,
-                ports,
-                bound,
-                hold,
-                stalled_uploads(
-                    router.grpc,
-                    2_000,
-                    String::from_utf8_lossy(preface).into(),
-                    0,
-                    1,
-                ),
-            )
-            .await,
-        );
-    }
-    if wanted("admin slowloris: 2,000 conns, a header byte a second, reconnecting") {
-        out.push(
-            measure(
-                "admin slowloris: 2,000 conns, a header byte a second, reconnecting",
-                pid,
-                ports,
-                bound,
-                hold,
-                dribble(router.admin, 2_000, b"GET /healthz HTTP/1.1\r\nhost: x\r\n"),
-            )
-            .await,
-        );
-    }
+    s.attack(
+        "explain flood: 64 conns, Content-Length 125 MB, 96 MiB sent",
+        stalled_uploads(router.admin, 64, explain, 96 << 20, 64 << 10),
+    )
+    .await;
+    s.attack(
+        "preface flood: 2,000 gRPC conns sending only the preface",
+        stalled_uploads(
+            router.grpc,
+            2_000,
+            String::from_utf8_lossy(preface).into(),
+            0,
+            1,
+        ),
+    )
+    .await;
+    s.attack(
+        "admin slowloris: 2,000 conns, a header byte a second, reconnecting",
+        dribble(router.admin, 2_000, b"GET /healthz HTTP/1.1\r\nhost: x\r\n"),
+    )
+    .await;
     let envoy = find_envoy(None)?;
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../envoy");
     for (mode, file) in [
@@ -519,7 +513,7 @@ pub async fn run(bins: &Binaries, hold: Duration, only: Option<&str>) -> Result<
     ] {
         let name =
             format!("{mode} held uploads via Envoy: 400 x 2 MiB, 1 MiB sent in 64 KiB writes");
-        if !wanted(&name) {
+        if !s.wants(&name) {
             continue;
         }
         let e = EnvoyProc::spawn(&envoy, &root.join(file), Some(router.grpc), &[pod.addr]).await?;
@@ -527,17 +521,11 @@ pub async fn run(bins: &Binaries, hold: Duration, only: Option<&str>) -> Result<
             "POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{{\"model\": \"m\", \"prompt\": \"",
             2 << 20
         );
-        out.push(
-            measure(
-                &name,
-                pid,
-                ports,
-                bound,
-                hold,
-                stalled_uploads(e.listen, 400, head, 1 << 20, 64 << 10),
-            )
-            .await,
-        );
+        s.attack(
+            &name,
+            stalled_uploads(e.listen, 400, head, 1 << 20, 64 << 10),
+        )
+        .await;
         drop(e);
     }
     if router.process().exited().is_some() {
@@ -546,7 +534,7 @@ pub async fn run(bins: &Binaries, hold: Duration, only: Option<&str>) -> Result<
             router.stderr_tail(20)
         );
     }
-    Ok(out)
+    Ok(s.results)
 }
 
 /// The results as a table.
