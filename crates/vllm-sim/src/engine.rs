@@ -16,7 +16,8 @@
 //! * after its prefill, a request's full prompt blocks are stored in (or touched in) the cache
 //!   and pinned until it finishes;
 //! * each decoding request emits a token every
-//!   `decode_us_per_token × (1 + decode_batch_slowdown × running)`;
+//!   `decode_us_per_token × (1 + decode_batch_slowdown × running)`, plus, while a prefill runs
+//!   and `prefill_chunk_tokens` is set, the compute of one prefill chunk (chunked prefill);
 //! * vLLM's request timing histograms: a request is "scheduled" when the prefill lane picks it
 //!   up, so queue time = submit → lane start, prefill time = lane start → first token (lane busy
 //!   time + `ttft_base_us`), TTFT = submit → first token; all three (and the uncached prompt
@@ -56,6 +57,9 @@ pub struct EngineConfig {
     pub decode_us_per_token: f64,
     /// Relative decode slowdown per running request.
     pub decode_batch_slowdown: f64,
+    /// Prefill tokens computed in each decode step while a prefill runs (vLLM's chunked
+    /// prefill, `max_num_batched_tokens`); 0: prefill and decode never slow each other.
+    pub prefill_chunk_tokens: usize,
 }
 
 impl Default for EngineConfig {
@@ -68,6 +72,7 @@ impl Default for EngineConfig {
             prefill_us_per_token: 100.0,
             decode_us_per_token: 10_000.0,
             decode_batch_slowdown: 0.01,
+            prefill_chunk_tokens: 0,
         }
     }
 }
@@ -657,6 +662,7 @@ impl Engine {
 
     fn emit_token(&mut self, id: RequestId, now: u64) {
         let bs = self.cfg.block_size;
+        let stall = self.chunk_stall(now);
         let Some(req) = self.reqs.get_mut(&id) else {
             return;
         };
@@ -686,7 +692,7 @@ impl Engine {
         if !finished {
             let slowdown = 1.0 + self.cfg.decode_batch_slowdown.max(0.0) * self.running as f64;
             let dt = (self.cfg.decode_us_per_token.max(0.0) * slowdown).round() as u64;
-            req.next_at = now.saturating_add(dt);
+            req.next_at = now.saturating_add(dt).saturating_add(stall);
             self.decode.insert((req.next_at, id));
         }
         if grew > 0 {
@@ -711,6 +717,17 @@ impl Engine {
             self.cache
                 .set_reserved(self.private_blocks, &mut self.events);
         }
+    }
+
+    /// How much longer the next decode step takes because it carries a chunk of the prefill
+    /// running at `now`: the chunk's compute, at most what is left of that prefill. This is the
+    /// inter-token stall prefill/decode disaggregation removes.
+    fn chunk_stall(&self, now: u64) -> u64 {
+        let Some((_, done)) = self.lane else {
+            return 0;
+        };
+        let chunk = self.cfg.prefill_chunk_tokens as f64 * self.cfg.prefill_us_per_token.max(0.0);
+        (chunk.round() as u64).min(done.saturating_sub(now))
     }
 
     /// Returns a prefilling/decoding request's blocks.

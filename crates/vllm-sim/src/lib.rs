@@ -75,6 +75,10 @@ pub struct Args {
     /// Relative decode slowdown per running request.
     #[arg(long, default_value_t = 0.01)]
     pub decode_batch_slowdown: f64,
+    /// Prefill tokens each decode step carries while a prefill runs (vLLM's chunked prefill,
+    /// `max_num_batched_tokens`): decode stalls behind prefills. 0: no interference.
+    #[arg(long, default_value_t = 0)]
+    pub prefill_chunk_tokens: usize,
     /// Seed for response ids and generated text.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
@@ -153,6 +157,7 @@ impl Args {
             prefill_us_per_token: finite(self.prefill_us_per_token),
             decode_us_per_token: finite(self.decode_ms_per_token) * 1000.0,
             decode_batch_slowdown: finite(self.decode_batch_slowdown),
+            prefill_chunk_tokens: self.prefill_chunk_tokens,
         }
     }
 }

@@ -283,6 +283,7 @@ mod tests {
             prefill_us_per_token: 10.0,
             decode_us_per_token: 100.0,
             decode_batch_slowdown: 0.0,
+            prefill_chunk_tokens: 0,
         });
         e.submit(0, 1, Submission::new(1, (0..100).collect(), 2, 4));
         e.submit(0, 2, Submission::new(2, (0..100).collect(), 2, 4));

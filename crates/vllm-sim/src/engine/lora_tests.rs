@@ -14,6 +14,7 @@ fn engine(max_loras: usize, max_num_seqs: usize) -> Engine {
         prefill_us_per_token: 10.0,
         decode_us_per_token: 100.0,
         decode_batch_slowdown: 0.0,
+        prefill_chunk_tokens: 0,
     })
     .with_lora(LoraConfig {
         max_loras,

@@ -11,6 +11,7 @@ fn cfg() -> EngineConfig {
         prefill_us_per_token: 10.0,
         decode_us_per_token: 100.0,
         decode_batch_slowdown: 0.0,
+        prefill_chunk_tokens: 0,
     }
 }
 
@@ -150,6 +151,39 @@ fn decode_slows_down_with_batch() {
     }
     // One running request: 100 × (1 + 0.5 × 1).
     assert_eq!(times, vec![0, 150]);
+}
+
+#[test]
+fn a_running_prefill_stalls_decode_by_one_chunk_per_step() {
+    let times = |chunk: usize| {
+        let mut c = cfg();
+        c.ttft_base_us = 0.0;
+        c.prefill_chunk_tokens = chunk;
+        let mut e = Engine::new(c);
+        // Request 1 (4 tokens) prefills 0..40 µs and decodes; request 2 (1000 tokens) prefills
+        // 40..10_040 µs on the lane meanwhile.
+        e.submit(0, 1, sub(1, 4, 4));
+        e.submit(0, 2, sub(2, 1000, 1));
+        let mut out = Vec::new();
+        loop {
+            for o in e.step(e.now) {
+                if let Output::Token { id: 1, at, .. } = o {
+                    out.push(at);
+                }
+            }
+            match e.next_event_time() {
+                Some(t) => e.advance(t),
+                None => break,
+            }
+        }
+        out
+    };
+    // No chunking: tokens every 100 µs whatever the lane does.
+    assert_eq!(times(0), vec![40, 140, 240, 340]);
+    // 256-token chunks at 10 µs/token: each step while request 2 prefills takes 2,560 µs more.
+    assert_eq!(times(256), vec![40, 2_700, 5_360, 8_020]);
+    // A chunk never stalls past the end of the prefill it belongs to.
+    assert_eq!(times(4096), vec![40, 10_140, 10_240, 10_340]);
 }
 
 #[test]
