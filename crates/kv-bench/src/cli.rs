@@ -194,6 +194,11 @@ pub struct CompareArgs {
     /// How much slower the --slow-pods prefill.
     #[arg(long, default_value_t = 4.0, value_parser = positive_factor)]
     pub slow_factor: f64,
+    /// A prefill/decode fleet: the first N pods `--role prefill`, the rest `--role decode`.
+    /// Strategies `pd` and `precise-pd` route by roles; the others see the pods as one
+    /// aggregated fleet. The report adds the P/D table (ITL, prompt tokens computed, transfers).
+    #[arg(long, default_value_t = 0)]
+    pub pd_prefill: usize,
     /// Strategies to run, comma-separated, in order.
     #[arg(long, value_enum, value_delimiter = ',', default_values_t = Strategy::ALL)]
     pub strategies: Vec<Strategy>,

@@ -13,9 +13,10 @@ use std::time::Duration;
 use anyhow::{Context, Result};
 use serde::Serialize;
 
+use super::pd_report::{self, PodWork};
 use super::report::Summary;
 use super::strategy::Strategy;
-use kv_router::config::Config;
+use kv_router::config::{Config, PodRole};
 use kv_testkit::deploy::{
     self, Binaries, EnvoyOptions, EnvoyProc, EventPod, RedisProc, RouterProc,
 };
@@ -52,6 +53,9 @@ pub struct CompareOptions {
     /// Rounds over the strategies, each in an order rotated by one (`#1`, `#2`… in labels when
     /// more than one): a single run's verdict can be its slot or the machine's noise.
     pub repeat: usize,
+    /// A prefill/decode fleet: the first `n` pods run `--role prefill`, the rest
+    /// `--role decode` (0: every pod aggregated). Only the P/D strategies route by roles.
+    pub pd_prefill: usize,
 }
 
 impl CompareOptions {
@@ -82,6 +86,7 @@ pub struct CompareFleet {
     pods: Vec<EventPod>,
     envoy_bin: PathBuf,
     rr_envoy: EnvoyProc,
+    pd_prefill: usize,
 }
 
 impl CompareFleet {
@@ -105,6 +110,7 @@ impl CompareFleet {
             pods,
             envoy_bin,
             rr_envoy,
+            pd_prefill: opts.pd_prefill,
         })
     }
 
@@ -118,7 +124,31 @@ impl CompareFleet {
         let mut cfg = deploy::local_router_config(&self.addrs())?;
         cfg.log.level = "warn".into();
         EventPod::set_endpoints(&mut cfg, &self.pods);
+        if self.pd_prefill > 0 {
+            for (i, p) in cfg.pods.static_pods.iter_mut().enumerate() {
+                p.role = Some(pod_role(i, self.pd_prefill));
+            }
+        }
         Ok(cfg)
+    }
+
+    /// Every pod with whether it is a prefill-role pod.
+    pub(crate) fn roles(&self) -> Vec<(SocketAddr, bool)> {
+        let n = self.pd_prefill;
+        self.addrs()
+            .into_iter()
+            .enumerate()
+            .map(|(i, a)| (a, pod_role(i, n) == PodRole::Prefill))
+            .collect()
+    }
+}
+
+/// Pod `i`'s role in a fleet whose first `prefill` pods prefill (0: aggregated).
+fn pod_role(i: usize, prefill: usize) -> PodRole {
+    match (prefill, i < prefill) {
+        (0, _) => PodRole::Both,
+        (_, true) => PodRole::Prefill,
+        (_, false) => PodRole::Decode,
     }
 }
 
@@ -139,6 +169,7 @@ fn spawn_event_pod(bins: &Binaries, i: usize, opts: &CompareOptions) -> Result<E
         opts.model.clone(),
     ];
     args.extend(pod_sim_args(&opts.sim_args, i, opts.slow_pods));
+    args.push(format!("--role={}", pod_role(i, opts.pd_prefill).as_str()));
     EventPod::spawn(&bins.vllm_sim, &format!("pod-{i}"), &args)
 }
 
@@ -179,6 +210,8 @@ pub struct StrategyRun {
     pub run: Option<RunResult>,
     /// Why it did not run.
     pub skipped: Option<String>,
+    /// What the pods did during the run (their counters' change), on a P/D fleet.
+    pub pod_work: Option<PodWork>,
 }
 
 impl StrategyRun {
@@ -197,6 +230,7 @@ impl StrategyRun {
             summary: Some(summary),
             run: Some(run),
             skipped: None,
+            pod_work: None,
         }
     }
 }
@@ -216,12 +250,26 @@ pub struct Comparison {
     pub fleet: String,
     /// One entry per strategy, in run order.
     pub runs: Vec<StrategyRun>,
+    /// Prefill-role pods of a P/D fleet (0: aggregated).
+    pub pd_prefill: usize,
 }
 
 impl Comparison {
     /// Summaries of the strategies that ran.
     pub fn summaries(&self) -> Vec<Summary> {
         self.runs.iter().filter_map(|r| r.summary.clone()).collect()
+    }
+
+    /// The P/D table's rows: every run with pod counters, against the pooled oracle.
+    pub fn pd_rows(&self) -> Vec<pd_report::PdRow> {
+        self.runs
+            .iter()
+            .filter_map(|r| {
+                let (run, work) = (r.run.as_ref()?, r.pod_work.as_ref()?);
+                let pooled = r.summary.as_ref()?.oracles?.pooled.ratio();
+                Some(pd_report::PdRow::of(&r.label, run, work, pooled))
+            })
+            .collect()
     }
 
     /// Lines naming the strategies that did not run and why.
@@ -253,11 +301,21 @@ pub async fn compare(
         description: sample.description.clone(),
         pods: Some(opts.pods),
         gpu_blocks: Some(opts.gpu_blocks),
-        fleet: format!(
-            "{} vllm-sim pods x {} KV blocks of 16 tokens",
-            opts.pods, opts.gpu_blocks
-        ),
+        fleet: match opts.pd_prefill {
+            0 => format!(
+                "{} vllm-sim pods x {} KV blocks of 16 tokens",
+                opts.pods, opts.gpu_blocks
+            ),
+            n => format!(
+                "{} vllm-sim pods x {} KV blocks of 16 tokens, the first {n} `--role prefill` \
+                 and the rest `--role decode`; only the P/D strategies route by role, the \
+                 others see one aggregated fleet (a decode pod without the prefill header \
+                 prefills itself)",
+                opts.pods, opts.gpu_blocks
+            ),
+        },
         runs: Vec::new(),
+        pd_prefill: opts.pd_prefill,
     };
     drop(sample);
     let rounds = opts.repeat.max(1);
@@ -267,6 +325,16 @@ pub async fn compare(
             1 => opts.label(strategy),
             _ => format!("{} #{}", opts.label(strategy), round + 1),
         };
+        if strategy.disaggregates() && opts.pd_prefill == 0 {
+            out.runs.push(StrategyRun {
+                label,
+                summary: None,
+                run: None,
+                skipped: Some("the fleet has no prefill pods (--pd-prefill)".into()),
+                pod_work: None,
+            });
+            continue;
+        }
         let redis = if strategy.needs_redis() {
             match deploy::find_redis_server() {
                 Ok(bin) => Some(bin),
@@ -278,6 +346,7 @@ pub async fn compare(
                         summary: None,
                         run: None,
                         skipped: Some(why),
+                        pod_work: None,
                     });
                     continue;
                 }
@@ -308,6 +377,11 @@ pub async fn compare(
                 url
             }
         };
+        let roles = fleet.roles();
+        let before = match opts.pd_prefill {
+            0 => None,
+            _ => Some(pd_report::scrape(&roles).await?),
+        };
         let w = workload();
         if opts.progress {
             eprintln!(
@@ -334,9 +408,15 @@ pub async fn compare(
         if let (Some(s), Some(dir)) = (&stack, &opts.router_metrics) {
             s.save_metrics(dir, &label).await?;
         }
+        let pod_work = match before {
+            Some(b) => Some(pd_report::scrape(&roles).await?.since(b)),
+            None => None,
+        };
         drop(stack);
         let fleet = Some((opts.pods, opts.gpu_blocks));
-        out.runs.push(StrategyRun::finished(label, run, fleet));
+        let mut finished = StrategyRun::finished(label, run, fleet);
+        finished.pod_work = pod_work;
+        out.runs.push(finished);
     }
     Ok(out)
 }
@@ -701,6 +781,7 @@ pub async fn compare_endpoints(
         gpu_blocks,
         fleet,
         runs,
+        pd_prefill: 0,
     })
 }
 
@@ -828,6 +909,7 @@ mod tests {
             replicas,
             router_metrics: None,
             repeat: 1,
+            pd_prefill: 0,
         }
     }
 

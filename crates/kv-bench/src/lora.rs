@@ -330,6 +330,7 @@ pub async fn run(bins: &Binaries, args: &LoraArgs) -> Result<Vec<ArmResult>> {
         replicas: None,
         router_metrics: None,
         repeat: 1,
+        pd_prefill: 0,
     };
     let arms = [("lora-scorer", 2.0), ("no-lora-scorer", 0.0)];
     let mut out = Vec::new();

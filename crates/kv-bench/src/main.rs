@@ -63,6 +63,7 @@ async fn real_main(cli: Cli) -> Result<()> {
                 replicas: None,
                 router_metrics: None,
                 repeat: 1,
+                pd_prefill: 0,
             };
             let spec = a.workload.spec();
             let cmp =

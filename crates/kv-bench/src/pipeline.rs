@@ -58,6 +58,7 @@ pub async fn compare_section(
         replicas: a.replicas,
         router_metrics: a.router_metrics.clone(),
         repeat: a.repeat as usize,
+        pd_prefill: a.pd_prefill,
     };
     let cmp = if a.endpoints.is_empty() {
         compare::compare(&bins, &opts, workload, concurrency).await?

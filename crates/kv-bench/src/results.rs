@@ -90,6 +90,16 @@ pub fn comparison_section(
         body.push('\n');
         body.push_str(&note);
     }
+    let pd = cmp.pd_rows();
+    if cmp.pd_prefill > 0 && !pd.is_empty() {
+        body.push_str(
+            "\nPrefill/decode view, from every pod's own counters over each run. The hit column \
+             above takes the clients' `cached_tokens`, which on a decode pod include the blocks \
+             it received; here *fleet prefix hits* = 1 − prompt tokens computed on any pod / \
+             prompt tokens sent, and ITL = (end-to-end − TTFT) / (tokens − 1) per request:\n\n",
+        );
+        body.push_str(&crate::pd_report::table(&pd));
+    }
     let ttft: Vec<(String, Vec<f64>)> = cmp
         .runs
         .iter()

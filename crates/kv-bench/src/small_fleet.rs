@@ -342,6 +342,7 @@ pub async fn run(bins: &Binaries, opts: &SmallFleetOptions) -> Result<SmallFleet
             replicas: None,
             router_metrics: opts.router_metrics.clone(),
             repeat: 1,
+            pd_prefill: 0,
         };
         let spec = opts.spec(sessions);
         let arrivals = match opts.clients {

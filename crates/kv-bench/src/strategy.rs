@@ -28,11 +28,16 @@ pub enum Strategy {
     Precise,
     /// The defaults on the shared Redis index.
     Redis,
+    /// Weighted on a prefill/decode fleet: the router disaggregates long uncached prompts
+    /// (the pods' roles kept; every other strategy sees the same pods as aggregated).
+    Pd,
+    /// Precise on a prefill/decode fleet.
+    PrecisePd,
 }
 
 impl Strategy {
     /// Every strategy, baselines first.
-    pub const ALL: [Strategy; 8] = [
+    pub const ALL: [Strategy; 10] = [
         Strategy::RoundRobin,
         Strategy::Random,
         Strategy::LeastLoaded,
@@ -41,6 +46,8 @@ impl Strategy {
         Strategy::PredictedTtft,
         Strategy::Precise,
         Strategy::Redis,
+        Strategy::Pd,
+        Strategy::PrecisePd,
     ];
 
     /// Stable name (CLI value, report label).
@@ -54,6 +61,8 @@ impl Strategy {
             Strategy::PredictedTtft => "predicted-ttft",
             Strategy::Precise => "precise",
             Strategy::Redis => "redis",
+            Strategy::Pd => "pd",
+            Strategy::PrecisePd => "precise-pd",
         }
     }
 
@@ -65,8 +74,17 @@ impl Strategy {
                 "the fleet simulator runs one router in one process; the shared Redis index \
                  needs live replicas (kv-bench compare)",
             ),
+            Strategy::Pd | Strategy::PrecisePd => Some(
+                "the fleet simulator models aggregated pods only; prefill/decode roles need \
+                 live pods (kv-bench compare --pd-prefill)",
+            ),
             _ => None,
         }
+    }
+
+    /// Whether the strategy routes by the pods' prefill/decode roles.
+    pub fn disaggregates(self) -> bool {
+        matches!(self, Strategy::Pd | Strategy::PrecisePd)
     }
 
     /// Every strategy the fleet simulator can run, baselines first.
@@ -94,10 +112,16 @@ impl Strategy {
 
     /// The router configuration of this strategy on top of `base`, for requests naming `model`
     /// (precise mode gets vllm-sim's pseudo tokenizer for it). `redis` leaves `index.redis.url`
-    /// to the caller, who knows where the server runs.
+    /// to the caller, who knows where the server runs. Only the P/D strategies keep the static
+    /// pods' roles: the others route the same pods as one aggregated fleet.
     pub fn router_config(self, base: &Config, model: &str) -> Config {
         let mut cfg = base.clone();
         cfg.policy = Policy::Weighted;
+        if !self.disaggregates() {
+            for p in &mut cfg.pods.static_pods {
+                p.role = None;
+            }
+        }
         match self {
             Strategy::RoundRobin => cfg.policy = Policy::RoundRobin,
             Strategy::Random => cfg.policy = Policy::Random,
@@ -108,13 +132,13 @@ impl Strategy {
                 cfg.scorers.load.weight = 0.0;
                 cfg.gate.enabled = false;
             }
-            Strategy::Weighted => {}
+            Strategy::Weighted | Strategy::Pd => {}
             Strategy::PredictedTtft => cfg.policy = Policy::PredictedTtft,
             Strategy::Redis => {
                 cfg.index.backend = IndexBackend::Redis;
                 cfg.index.redis.key_prefix = "kv-bench".into();
             }
-            Strategy::Precise => {
+            Strategy::Precise | Strategy::PrecisePd => {
                 cfg.kv_events.enabled = true;
                 cfg.kv_events.block_tokens = 16;
                 cfg.tokenizers = vec![TokenizerConfig {
@@ -175,6 +199,35 @@ mod tests {
             "not in the simulator"
         );
         assert!(!Strategy::available().contains(&Strategy::Redis));
+    }
+
+    #[test]
+    fn only_the_pd_strategies_keep_the_pods_roles() {
+        let mut base = Config::default();
+        let mut pod = kv_router::config::StaticPod::new("127.0.0.1:1", &["m"]);
+        pod.role = Some(kv_router::pods::PodRole::Prefill);
+        base.pods.static_pods.push(pod);
+        let role = |s: Strategy| s.router_config(&base, "m").pods.static_pods[0].role;
+        for s in Strategy::ALL {
+            let want = s
+                .disaggregates()
+                .then_some(kv_router::pods::PodRole::Prefill);
+            assert_eq!(role(s), want, "{}", s.as_str());
+        }
+        let (pd, w) = (
+            cfg_of(Strategy::Pd, &base),
+            cfg_of(Strategy::Weighted, &base),
+        );
+        assert_eq!(
+            (pd.scorers, pd.gate, pd.kv_events.enabled),
+            (w.scorers, w.gate, false)
+        );
+        assert!(cfg_of(Strategy::PrecisePd, &base).kv_events.enabled);
+        assert!(Strategy::Pd.unavailable().is_some(), "not in the simulator");
+    }
+
+    fn cfg_of(s: Strategy, base: &Config) -> Config {
+        s.router_config(base, "m")
     }
 
     #[test]
