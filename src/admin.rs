@@ -177,12 +177,17 @@ async fn debug_pods(State(s): State<AdminState>) -> Json<Value> {
         .zip(models)
         .map(|(p, model)| {
             let sample = p.last_sample();
+            let (excluded_until, exclusions) = p.prefill_exclusion(now);
             json!({
                 "address": p.id(),
                 "healthy": p.is_healthy(),
                 "models": p.models(),
                 "labels": p.spec.labels,
                 "role": p.role(),
+                // Excluded from prefill picks for this long (prefills sent it went unserved).
+                "prefill_excluded_for_ms": excluded_until
+                    .map(|t| t.saturating_duration_since(now).as_millis() as u64),
+                "prefill_exclusions": exclusions,
                 "engine": p.engine().current(),
                 "engine_setting": p.engine().setting(),
                 "engine_setting_from": p.engine().setting_from(),

@@ -2,7 +2,8 @@
 //! in `decode` and `prefill` roles on 127.0.0.1. A long uncached prompt reaches a decode pod
 //! with the prefill header naming a prefill pod (the decode sim prefills there and says so in
 //! `x-vllm-sim-prefilled-by`); a client's forged header never reaches a pod; short and cached
-//! prompts stay aggregated; the prefill pod that holds a prefix attracts the next prompt on it.
+//! prompts stay aggregated; the prefill pod that holds a prefix attracts the next prompt on it;
+//! a prefill pod that never serves the prefills sent it stops being chosen.
 //!
 //! Run: `KV_ROUTER_ENVOY=/path/to/envoy cargo test --release --test e2e_pd`
 
@@ -33,14 +34,24 @@ struct PdDeployment {
 impl PdDeployment {
     /// Two decode and two prefill sims, kv-router (threshold 256 tokens), one Envoy per template.
     async fn start(templates: &[&str]) -> Self {
+        Self::start_with(templates, &[], |_| {}).await
+    }
+
+    /// [`Self::start`] with extra arguments for the first prefill sim and a config tweak.
+    async fn start_with(
+        templates: &[&str],
+        first_prefill_args: &[&str],
+        tweak: impl FnOnce(&mut kv_router::config::Config),
+    ) -> Self {
         let bins = bins();
-        let sim = |role: &str| {
+        let sim = |role: &str, extra: &[&str]| {
             let mut args: Vec<String> = FAST_SIM.iter().map(|s| s.to_string()).collect();
             args.extend(["--role".to_string(), role.to_string()]);
+            args.extend(extra.iter().map(|s| s.to_string()));
             SimPod::spawn(&bins.vllm_sim, &args).expect("start vllm-sim")
         };
-        let decode = vec![sim("decode"), sim("decode")];
-        let prefill = vec![sim("prefill"), sim("prefill")];
+        let decode = vec![sim("decode", &[]), sim("decode", &[])];
+        let prefill = vec![sim("prefill", first_prefill_args), sim("prefill", &[])];
         let addrs: Vec<SocketAddr> = decode.iter().chain(&prefill).map(|p| p.addr).collect();
         let mut cfg = deploy::local_router_config(&addrs).expect("router config");
         for (i, pod) in cfg.pods.static_pods.iter_mut().enumerate() {
@@ -53,6 +64,7 @@ impl PdDeployment {
         // Sequential ~1 ms requests look like a burst to the hot-pod gate (see e2e.rs).
         cfg.gate.hot_abs = 16.0;
         cfg.disaggregation.threshold_tokens = 256;
+        tweak(&mut cfg);
         let router = RouterProc::spawn(&bins.kv_router, &cfg)
             .await
             .expect("start kv-router");
@@ -116,6 +128,20 @@ impl PdDeployment {
             v.push(metric(&t, "vllm_sim:prefills_for_others_total", &[]));
         }
         v
+    }
+
+    /// Remote prefills the decode sims gave up on (and prefilled locally instead).
+    async fn remote_prefill_failures(&self) -> f64 {
+        let mut n = 0.0;
+        for p in &self.decode {
+            let t = self.metrics(p.url()).await;
+            n += metric(
+                &t,
+                "vllm_sim:remote_prefills_total",
+                &[("outcome", "failed")],
+            );
+        }
+        n
     }
 
     fn is_decode(&self, pod: &str) -> bool {
@@ -251,4 +277,84 @@ async fn a_forged_prefill_header_never_reaches_a_pod_and_short_prompts_stay_aggr
         6.0,
         "{m}"
     );
+}
+
+#[tokio::test]
+async fn a_prefill_pod_that_never_serves_its_prefills_stops_being_chosen() {
+    // Prefill pod 0 rejects every prompt over 128 tokens (a smaller --max-model-len than the
+    // decode pods: a misconfigured prefill Deployment). Its scrapes and health stay fine; the
+    // decode pods fall back to prefilling locally, so every request still succeeds.
+    let d = PdDeployment::start_with(&[BUFFERED], &["--max-model-len", "128"], |cfg| {
+        cfg.disaggregation.prefill_unserved_after_ms = 1_500;
+    })
+    .await;
+    let (bad, good) = (d.prefill[0].addr.to_string(), d.prefill[1].addr.to_string());
+    let exclusions =
+        |m: &str, pod: &str| metric(m, "kv_router_prefill_exclusions_total", &[("pod", pod)]);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    let mut n = 0u64;
+    loop {
+        let o = d.post(0, &text(500 + n, 3000), &[]).await;
+        served_by(&o, &d.diag());
+        n += 1;
+        let m = d.metrics(d.router.admin_url()).await;
+        if exclusions(&m, &bad) >= 1.0 {
+            assert_eq!(
+                exclusions(&m, &good),
+                0.0,
+                "the healthy prefill pod was excluded{}",
+                d.diag()
+            );
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "prefill pod {bad} never excluded after {n} requests{}\n{m}",
+            d.diag()
+        );
+    }
+    let failed_before = d.remote_prefill_failures().await;
+    assert!(
+        failed_before >= 2.0,
+        "the decode pods saw {failed_before} failed remote prefills"
+    );
+    // Excluded: long prompts still disaggregate, on the healthy prefill pod only.
+    for i in 0..6u64 {
+        let o = d.post(0, &text(900 + i, 3000), &[]).await;
+        served_by(&o, &d.diag());
+        assert_eq!(
+            o.header(PREFILLED_BY),
+            Some(good.as_str()),
+            "request {i} after the exclusion{}",
+            d.diag()
+        );
+    }
+    assert_eq!(
+        d.remote_prefill_failures().await,
+        failed_before,
+        "no more failed prefills"
+    );
+    let pods: Value = d
+        .client
+        .get(format!("{}/debug/pods", d.router.admin_url()))
+        .send()
+        .await
+        .expect("debug pods")
+        .json()
+        .await
+        .expect("debug pods JSON");
+    let excluded: Vec<(&str, bool)> = pods["pods"]
+        .as_array()
+        .expect("pods")
+        .iter()
+        .map(|p| {
+            let ms = p["prefill_excluded_for_ms"].as_u64();
+            (
+                p["address"].as_str().unwrap_or_default(),
+                ms.is_some_and(|ms| ms > 0),
+            )
+        })
+        .filter(|(_, x)| *x)
+        .collect();
+    assert_eq!(excluded, [(bad.as_str(), true)], "{pods}");
 }

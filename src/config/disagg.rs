@@ -66,6 +66,10 @@ pub struct DisaggConfig {
     /// The request header naming the prefill pod (`ip:port`); kv-router always removes a
     /// client's copy.
     pub header: String,
+    /// A prefill pod that, over this long, served (by its prefix-cache lookups) less than the
+    /// oldest of two or more prefills sent it is excluded from prefill picks (30 s, doubling to
+    /// 5 min, until it serves one again); 0: never.
+    pub prefill_unserved_after_ms: u64,
 }
 
 impl Default for DisaggConfig {
@@ -73,6 +77,7 @@ impl Default for DisaggConfig {
         Self {
             threshold_tokens: 512,
             header: DEFAULT_PREFILL_HEADER.to_string(),
+            prefill_unserved_after_ms: 15_000,
         }
     }
 }
@@ -118,6 +123,12 @@ impl DisaggConfig {
         // Past this no prompt is ever long enough (max_prompt_tokens caps what counts).
         if self.threshold_tokens > 1 << 24 {
             p.push(("threshold_tokens", "must be at most 16777216"));
+        }
+        if self.prefill_unserved_after_ms > 3_600_000 {
+            p.push((
+                "prefill_unserved_after_ms",
+                "must be at most 3600000 (1 h); 0 turns it off",
+            ));
         }
         p
     }

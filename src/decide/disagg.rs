@@ -29,16 +29,20 @@ pub enum PdOutcome {
     ShortOrCached,
     /// Every prefill pod is saturated: the decode pod prefills.
     PrefillSaturated,
+    /// Every prefill pod is excluded for prefills that never showed in its counters (see
+    /// `pods::PrefillWatch`): the decode pod prefills.
+    PrefillFailing,
     /// No parsed body, so no prompt to measure.
     NoPrompt,
 }
 
 impl PdOutcome {
     /// Every outcome (metric series).
-    pub const ALL: [PdOutcome; 4] = [
+    pub const ALL: [PdOutcome; 5] = [
         Self::Disaggregated,
         Self::ShortOrCached,
         Self::PrefillSaturated,
+        Self::PrefillFailing,
         Self::NoPrompt,
     ];
 
@@ -48,6 +52,7 @@ impl PdOutcome {
             Self::Disaggregated => "disaggregated",
             Self::ShortOrCached => "short_or_cached",
             Self::PrefillSaturated => "prefill_saturated",
+            Self::PrefillFailing => "prefill_failing",
             Self::NoPrompt => "no_prompt",
         }
     }
@@ -75,7 +80,8 @@ pub struct PdPlan {
 }
 
 /// Plans a request on a P/D model: `decode` ranks the decode candidates (primary and
-/// fallbacks), `prefill` the prefill candidates. Pure, like [`plan`].
+/// fallbacks), `prefill` the prefill candidates (none: every prefill pod is excluded). Pure,
+/// like [`plan`].
 pub fn plan_pd(
     stages: &Stages,
     threshold_tokens: u64,
@@ -85,26 +91,31 @@ pub fn plan_pd(
 ) -> Plan {
     let body = decode.body;
     let mut p = plan(stages, decode, rng);
-    let pre = plan(stages, prefill, rng);
-    let best = &pre.ranked[0];
+    let pre = (!prefill.candidates.is_empty()).then(|| plan(stages, prefill, rng));
+    let best = pre
+        .as_ref()
+        .and_then(|pre| pre.ranked.first())
+        .map(|b| (b.pod.clone(), b.saturated, b.predicted.tokens_per_sec));
     let outcome = if body != Body::Parsed {
         PdOutcome::NoPrompt
     } else if p.uncached_tokens < threshold_tokens || p.uncached_tokens == 0 {
         PdOutcome::ShortOrCached
-    } else if best.saturated {
-        PdOutcome::PrefillSaturated
     } else {
-        PdOutcome::Disaggregated
+        match best {
+            None => PdOutcome::PrefillFailing,
+            Some((_, true, _)) => PdOutcome::PrefillSaturated,
+            Some(_) => PdOutcome::Disaggregated,
+        }
     };
     let disaggregated = outcome == PdOutcome::Disaggregated;
     p.pd = Some(PdPlan {
         outcome,
-        prefill: disaggregated.then(|| best.pod.clone()),
+        prefill: best.as_ref().filter(|_| disaggregated).map(|b| b.0.clone()),
         decode_uncached_tokens: p.uncached_tokens,
         threshold_tokens,
-        prefill_uncached_tokens: pre.uncached_tokens,
-        prefill_tokens_per_sec: best.predicted.tokens_per_sec,
-        prefill_ranked: pre.ranked,
+        prefill_uncached_tokens: pre.as_ref().map_or(0, |pre| pre.uncached_tokens),
+        prefill_tokens_per_sec: best.map_or(0.0, |b| b.2),
+        prefill_ranked: pre.map(|pre| pre.ranked).unwrap_or_default(),
     });
     p
 }
@@ -259,6 +270,22 @@ mod tests {
             assert_eq!(p.endpoints[0], PodId::new("d:1"), "the destination decodes");
             assert!(p.endpoints.iter().all(|e| e.as_str().starts_with("d:")));
         }
+    }
+
+    #[test]
+    fn with_every_prefill_pod_excluded_the_decode_pod_prefills() {
+        let stages = Stages::new(&Config::default());
+        let p = plan_pd(
+            &stages,
+            512,
+            input(2048, DECODE),
+            input(2048, &[]),
+            &mut StdRng::seed_from_u64(1),
+        );
+        assert_eq!(pd(&p).outcome, PdOutcome::PrefillFailing);
+        assert_eq!(pd(&p).prefill, None);
+        assert!(pd(&p).prefill_ranked.is_empty());
+        assert_eq!(p.endpoints[0], PodId::new("d:1"));
     }
 
     #[test]

@@ -36,6 +36,7 @@ pub struct DecisionMetrics {
     pub(super) errors: Errors,
     pub(super) pd: Family<PdLabels, Counter>,
     pub(super) prefill_picks: Family<PodLabel, Counter>,
+    pub(super) prefill_exclusions: Family<PodLabel, Counter>,
 }
 
 impl DecisionMetrics {
@@ -49,6 +50,7 @@ impl DecisionMetrics {
             errors,
             pd: Family::default(),
             prefill_picks: Family::default(),
+            prefill_exclusions: Family::default(),
         };
         registry.register(
             "decisions",
@@ -75,7 +77,22 @@ impl DecisionMetrics {
             "Disaggregated decisions by the prefill pod chosen",
             m.prefill_picks.clone(),
         );
+        registry.register(
+            "prefill_exclusions",
+            "Times a prefill pod was excluded from prefill picks: the prefills sent it did not \
+             show in its prefix-cache lookups in time",
+            m.prefill_exclusions.clone(),
+        );
         m
+    }
+
+    /// Counts a prefill pod's exclusion.
+    pub(super) fn count_prefill_exclusion(&self, pod: &PodId) {
+        self.prefill_exclusions
+            .get_or_create(&PodLabel {
+                pod: pod.to_string(),
+            })
+            .inc();
     }
 
     /// Counts a committed P/D decision and its prefill pod.

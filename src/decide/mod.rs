@@ -22,14 +22,15 @@ use std::time::Duration;
 
 use thiserror::Error;
 use tokio::time::Instant;
-use tracing::debug;
+use tracing::{debug, warn};
 
 use crate::blocks::{BlockKey, BlockScheme};
 use crate::config::{Config, GateConfig};
 use crate::index::{Charge, KvIndex};
 use crate::keys::{Keyer, Keys};
 use crate::pods::{
-    prefill_models, prefill_time, InflightGuard, Pod, PodId, PodLoad, PodRegistry, TtftPrior,
+    prefill_models, prefill_time, InflightGuard, Pod, PodId, PodLoad, PodRegistry, PrefillVerdict,
+    TtftPrior,
 };
 use crate::request::{self, RequestError, RoutingRequest};
 use crate::scoring::{SessionKey, SessionStore};
@@ -178,6 +179,7 @@ pub struct Decider {
     epoch: Instant,
     /// `disaggregation.threshold_tokens`.
     pd_threshold: u64,
+    pd_unserved_after: Duration,
     /// `disaggregation.header`.
     prefill_header: String,
     /// The saturation gate's thresholds (flow control's test for room).
@@ -260,6 +262,7 @@ impl Decider {
             metrics,
             epoch: Instant::now(),
             pd_threshold: cfg.disaggregation.threshold_tokens,
+            pd_unserved_after: Duration::from_millis(cfg.disaggregation.prefill_unserved_after_ms),
             prefill_header: cfg.disaggregation.header.clone(),
             gate: cfg.gate.clone(),
             committing: parking_lot::Mutex::new(()),
@@ -446,6 +449,7 @@ impl Decider {
         let prefill_guard = p.plan.pd.as_ref().and_then(|pd| {
             let id = pd.prefill.as_ref()?;
             let pod = p.prefill_pods.iter().find(|q| q.id() == id)?;
+            pod.prefill_sent(now, keys.prompt_tokens);
             Some(pod.begin_request(pd.prefill_uncached_tokens, now, pd.prefill_tokens_per_sec))
         });
         let pending = p.unrecorded.map(|(id, keys)| PendingRecord {
@@ -502,7 +506,8 @@ impl Decider {
                 commit,
                 &mut rand::rng(),
             ),
-            Some((decode, prefill)) => {
+            Some((decode, mut prefill)) => {
+                prefill.retain(|&i| self.prefill_usable(&g.pods[i], g.now));
                 let pick = |v: &[usize]| -> Vec<PodFacts> {
                     v.iter().map(|&i| g.pod_facts[i].clone()).collect()
                 };
@@ -537,6 +542,23 @@ impl Decider {
             unrecorded: planned.unrecorded,
             prefill_pods,
             adapter,
+        }
+    }
+
+    /// Whether `pod` may take prefills at `now`; an exclusion is counted and logged once.
+    fn prefill_usable(&self, pod: &Pod, now: Instant) -> bool {
+        match pod.prefill_verdict(now, self.pd_unserved_after) {
+            PrefillVerdict::Available => true,
+            PrefillVerdict::Excluded => false,
+            PrefillVerdict::NewlyExcluded => {
+                warn!(
+                    pod = %pod.id(),
+                    "prefill pod excluded from prefill picks: the prefills sent it do not show in \
+                     its prefix-cache lookups"
+                );
+                self.metrics.count_prefill_exclusion(pod.id());
+                false
+            }
         }
     }
 

@@ -9,6 +9,7 @@ mod inflight;
 pub mod kubernetes;
 mod lora;
 mod metrics;
+mod prefill_watch;
 mod probe;
 mod role;
 mod source;
@@ -42,6 +43,7 @@ pub use lora::{
     LoraResidency, MAX_LORA_SERIES, MAX_POD_ADAPTERS,
 };
 pub use metrics::PodMetrics;
+pub use prefill_watch::{PrefillVerdict, PrefillWatch};
 pub(crate) use probe::Prober;
 pub use role::{role_of, PodRole, ROLE_LABEL};
 pub use source::{DnsSource, PodSource, PodSourceError, StaticSource};
@@ -187,6 +189,7 @@ pub struct Pod {
     ttft: Mutex<TtftLearner>,
     accuracy: Mutex<HitAccuracy>,
     lora: Mutex<lora::LoraState>,
+    prefill: Mutex<PrefillWatch>,
 }
 
 impl Pod {
@@ -208,7 +211,32 @@ impl Pod {
             ttft: Mutex::new(TtftLearner::default()),
             accuracy: Mutex::new(HitAccuracy::default()),
             lora: Mutex::new(lora::LoraState::default()),
+            prefill: Mutex::new(PrefillWatch::default()),
         }
+    }
+
+    /// Records a prefill of `prompt_tokens` this router sent the pod as prefill pod.
+    pub fn prefill_sent(&self, now: Instant, prompt_tokens: u64) {
+        self.prefill.lock().sent(now, prompt_tokens);
+    }
+
+    /// Whether the pod may take prefills at `now`: the prefills sent it are judged against its
+    /// last scrape's prefix-cache lookups (see [`PrefillWatch`]).
+    pub fn prefill_verdict(
+        &self,
+        now: Instant,
+        unserved_after: std::time::Duration,
+    ) -> PrefillVerdict {
+        let sample = self
+            .last_sample()
+            .and_then(|(t, s)| s.prefix_cache.map(|c| (t, c.queries)));
+        self.prefill.lock().check(now, sample, unserved_after)
+    }
+
+    /// Until when the pod is excluded from prefill picks, and how often it was.
+    pub fn prefill_exclusion(&self, now: Instant) -> (Option<Instant>, u64) {
+        let w = self.prefill.lock();
+        (w.excluded_until(now), w.exclusions())
     }
 
     /// Whose metric names carry this pod's load, and what was detected.
