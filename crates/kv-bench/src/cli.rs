@@ -199,8 +199,9 @@ pub struct CompareArgs {
     /// aggregated fleet. The report adds the P/D table (ITL, prompt tokens computed, transfers).
     #[arg(long, default_value_t = 0)]
     pub pd_prefill: usize,
-    /// Strategies to run, comma-separated, in order.
-    #[arg(long, value_enum, value_delimiter = ',', default_values_t = Strategy::ALL)]
+    /// Strategies to run, comma-separated, in order [default: all but pd and precise-pd, which
+    /// need --pd-prefill].
+    #[arg(long, value_enum, value_delimiter = ',', default_values_t = Strategy::AGGREGATED)]
     pub strategies: Vec<Strategy>,
     /// kv-router replicas behind Envoy for every router strategy [default: 2 for redis, 1 for
     /// the others]; labelled `weighted x2` etc. when not the default.

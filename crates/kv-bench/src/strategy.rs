@@ -50,6 +50,18 @@ impl Strategy {
         Strategy::PrecisePd,
     ];
 
+    /// Every strategy an aggregated fleet runs (`compare`'s default): all but the P/D ones.
+    pub const AGGREGATED: [Strategy; 8] = [
+        Strategy::RoundRobin,
+        Strategy::Random,
+        Strategy::LeastLoaded,
+        Strategy::PrefixOnly,
+        Strategy::Weighted,
+        Strategy::PredictedTtft,
+        Strategy::Precise,
+        Strategy::Redis,
+    ];
+
     /// Stable name (CLI value, report label).
     pub fn as_str(self) -> &'static str {
         match self {
@@ -224,6 +236,11 @@ mod tests {
         );
         assert!(cfg_of(Strategy::PrecisePd, &base).kv_events.enabled);
         assert!(Strategy::Pd.unavailable().is_some(), "not in the simulator");
+        let aggregated: Vec<Strategy> = Strategy::ALL
+            .into_iter()
+            .filter(|s| !s.disaggregates())
+            .collect();
+        assert_eq!(aggregated, Strategy::AGGREGATED, "compare's default");
     }
 
     fn cfg_of(s: Strategy, base: &Config) -> Config {
