@@ -130,6 +130,18 @@ impl PdDeployment {
         v
     }
 
+    /// The router's `/debug/pods`.
+    async fn debug_pods(&self) -> Value {
+        self.client
+            .get(format!("{}/debug/pods", self.router.admin_url()))
+            .send()
+            .await
+            .expect("debug pods")
+            .json()
+            .await
+            .expect("debug pods JSON")
+    }
+
     /// Remote prefills the decode sims gave up on (and prefilled locally instead).
     async fn remote_prefill_failures(&self) -> f64 {
         let mut n = 0.0;
@@ -215,15 +227,7 @@ async fn long_uncached_prompts_are_prefilled_on_the_prefill_pod_holding_their_pr
         (4.0, 1.0),
         "{m}"
     );
-    let pods: Value = d
-        .client
-        .get(format!("{}/debug/pods", d.router.admin_url()))
-        .send()
-        .await
-        .expect("debug pods")
-        .json()
-        .await
-        .expect("debug pods JSON");
+    let pods = d.debug_pods().await;
     let roles: Vec<&str> = pods["pods"]
         .as_array()
         .expect("pods")
@@ -334,15 +338,7 @@ async fn a_prefill_pod_that_never_serves_its_prefills_stops_being_chosen() {
         failed_before,
         "no more failed prefills"
     );
-    let pods: Value = d
-        .client
-        .get(format!("{}/debug/pods", d.router.admin_url()))
-        .send()
-        .await
-        .expect("debug pods")
-        .json()
-        .await
-        .expect("debug pods JSON");
+    let pods = d.debug_pods().await;
     let excluded: Vec<(&str, bool)> = pods["pods"]
         .as_array()
         .expect("pods")
