@@ -91,6 +91,20 @@ async fn maintenance(
         let snapshot = pods.snapshot();
         let models = prefill_models(snapshot.pods(), decider.ttft_prior());
         for (pod, model) in snapshot.pods().iter().zip(&models) {
+            if pod.take_restart() {
+                gauges.pods.engine_restarted(pod.id());
+                // Its cache is empty; precise mode learns that from AllBlocksCleared instead.
+                if !cfg.kv_events.enabled {
+                    match index.forget_pod(pod.id()).await {
+                        // Forgetting drops the pod's capacity too: set it again below.
+                        Ok(()) => _ = capacities.remove(pod.id()),
+                        Err(e) => {
+                            warn!(pod = %pod.id(), error = %e, "forgetting a restarted pod's index entries failed");
+                            gauges.errors.inc(ErrorKind::Index);
+                        }
+                    }
+                }
+            }
             // KV events say what a pod holds: only the approximate index is corrected.
             let scale = if cfg.kv_events.enabled {
                 1.0

@@ -13,6 +13,8 @@ pub struct CorrectionConfig {
     pub tolerance: f64,
     /// Smallest fraction of the configured capacity a pod's index may be scaled to.
     pub min_scale: f64,
+    /// The most one judgement multiplies or divides a pod's scale by.
+    pub max_step: f64,
     /// Predicted hit tokens a pod must accumulate before its gap is judged.
     pub min_predicted_tokens: u64,
     /// Decisions a pod must accumulate before each judgement: predictions count when routed,
@@ -23,11 +25,12 @@ pub struct CorrectionConfig {
 impl Default for CorrectionConfig {
     fn default() -> Self {
         Self {
-            // Off: on make bench's conversation window it cost hits where capacity was right
-            // (docs/results.md, "Prediction accuracy").
+            // Off: it neither pays nor costs in simulation (docs/results.md, "Prediction
+            // accuracy"), and a shrunk index forgets prefix heads the pods still hold.
             enabled: false,
             tolerance: 0.2,
             min_scale: 0.1,
+            max_step: 1.5,
             min_predicted_tokens: 8192,
             min_decisions: 32,
         }
@@ -43,6 +46,9 @@ impl CorrectionConfig {
         }
         if !(self.min_scale > 0.0 && self.min_scale <= 1.0) {
             out.push(("min_scale", "must be in (0, 1]"));
+        }
+        if !(self.max_step > 1.0 && self.max_step <= 4.0) {
+            out.push(("max_step", "must be in (1, 4]"));
         }
         if self.min_predicted_tokens == 0 {
             out.push(("min_predicted_tokens", "must be positive"));

@@ -63,6 +63,15 @@ impl HitWindow {
         let p = self.predicted_rate().filter(|p| *p > 0.0)?;
         Some(self.observed_rate()? / p)
     }
+
+    /// [`Self::accuracy`] with the pod's hits on traffic this router did not route (its lookups
+    /// beyond the tokens routed to it) credited to this router's predictions. That traffic can
+    /// only dilute the pod's rate, so a shortfall left after crediting is this router's view
+    /// being wrong, not other clients' misses.
+    pub fn credited_accuracy(&self) -> Option<f64> {
+        let r = self.accuracy()?;
+        Some(r * (self.queries / self.routed).max(1.0))
+    }
 }
 
 /// What `/debug/pods` shows of a pod's accuracy.
@@ -96,6 +105,8 @@ pub struct HitAccuracy {
     unexported: HitWindow,
     scale: f64,
     resets: u64,
+    /// Counters went backwards since [`HitAccuracy::take_restart`] last looked.
+    restarted: bool,
 }
 
 impl Default for HitAccuracy {
@@ -110,6 +121,7 @@ impl Default for HitAccuracy {
             unexported: HitWindow::default(),
             scale: 1.0,
             resets: 0,
+            restarted: false,
         }
     }
 }
@@ -130,8 +142,10 @@ impl HitAccuracy {
         let decisions = std::mem::take(&mut self.pending_decisions);
         let last = self.last.replace(now)?;
         // Counters that went backwards restarted from zero with the engine.
-        let (queries, observed) = if now.queries < last.queries || now.hits < last.hits {
+        let restarted = now.queries < last.queries || now.hits < last.hits;
+        let (queries, observed) = if restarted {
             self.resets += 1;
+            self.restarted = true;
             (now.queries, now.hits)
         } else {
             (now.queries - last.queries, now.hits - last.hits)
@@ -145,17 +159,22 @@ impl HitAccuracy {
             self.recent.pop_front();
         }
         self.recent.push_back(w);
-        self.unjudged.add(&w);
-        self.unjudged_decisions += decisions;
+        if restarted {
+            // Predictions made before the restart against an empty cache say nothing of its size.
+            self.unjudged = HitWindow::default();
+            self.unjudged_decisions = 0;
+        } else {
+            self.unjudged.add(&w);
+            self.unjudged_decisions += decisions;
+        }
         self.unexported.add(&w);
         Some(w)
     }
 
     /// Judges the windows seen since the last judgement once they hold `min_predicted_tokens`
-    /// predicted hits and `min_decisions` decisions, and returns the capacity scale: shrunk by the observed/predicted ratio
-    /// (at most halved per judgement, never under `min_scale`) when the pod finds fewer hits than
-    /// predicted by more than `tolerance`, grown back (at most 25 % per judgement, up to 1) when
-    /// it finds more. Disabled: always 1.
+    /// predicted hits and `min_decisions` decisions, and returns the capacity scale. Outside
+    /// `1 ± tolerance` of the credited observed/predicted ratio the scale moves by the ratio's
+    /// square root, at most `max_step` either way, within `[min_scale, 1]`. Disabled: always 1.
     pub fn correct(&mut self, cfg: &CorrectionConfig) -> f64 {
         if !cfg.enabled {
             self.scale = 1.0;
@@ -173,15 +192,22 @@ impl HitAccuracy {
         }
         self.unjudged = HitWindow::default();
         self.unjudged_decisions = 0;
-        let Some(r) = w.accuracy() else {
+        let Some(r) = w.credited_accuracy() else {
             return self.scale;
         };
-        if r < 1.0 - cfg.tolerance {
-            self.scale = (self.scale * r.max(0.5)).max(cfg.min_scale);
-        } else if r > 1.0 + cfg.tolerance {
-            self.scale = (self.scale * r.min(1.25)).min(1.0);
+        if (r - 1.0).abs() > cfg.tolerance {
+            // Damped and symmetric: a judgement rests on a few dozen decisions, and full steps
+            // that shrink on noise but grow back slowly ratchet a right-sized index down.
+            let step = r.sqrt().clamp(1.0 / cfg.max_step, cfg.max_step);
+            self.scale = (self.scale * step).clamp(cfg.min_scale, 1.0);
         }
         self.scale
+    }
+
+    /// Whether the pod's counters went backwards (its engine restarted, its cache empty) since
+    /// the last call.
+    pub fn take_restart(&mut self) -> bool {
+        std::mem::take(&mut self.restarted)
     }
 
     /// The fraction of its configured capacity the pod's index entries are held to.

@@ -32,6 +32,7 @@ pub struct PodMetrics {
     observed_hits: Family<PodLabels, FloatCounter>,
     hit_accuracy: Family<PodLabels, FloatGauge>,
     capacity_scale: Family<PodLabels, FloatGauge>,
+    engine_restarts: Family<PodLabels, Counter>,
     lora_loads: Family<PodLabels, Counter>,
 }
 
@@ -105,6 +106,11 @@ impl PodMetrics {
             m.capacity_scale.clone(),
         );
         registry.register(
+            "pod_engine_restarts",
+            "Times the pod's prefix-cache counters went backwards: its engine restarted with an empty cache (approximate mode forgets its index entries)",
+            m.engine_restarts.clone(),
+        );
+        registry.register(
             "lora_adapter_loads",
             "LoRA adapters that started running on the pod (absent from its running set at the previous scrape)",
             m.lora_loads.clone(),
@@ -159,6 +165,14 @@ impl PodMetrics {
         }
     }
 
+    /// The pod's engine restarted (see [`Pod::take_restart`]).
+    pub fn engine_restarted(&self, pod: &PodId) {
+        let l = PodLabels {
+            pod: pod.to_string(),
+        };
+        self.engine_restarts.get_or_create(&l).inc();
+    }
+
     /// Drops the series of a pod that left.
     pub fn forget(&self, pod: &PodId) {
         let l = PodLabels {
@@ -177,6 +191,7 @@ impl PodMetrics {
         self.observed_hits.remove(&l);
         self.hit_accuracy.remove(&l);
         self.capacity_scale.remove(&l);
+        self.engine_restarts.remove(&l);
         self.lora_loads.remove(&l);
     }
 }

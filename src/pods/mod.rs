@@ -284,6 +284,12 @@ impl Pod {
         self.accuracy.lock().predicted(hit_tokens, prompt_tokens);
     }
 
+    /// Whether the pod's engine restarted (its prefix-cache counters went backwards) since the
+    /// last call: its cache is empty.
+    pub fn take_restart(&self) -> bool {
+        self.accuracy.lock().take_restart()
+    }
+
     /// Judges the scrape windows seen so far (see [`HitAccuracy::correct`]); the fraction of its
     /// configured capacity the pod's index entries should be held to.
     pub fn correct_capacity(&self, cfg: &crate::config::CorrectionConfig) -> f64 {

@@ -116,6 +116,8 @@ pub(super) struct SimRouter {
     /// Each pod's configured index capacity, and the capacity last set from its accuracy.
     capacity: Option<usize>,
     applied: Vec<usize>,
+    /// KV events feed the index (a restart arrives as `AllBlocksCleared`).
+    precise: bool,
 }
 
 impl SimRouter {
@@ -135,6 +137,7 @@ impl SimRouter {
                 ..cfg.index.correction
             },
             capacity: None,
+            precise: cfg.kv_events.enabled,
         }
     }
 
@@ -151,6 +154,11 @@ impl SimRouter {
             return;
         };
         for ((v, id), applied) in self.views.iter_mut().zip(&self.ids).zip(&mut self.applied) {
+            if v.accuracy.take_restart() && !self.precise {
+                ready(index.forget_pod(id)).expect("in-memory index");
+                // Forgetting drops the pod's capacity too.
+                *applied = 0;
+            }
             let cap = scaled_capacity(base, v.accuracy.correct(&self.correction));
             if cap != *applied {
                 ready(index.set_capacity(id, cap)).expect("in-memory index");
