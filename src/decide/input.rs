@@ -44,6 +44,9 @@ pub struct PodFacts {
     pub model: TtftModel,
     /// Consecutive prompt blocks the index says it holds (before the unrecorded overlay).
     pub matched_blocks: f64,
+    /// The weight its matches get (1; less for a precise-mode pod whose prefix-cache counters
+    /// report far fewer hits than its KV events promise: lost or misconfigured events).
+    pub confidence: f64,
 }
 
 /// The request as the caller understood it.
@@ -133,7 +136,10 @@ impl DecisionState {
         turn: u64,
     ) -> PlanInput {
         let ids: Vec<PodId> = pods.iter().map(|p| p.id.clone()).collect();
-        let mut matched: Vec<f64> = pods.iter().map(|p| p.matched_blocks).collect();
+        let mut matched: Vec<f64> = pods
+            .iter()
+            .map(|p| p.matched_blocks * p.confidence)
+            .collect();
         held.overlay(&req.keys.keys, &ids, &mut matched);
         let seen = match (&req.session, &req.session_pod) {
             (None, _) => SessionSeen::None,
@@ -331,6 +337,7 @@ mod lora_tests {
                     },
                     model: TtftModel::default(),
                     matched_blocks: 0.0,
+                    confidence: 1.0,
                 })
                 .collect();
             let req = RequestFacts {
@@ -343,5 +350,38 @@ mod lora_tests {
             let p = state.plan_lora(&stages, req, &facts, fits.as_deref(), 0, false, &mut rng);
             assert_eq!(p.plan.ranked[0].pod, PodId::new("10.0.0.2:8000"));
         }
+    }
+
+    // A precise-mode pod whose counters report a quarter of the hits its events promise keeps a
+    // quarter of its match in the plan; the unrecorded overlay (this router's own) is not scaled.
+    #[test]
+    fn a_pods_matches_are_weighted_by_its_confidence() {
+        let cfg = Config::default();
+        let sessions = Arc::new(SessionStore::new(100, 10_000));
+        let state = DecisionState::new(&cfg, sessions, Recording::InCommit);
+        let facts = |id: &str, matched_blocks: f64, confidence: f64| PodFacts {
+            id: PodId::new(id),
+            load: PodLoad {
+                fresh: true,
+                ..PodLoad::default()
+            },
+            model: TtftModel::default(),
+            matched_blocks,
+            confidence,
+        };
+        let pods = [
+            facts("10.0.0.1:8000", 20.0, 0.25),
+            facts("10.0.0.2:8000", 8.0, 1.0),
+        ];
+        let req = RequestFacts {
+            keys: Keys::default(),
+            body: Body::Parsed,
+            session: None,
+            session_pod: None,
+        };
+        let mut held = state.unrecorded().hold();
+        let input = state.input(&mut held, req, &pods, 0);
+        let matched: Vec<f64> = input.candidates.iter().map(|c| c.matched_blocks).collect();
+        assert_eq!(matched, vec![5.0, 8.0]);
     }
 }

@@ -180,6 +180,9 @@ pub struct Decider {
     /// `disaggregation.threshold_tokens`.
     pd_threshold: u64,
     pd_unserved_after: Duration,
+    /// KV events feed the index: a pod's matches are weighted by the confidence its counters
+    /// earn (`HitAccuracy::correct`), where approximate mode scales its capacity instead.
+    precise: bool,
     /// `disaggregation.header`.
     prefill_header: String,
     /// The saturation gate's thresholds (flow control's test for room).
@@ -263,6 +266,7 @@ impl Decider {
             epoch: Instant::now(),
             pd_threshold: cfg.disaggregation.threshold_tokens,
             pd_unserved_after: Duration::from_millis(cfg.disaggregation.prefill_unserved_after_ms),
+            precise: cfg.kv_events.enabled,
             prefill_header: cfg.disaggregation.header.clone(),
             gate: cfg.gate.clone(),
             committing: parking_lot::Mutex::new(()),
@@ -618,6 +622,11 @@ impl Decider {
                 load: p.load(now, self.stale_after),
                 model,
                 matched_blocks,
+                confidence: if self.precise {
+                    p.index_confidence()
+                } else {
+                    1.0
+                },
             })
             .collect();
         let body = match (&parsed, req.body) {

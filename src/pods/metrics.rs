@@ -102,7 +102,7 @@ impl PodMetrics {
         );
         registry.register(
             "pod_index_capacity_scale",
-            "Fraction of the pod's configured capacity its index entries are held to (index.correction)",
+            "Fraction of the pod's configured capacity its index entries are held to, or in precise mode the weight its matches get (index.correction)",
             m.capacity_scale.clone(),
         );
         registry.register(

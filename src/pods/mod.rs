@@ -290,6 +290,12 @@ impl Pod {
         self.accuracy.lock().take_restart()
     }
 
+    /// In precise mode, the weight the pod's index matches get: its last judged scale (1 unless
+    /// `index.correction` found its counters far below what its KV events promise).
+    pub fn index_confidence(&self) -> f64 {
+        self.accuracy.lock().scale()
+    }
+
     /// Judges the scrape windows seen so far (see [`HitAccuracy::correct`]); the fraction of its
     /// configured capacity the pod's index entries should be held to.
     pub fn correct_capacity(&self, cfg: &crate::config::CorrectionConfig) -> f64 {

@@ -773,6 +773,9 @@ pub struct SimulateArgs {
     /// The router is told each pod's KV cache is this many times its real size.
     #[arg(long, default_value_t = 1.0)]
     pub capacity_belief: f64,
+    /// The first N pods publish no BlockRemoved events (precise strategies: a lossy publisher).
+    #[arg(long, default_value_t = 0)]
+    pub lost_removals: usize,
     /// Router replicas sharing the index, requests spread round robin; a list sweeps sizes.
     #[arg(long, value_delimiter = ',', default_values_t = vec![1usize])]
     pub replicas: Vec<usize>,
@@ -849,6 +852,7 @@ impl SimulateArgs {
                 bypass: self.bypass,
                 restart_every_s: self.restart_every_s,
                 capacity_belief: self.capacity_belief,
+                lost_removals: self.lost_removals,
             },
             replicas: self.replicas.clone(),
             propagation_ms: self.propagation_ms.clone(),

@@ -6,7 +6,7 @@ use std::collections::{BinaryHeap, VecDeque};
 
 use futures::FutureExt;
 use kv_router::config::Config;
-use kv_router::events::KvEventBatch;
+use kv_router::events::{KvEvent, KvEventBatch};
 use kv_router::index::{build_index, index_capacity, ApplyStats};
 use kv_router::keys::Keys;
 use kv_router::picker::Reason;
@@ -77,6 +77,8 @@ pub(super) struct Fleet<'a> {
     pub(super) publish: bool,
     pub(super) translator: Translator,
     pub(super) delay_us: u64,
+    /// Pods below this index lose their `BlockRemoved` events.
+    pub(super) lost_removals: usize,
     pub(super) last_arrival_us: u64,
     pub(super) ttft_us: Vec<u64>,
     pub(super) e2e_us: Vec<u64>,
@@ -115,9 +117,13 @@ impl Fleet<'_> {
         let events = self.engines[p].drain_cache_events();
         // Events after the last decision can no longer matter.
         if self.publish && !events.is_empty() && now < self.last_arrival_us {
+            let mut events = self.translator.translate(events);
+            if p < self.lost_removals {
+                events.retain(|e| !matches!(e, KvEvent::BlockRemoved { .. }));
+            }
             let batch = KvEventBatch {
                 ts: now as f64 / 1e6,
-                events: self.translator.translate(events),
+                events,
                 data_parallel_rank: Some(0),
             };
             self.deliveries.push_back((now + self.delay_us, p, batch));
@@ -237,6 +243,7 @@ pub(super) fn simulate_replicas(
         publish: cfg.kv_events.enabled,
         translator: Translator::new(Hashes::EngineKeys),
         delay_us: (opts.event_delay_ms.max(0.0) * 1e3).round() as u64,
+        lost_removals: opts.divergence.lost_removals,
         last_arrival_us: prep.at_us.last().copied().unwrap_or(0),
         ttft_us: vec![u64::MAX; n],
         e2e_us: vec![u64::MAX; n],

@@ -166,6 +166,9 @@ pub struct Divergence {
     pub restart_every_s: Option<f64>,
     /// The router is told each pod's KV cache is this many times its real size.
     pub capacity_belief: f64,
+    /// The first this many pods publish no `BlockRemoved` events (a publisher that loses them):
+    /// a precise index believes they keep every block they ever stored.
+    pub lost_removals: usize,
 }
 
 impl Default for Divergence {
@@ -174,6 +177,7 @@ impl Default for Divergence {
             bypass: 0.0,
             restart_every_s: None,
             capacity_belief: 1.0,
+            lost_removals: 0,
         }
     }
 }

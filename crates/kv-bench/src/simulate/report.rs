@@ -60,10 +60,11 @@ impl SimulateReport {
             let _ = writeln!(
                 out,
                 "\nDivergence: {:.0} % of requests bypass the router to a random pod; restarts: \
-                 {restarts}; the router is told {}x each pod's real KV size. Hit ratios count \
-                 every request, routed or not.",
+                 {restarts}; the router is told {}x each pod's real KV size; {} pods publish no \
+                 removals. Hit ratios count every request, routed or not.",
                 100.0 * d.bypass,
-                d.capacity_belief
+                d.capacity_belief,
+                d.lost_removals
             );
         }
         let _ = writeln!(

@@ -111,7 +111,7 @@ pub(super) struct SimRouter {
     pub(super) ids: Vec<PodId>,
     pub(super) views: Vec<PodView>,
     stale_after: Duration,
-    /// `index.correction`, off in precise mode (as the live maintenance loop does).
+    /// `index.correction`: scales capacity in approximate mode, weights matches in precise mode.
     correction: CorrectionConfig,
     /// Each pod's configured index capacity, and the capacity last set from its accuracy.
     capacity: Option<usize>,
@@ -132,10 +132,7 @@ impl SimRouter {
             applied: vec![0; ids.len()],
             ids,
             stale_after: Duration::from_millis(cfg.pods.stale_after_ms),
-            correction: CorrectionConfig {
-                enabled: cfg.index.correction.enabled && !cfg.kv_events.enabled,
-                ..cfg.index.correction
-            },
+            correction: cfg.index.correction,
             capacity: None,
             precise: cfg.kv_events.enabled,
         }
@@ -159,7 +156,12 @@ impl SimRouter {
                 // Forgetting drops the pod's capacity too.
                 *applied = 0;
             }
-            let cap = scaled_capacity(base, v.accuracy.correct(&self.correction));
+            let judged = v.accuracy.correct(&self.correction);
+            if self.precise {
+                // Events say what the pod holds: the scale weights its matches instead.
+                continue;
+            }
+            let cap = scaled_capacity(base, judged);
             if cap != *applied {
                 ready(index.set_capacity(id, cap)).expect("in-memory index");
                 *applied = cap;
@@ -185,7 +187,7 @@ impl SimRouter {
         let session_pod = session.and_then(|s| ready(self.state.sessions().find(s, now_ms)));
         let learners: Vec<_> = self.views.iter().map(|v| v.ttft).collect();
         let models = fleet_models(&learners, self.stages.ttft_prior());
-        let stale_after = self.stale_after;
+        let (stale_after, precise) = (self.stale_after, self.precise);
         let pods = self
             .views
             .iter_mut()
@@ -196,6 +198,7 @@ impl SimRouter {
                 load: v.load(SimTime(t), stale_after),
                 model,
                 matched_blocks,
+                confidence: if precise { v.accuracy.scale() } else { 1.0 },
             })
             .collect();
         let req = RequestFacts {
