@@ -36,20 +36,6 @@ pub enum Strategy {
 }
 
 impl Strategy {
-    /// Every strategy, baselines first.
-    pub const ALL: [Strategy; 10] = [
-        Strategy::RoundRobin,
-        Strategy::Random,
-        Strategy::LeastLoaded,
-        Strategy::PrefixOnly,
-        Strategy::Weighted,
-        Strategy::PredictedTtft,
-        Strategy::Precise,
-        Strategy::Redis,
-        Strategy::Pd,
-        Strategy::PrecisePd,
-    ];
-
     /// Every strategy an aggregated fleet runs (`compare`'s default): all but the P/D ones.
     pub const AGGREGATED: [Strategy; 8] = [
         Strategy::RoundRobin,
@@ -61,6 +47,19 @@ impl Strategy {
         Strategy::Precise,
         Strategy::Redis,
     ];
+
+    /// Every strategy, baselines first: the aggregated ones, then the P/D ones.
+    pub const ALL: [Strategy; 10] = {
+        let mut all = [Strategy::Pd; 10];
+        let mut i = 0;
+        while i < Strategy::AGGREGATED.len() {
+            all[i] = Strategy::AGGREGATED[i];
+            i += 1;
+        }
+        all[8] = Strategy::Pd;
+        all[9] = Strategy::PrecisePd;
+        all
+    };
 
     /// Stable name (CLI value, report label).
     pub fn as_str(self) -> &'static str {
