@@ -164,6 +164,12 @@ pub struct Plan {
 }
 
 impl Plan {
+    /// What conversation memory records of this decision besides its keys and pod: the longest
+    /// match over the candidates (blocks), and whether it started a conversation.
+    pub fn conversation_mark(&self) -> (f64, bool) {
+        (self.best_match, self.new_conversation)
+    }
+
     /// The prefill pod of a disaggregated plan.
     pub fn prefill_pod(&self) -> Option<&PodId> {
         self.pd.as_ref()?.prefill.as_ref()

@@ -791,6 +791,15 @@ pub struct SimulateArgs {
     /// (`index.correction.enabled`).
     #[arg(long)]
     pub correction: bool,
+    /// Replicas also apply each other's conversation marks (a decision's best match and whether
+    /// it started a conversation) with its record: what the mirror would carry to share
+    /// conversation memory (not in the live router yet).
+    #[arg(long)]
+    pub shared_conversations: bool,
+    /// Requests that share one trace timestamp arrive evenly spread until the next timestamp
+    /// (the Mooncake conversation trace buckets arrivals to 3 s: about 10 requests at one instant).
+    #[arg(long)]
+    pub spread_clumps: bool,
     /// Turns `gate.replicate_to_idle` off (it is on by default), to measure what it changes.
     #[arg(long)]
     pub no_replicate_to_idle: bool,
@@ -858,6 +867,8 @@ impl SimulateArgs {
             propagation_ms: self.propagation_ms.clone(),
             shared_load: self.shared_load,
             correction: self.correction,
+            shared_conversations: self.shared_conversations,
+            spread_clumps: self.spread_clumps,
             replicate_to_idle: !self.no_replicate_to_idle,
         };
         if self.quick {

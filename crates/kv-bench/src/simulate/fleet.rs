@@ -210,7 +210,13 @@ pub(super) fn simulate_replicas(
             SimRouter::new(&cfg, index, ids.clone()).with_capacity(cap)
         })
         .collect();
-    let mut router = Replicas::new(routers, how, one_index, opts.shared_load);
+    let mut router = Replicas::new(
+        routers,
+        how,
+        one_index,
+        opts.shared_load,
+        opts.shared_conversations,
+    );
     // One tie-break stream per seed and fleet, whatever the strategy: two strategies are
     // compared on common random numbers, not on two streams' luck.
     let salt = SplitMix64::derive(opts.seed, "tie-breaks", pods as u64).next_u64();

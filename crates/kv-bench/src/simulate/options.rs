@@ -131,6 +131,10 @@ pub struct SimulateOptions {
     /// `index.correction.enabled`: approximate indexes scale each pod's capacity by its
     /// reported hits.
     pub correction: bool,
+    /// Replicas apply each other's conversation marks with the records.
+    pub shared_conversations: bool,
+    /// Requests sharing one trace timestamp arrive evenly spread until the next one.
+    pub spread_clumps: bool,
     /// `gate.replicate_to_idle` (on by default): off measures what the rule changes.
     pub replicate_to_idle: bool,
 }
@@ -212,6 +216,8 @@ impl Default for SimulateOptions {
             propagation_ms: vec![0.0],
             shared_load: false,
             correction: false,
+            shared_conversations: false,
+            spread_clumps: false,
             replicate_to_idle: true,
         }
     }

@@ -172,3 +172,49 @@ fn replication_options_are_checked_and_deduplicated() {
         assert!(run_trace(&t, &o).is_err());
     }
 }
+
+#[test]
+fn shared_conversation_marks_reach_the_other_replica_with_the_record() {
+    use kv_router::blocks::BlockKey;
+    use kv_router::config::Config;
+    use kv_router::keys::Keys;
+    use kv_router::pods::PodId;
+    use rand::SeedableRng;
+
+    use super::options::MODEL;
+    use super::replicas::Replicas;
+    use super::router::SimRouter;
+
+    let ids: Vec<PodId> = (0..2).map(|i| PodId::new(format!("pod-{i}"))).collect();
+    let cfg = Strategy::Weighted.router_config(&Config::default(), MODEL);
+    let keys = Keys {
+        keys: (1..=8).map(BlockKey).collect(),
+        tokens_per_block: 16,
+        prompt_tokens: 128,
+        ..Keys::default()
+    };
+    let seen_by_second = |shared: bool| {
+        let routers = (0..2)
+            .map(|_| {
+                let index = kv_router::index::build_index(&cfg, None).unwrap().index;
+                SimRouter::new(&cfg, Some(index), ids.clone())
+            })
+            .collect();
+        let mut r = Replicas::new(routers, replicas(2, 10.0), false, false, shared);
+        let mut rng = rand::rngs::StdRng::seed_from_u64(1);
+        r.decide(0, 1_000, keys.clone(), &mut rng);
+        let before = r.routers[1].state.conversations().continues(&keys.keys, 8);
+        assert_eq!(
+            r.next_due(),
+            Some(11_000),
+            "one record, due after the delay"
+        );
+        r.deliver_next();
+        (
+            before,
+            r.routers[1].state.conversations().continues(&keys.keys, 8),
+        )
+    };
+    assert_eq!(seen_by_second(true), (false, true));
+    assert_eq!(seen_by_second(false), (false, false), "without sharing");
+}

@@ -3,7 +3,8 @@
 //! in-flight charges, round-robin turn); its index record lands in its own index at once and in
 //! every other replica's `propagation` later (the shared stream's delay). KV events reach every
 //! replica alike (each subscribes to every pod). With `shared_load` each routed request's load
-//! travels with its record, as the live mirror's `mirror_load` sends it.
+//! travels with its record, as the live mirror's `mirror_load` sends it; with
+//! `shared_conversations` its conversation mark does too (what the live mirror does not carry yet).
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -48,6 +49,8 @@ struct InFlight {
     /// `None` when the replicas hold one index object (nothing to copy).
     keys: Option<Arc<[BlockKey]>>,
     charge: Option<Charge>,
+    /// The decision's best match and whether it started a conversation, with its keys.
+    conv: Option<(Arc<[BlockKey]>, f64, bool)>,
 }
 
 /// The router replicas of one run.
@@ -61,6 +64,8 @@ pub(super) struct Replicas {
     one_index: bool,
     /// Other replicas' decisions are charged as in-flight load (the live mirror does).
     shared_load: bool,
+    /// Other replicas' conversation marks are recorded too (the live mirror does not yet).
+    shared_conversations: bool,
     /// Charges older than this on arrival are not applied (`index.redis.mirror_max_lag_ms`).
     max_charge_age_us: u64,
     pub(super) writes: Writes,
@@ -74,6 +79,7 @@ impl Replicas {
         how: Replication,
         one_index: bool,
         shared_load: bool,
+        shared_conversations: bool,
     ) -> Self {
         Self {
             routers,
@@ -81,6 +87,7 @@ impl Replicas {
             delay_us: (how.propagation_ms * 1e3).round() as u64,
             one_index,
             shared_load,
+            shared_conversations,
             max_charge_age_us: RedisConfig::default().mirror_max_lag_ms * 1000,
             writes: Writes::default(),
         }
@@ -117,6 +124,13 @@ impl Replicas {
                 let pod = &router.ids[rec.pod];
                 ready(index.record(pod, keys, now_ms)).expect("in-memory index");
             }
+            if let Some((keys, best, new)) = &rec.conv {
+                let new_on = new.then(|| router.ids[rec.pod].clone());
+                router
+                    .state
+                    .conversations()
+                    .record(keys, *best, new_on.as_ref(), now_ms);
+            }
             if let Some(c) = rec.charge {
                 if SimTime(rec.due_us).since(c.at).as_micros() as u64 <= self.max_charge_age_us {
                     let until = c.at.after(c.prefill);
@@ -146,14 +160,19 @@ impl Replicas {
                     plan.ranked[0].predicted.tokens_per_sec,
                 ),
             });
+            let conv = self.shared_conversations.then(|| {
+                let (best, new) = plan.conversation_mark();
+                (keys.clone(), best, new)
+            });
             let keys = (!self.one_index).then_some(keys);
-            if self.routers.len() > 1 && (keys.is_some() || charge.is_some()) {
+            if self.routers.len() > 1 && (keys.is_some() || charge.is_some() || conv.is_some()) {
                 self.pending.push_back(InFlight {
                     due_us: t + self.delay_us,
                     from: r,
                     pod: plan.primary,
                     keys,
                     charge,
+                    conv,
                 });
             }
         }
