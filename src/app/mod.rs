@@ -65,8 +65,6 @@ pub async fn run(cfg: Config, tokenizers: TokenizerRegistry) -> anyhow::Result<(
     let telemetry = Telemetry::register(&cfg);
     let pods = Arc::new(PodRegistry::with_engines(EngineResolver::new(&cfg.pods)));
     let (index, sessions) = index::build(&cfg, telemetry.redis)?;
-    // The other replicas' decisions count as load here too (a shared index's mirror).
-    index.attach_remote_load(pods.clone());
     let mode = mode(&cfg);
     let decider = Arc::new(Decider::new(
         &cfg,
@@ -76,6 +74,12 @@ pub async fn run(cfg: Config, tokenizers: TokenizerRegistry) -> anyhow::Result<(
         sessions.clone(),
         telemetry.decisions.clone(),
     ));
+    // The other replicas' decisions count as load here too, and in conversation memory (a
+    // shared index's mirror with `mirror_load`).
+    index.attach_remote_load(Arc::new(crate::decide::RemoteDecisions {
+        load: pods.clone(),
+        conversations: decider.conversations(),
+    }));
     info!(mode, policy = cfg.policy.as_str(), "kv-router starting");
     let supervisor = telemetry.supervisor;
     let catch_up = index::start_ingestion(&cfg, &supervisor, &pods, &index, telemetry.ingest);

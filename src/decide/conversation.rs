@@ -255,6 +255,33 @@ fn continues(ends: &LruCache<BlockKey, ()>, keys: &[BlockKey], matched: usize) -
     keys[from..end].iter().rev().any(|k| ends.contains(k))
 }
 
+/// The other replicas' decisions, as a shared index's mirror hands them over: their load to the
+/// pods' in-flight accounting, their conversation marks to this router's conversation memory.
+pub struct RemoteDecisions {
+    /// Where the load goes.
+    pub load: std::sync::Arc<dyn crate::index::RemoteLoad>,
+    /// Where the marks go.
+    pub conversations: std::sync::Arc<Conversations>,
+}
+
+impl crate::index::RemoteLoad for RemoteDecisions {
+    fn charge(&self, pod: &PodId, charge: crate::index::Charge, age: std::time::Duration) {
+        self.load.charge(pod, charge, age);
+    }
+
+    fn mark(
+        &self,
+        pod: &PodId,
+        keys: &[BlockKey],
+        mark: crate::index::ConversationMark,
+        now_ms: u64,
+    ) {
+        let new_on = mark.new_conversation.then_some(pod);
+        self.conversations
+            .record(keys, f64::from(mark.best_match), new_on, now_ms);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

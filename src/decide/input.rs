@@ -73,7 +73,7 @@ pub struct Planned {
 
 /// What consecutive decisions of one router share.
 pub struct DecisionState {
-    conversations: Conversations,
+    conversations: Arc<Conversations>,
     sessions: Arc<SessionStore>,
     unrecorded: Arc<Unrecorded>,
     turns: AtomicU64,
@@ -84,7 +84,10 @@ impl DecisionState {
     /// Fresh state over a session store (local, or backed by the shared index).
     pub fn new(cfg: &Config, sessions: Arc<SessionStore>, recording: Recording) -> Self {
         Self {
-            conversations: Conversations::new(PROMPT_ENDS, cfg.gate.spread_half_life_ms),
+            conversations: Arc::new(Conversations::new(
+                PROMPT_ENDS,
+                cfg.gate.spread_half_life_ms,
+            )),
             sessions,
             unrecorded: Arc::default(),
             turns: AtomicU64::new(0),
@@ -93,7 +96,7 @@ impl DecisionState {
     }
 
     /// Where prompts ended and branched, and where new conversations went.
-    pub fn conversations(&self) -> &Conversations {
+    pub fn conversations(&self) -> &Arc<Conversations> {
         &self.conversations
     }
 

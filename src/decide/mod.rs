@@ -39,7 +39,7 @@ use crate::tokenize::TokenizerRegistry;
 use metrics::DecisionLabels;
 use unrecorded::Unrecorded;
 
-pub use conversation::{Conversations, SessionSeen, PROMPT_ENDS};
+pub use conversation::{Conversations, RemoteDecisions, SessionSeen, PROMPT_ENDS};
 pub use disagg::{plan_pd, split_roles, PdOutcome, PdPlan};
 pub use input::{DecisionState, Planned, PodFacts, Recording, RequestFacts};
 pub use metrics::DecisionMetrics;
@@ -289,6 +289,11 @@ impl Decider {
         self.stages.ttft_prior()
     }
 
+    /// This router's conversation memory (the mirror records the other replicas' marks in it).
+    pub fn conversations(&self) -> Arc<Conversations> {
+        self.state.conversations().clone()
+    }
+
     /// The index (for maintenance and debug views).
     pub fn index(&self) -> &Arc<dyn KvIndex> {
         &self.index
@@ -468,6 +473,7 @@ impl Decider {
                     p.plan.ranked[0].predicted.tokens_per_sec,
                 )
                 .as_millis() as u64,
+                mark: Some(p.plan.conversation_mark()),
             },
             id,
             unrecorded: self.state.unrecorded().clone(),

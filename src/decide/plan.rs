@@ -164,10 +164,12 @@ pub struct Plan {
 }
 
 impl Plan {
-    /// What conversation memory records of this decision besides its keys and pod: the longest
-    /// match over the candidates (blocks), and whether it started a conversation.
-    pub fn conversation_mark(&self) -> (f64, bool) {
-        (self.best_match, self.new_conversation)
+    /// What conversation memory records of this decision besides its keys and pod.
+    pub fn conversation_mark(&self) -> crate::index::ConversationMark {
+        crate::index::ConversationMark {
+            best_match: self.best_match.clamp(0.0, f64::from(u32::MAX)) as u32,
+            new_conversation: self.new_conversation,
+        }
     }
 
     /// The prefill pod of a disaggregated plan.

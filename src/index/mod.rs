@@ -46,13 +46,27 @@ pub struct Charge {
     pub uncached_tokens: u64,
     /// The deciding replica's estimate of their prefill time, in milliseconds.
     pub prefill_ms: u64,
+    /// What the deciding replica's conversation memory recorded of it.
+    pub mark: Option<ConversationMark>,
+}
+
+/// A decision as conversation memory records it, besides its keys and pod.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ConversationMark {
+    /// The longest match over the candidates, in blocks.
+    pub best_match: u32,
+    /// The request started a new conversation.
+    pub new_conversation: bool,
 }
 
 /// Where a shared backend hands the decisions other replicas made, so that every replica counts
-/// them as in-flight load between scrapes (the pods' in-flight accounting implements it).
+/// them as in-flight load between scrapes (the pods' in-flight accounting implements it), and
+/// records them in its conversation memory.
 pub trait RemoteLoad: Send + Sync {
     /// Another replica sent a request to `pod` `age` ago.
     fn charge(&self, pod: &PodId, charge: Charge, age: std::time::Duration);
+    /// Another replica sent `keys` to `pod` at `now_ms` (this router's clock), marked `mark`.
+    fn mark(&self, _pod: &PodId, _keys: &[BlockKey], _mark: ConversationMark, _now_ms: u64) {}
 }
 
 /// What applying an event batch did (for metrics).

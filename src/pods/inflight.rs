@@ -397,6 +397,7 @@ mod tests {
         let charge = Charge {
             uncached_tokens: 800,
             prefill_ms: 1_000,
+            mark: None,
         };
         let decided = Instant::now();
         tokio::time::advance(Duration::from_millis(40)).await;

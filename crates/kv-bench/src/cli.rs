@@ -792,8 +792,8 @@ pub struct SimulateArgs {
     #[arg(long)]
     pub correction: bool,
     /// Replicas also apply each other's conversation marks (a decision's best match and whether
-    /// it started a conversation) with its record: what the mirror would carry to share
-    /// conversation memory (not in the live router yet).
+    /// it started a conversation) with its record; the live mirror sends them with
+    /// `mirror_load`'s charge, i.e. with `--shared-load`.
     #[arg(long)]
     pub shared_conversations: bool,
     /// Requests that share one trace timestamp arrive evenly spread until the next timestamp

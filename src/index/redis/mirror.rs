@@ -39,7 +39,7 @@ use super::schema::parse_member;
 use super::{Local, Shared};
 use crate::blocks::BlockKey;
 use crate::config::RedisConfig;
-use crate::index::{Charge, IndexError, KvIndex, RemoteLoad};
+use crate::index::{Charge, ConversationMark, IndexError, KvIndex, RemoteLoad};
 use crate::pods::PodId;
 
 /// Entries read per `XREAD`.
@@ -125,6 +125,10 @@ fn fields(origin: u64, c: &Change) -> Vec<(&'static str, Vec<u8>)> {
             if let Some(c) = charge {
                 f.push(("u", c.uncached_tokens.to_string().into_bytes()));
                 f.push(("d", c.prefill_ms.to_string().into_bytes()));
+                if let Some(m) = c.mark {
+                    f.push(("b", m.best_match.to_string().into_bytes()));
+                    f.push(("n", vec![if m.new_conversation { b'1' } else { b'0' }]));
+                }
             }
             f
         }
@@ -169,11 +173,26 @@ pub(super) fn parse_entry(map: &HashMap<String, Value>) -> Option<(u64, Change)>
                 .map(|c| BlockKey(u64::from_le_bytes(c.try_into().expect("8 bytes"))))
                 .collect();
             // Entries without a charge come from older replicas or from plain records.
-            let charge = match (map.contains_key("u"), map.contains_key("d")) {
+            // A mark comes with a charge, from replicas that share conversation memory.
+            let mark = match (map.contains_key("b"), map.contains_key("n")) {
                 (false, false) => None,
+                _ => Some(ConversationMark {
+                    best_match: number("b")
+                        .filter(|&b| b <= MAX_KEYS as u64)
+                        .and_then(|b| u32::try_from(b).ok())?,
+                    new_conversation: match text("n")? {
+                        "1" => true,
+                        "0" => false,
+                        _ => return None,
+                    },
+                }),
+            };
+            let charge = match (map.contains_key("u"), map.contains_key("d")) {
+                (false, false) if mark.is_none() => None,
                 _ => Some(Charge {
                     uncached_tokens: number("u").filter(|&u| u <= MAX_CHARGE_TOKENS)?,
                     prefill_ms: number("d").filter(|&d| d <= MAX_CHARGE_MS)?,
+                    mark,
                 }),
             };
             Change::Record {
@@ -473,13 +492,16 @@ async fn apply(shared: &Shared, mirror: &Mirror, local: &Local, change: Change) 
             // Late entries (a reload's rewind, a lagging reader) teach the index, not the load:
             // a scrape has seen those requests by now.
             let age = shared.wall_now().saturating_sub(wall);
+            let now = shared.mono(wall);
             if let (Some(c), Some(sink)) = (charge, mirror.remote.get()) {
                 if mirror.share_load && age <= mirror.max_lag_ms {
                     sink.charge(&pod, c, Duration::from_millis(age));
                     shared.metrics.mirror_charges.inc();
+                    if let Some(m) = c.mark {
+                        sink.mark(&pod, &keys, m, now);
+                    }
                 }
             }
-            let now = shared.mono(wall);
             match local {
                 Local::Memory(m) => {
                     let _ = m.record(&pod, &keys, now).await;
@@ -710,6 +732,20 @@ mod tests {
                 charge: Some(Charge {
                     uncached_tokens: 4_000,
                     prefill_ms: 350,
+                    mark: Some(ConversationMark {
+                        best_match: 12,
+                        new_conversation: true,
+                    }),
+                }),
+            },
+            Change::Record {
+                pod: PodId::new("10.0.0.2:8000"),
+                keys: vec![BlockKey(3)],
+                wall: 7,
+                charge: Some(Charge {
+                    uncached_tokens: 16,
+                    prefill_ms: 0,
+                    mark: None,
                 }),
             },
             Change::Record {
@@ -738,9 +774,11 @@ mod tests {
             charge: Some(Charge {
                 uncached_tokens: 10,
                 prefill_ms: 1,
+                mark: Some(ConversationMark::default()),
             }),
         };
         let base = fields(1, &good);
+        assert_eq!(parse_entry(&as_map(base.clone())), Some((1, good)));
         let with = |f: &str, v: &[u8]| {
             let mut m = as_map(base.clone());
             m.insert(f.to_string(), Value::BulkString(v.to_vec()));
@@ -758,16 +796,26 @@ mod tests {
             with("u", b"-5"),
             with("u", (MAX_CHARGE_TOKENS + 1).to_string().as_bytes()),
             with("d", (MAX_CHARGE_MS + 1).to_string().as_bytes()),
+            with("b", (MAX_KEYS as u64 + 1).to_string().as_bytes()),
+            with("b", b"-1"),
+            with("n", b"2"),
         ] {
             assert_eq!(parse_entry(&bad), None);
         }
         let mut missing = as_map(base.clone());
         missing.remove("p");
         assert_eq!(parse_entry(&missing), None);
-        // Half a charge is not one.
-        let mut half = as_map(base);
+        // Half a charge is not one, nor half a mark, nor a mark without its charge.
+        let mut half = as_map(base.clone());
         half.remove("d");
         assert_eq!(parse_entry(&half), None);
+        let mut half_mark = as_map(base.clone());
+        half_mark.remove("n");
+        assert_eq!(parse_entry(&half_mark), None);
+        let mut bare_mark = as_map(base);
+        bare_mark.remove("u");
+        bare_mark.remove("d");
+        assert_eq!(parse_entry(&bare_mark), None);
     }
 
     #[test]

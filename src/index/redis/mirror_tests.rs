@@ -13,7 +13,8 @@ use crate::blocks::BlockKey;
 use crate::config::RedisConfig;
 use crate::index::contract::{doc_keys, pods};
 use crate::index::{
-    Charge, KvIndex, Local, MemoryIndex, RedisIndex, RedisMetrics, RedisReload, Tuning,
+    Charge, ConversationMark, KvIndex, Local, MemoryIndex, RedisIndex, RedisMetrics, RedisReload,
+    Tuning,
 };
 use crate::pods::{PodId, PodRegistry, PodSpec};
 use kv_testkit::deploy::{find_redis_server, RedisProc};
@@ -337,8 +338,17 @@ async fn another_replicas_requests_count_as_load_here() {
     let unshared = Arc::new(PodRegistry::default());
     registry.update(registry_specs(&p));
     unshared.update(registry_specs(&p));
-    c.attach_remote_load(unshared.clone());
-    b.attach_remote_load(registry.clone());
+    // As the router attaches it: load to the pods, conversation marks to conversation memory.
+    let memory = || Arc::new(crate::decide::Conversations::new(1_000, 300_000));
+    let (b_memory, c_memory) = (memory(), memory());
+    c.attach_remote_load(Arc::new(crate::decide::RemoteDecisions {
+        load: unshared.clone(),
+        conversations: c_memory.clone(),
+    }));
+    b.attach_remote_load(Arc::new(crate::decide::RemoteDecisions {
+        load: registry.clone(),
+        conversations: b_memory.clone(),
+    }));
     let stale = Duration::from_secs(30);
     let load = |i: usize| {
         let l = registry
@@ -351,6 +361,10 @@ async fn another_replicas_requests_count_as_load_here() {
     let charge = Charge {
         uncached_tokens: 4_000,
         prefill_ms: 20_000,
+        mark: Some(ConversationMark {
+            best_match: 0,
+            new_conversation: true,
+        }),
     };
     // B's own decisions are its guards' to count; a plain record (no request) charges nothing.
     b.record_decision(&p[2], &doc_keys(1, 8, BT), now_ms(&b), charge)
@@ -376,6 +390,11 @@ async fn another_replicas_requests_count_as_load_here() {
         "B's own decision came back from the stream"
     );
     assert_eq!(b.metrics().mirror_charges.get(), 1);
+    // Its conversation mark too: B's memory knows the prompt and the new conversation on p0.
+    let placed = |m: &crate::decide::Conversations| m.placed(&p, now_ms(&b));
+    assert!(b_memory.continues(&doc_keys(3, 8, BT), 8));
+    assert!(placed(&b_memory)[0] > 0.9, "{:?}", placed(&b_memory));
+    assert_eq!(placed(&b_memory)[2], 0.0, "B's own decision came back");
     // A decision older than the mirror's lag bound teaches the index but charges nothing.
     let late = cfg.mirror_max_lag_ms + 300;
     tokio::time::sleep_until((a.shared.created + Duration::from_millis(late + 100)).into()).await;
@@ -397,4 +416,8 @@ async fn another_replicas_requests_count_as_load_here() {
             "mirror_load off"
         );
     }
+    assert!(
+        !c_memory.continues(&doc_keys(3, 8, BT), 8),
+        "mirror_load off"
+    );
 }

@@ -4,7 +4,7 @@
 //! every other replica's `propagation` later (the shared stream's delay). KV events reach every
 //! replica alike (each subscribes to every pod). With `shared_load` each routed request's load
 //! travels with its record, as the live mirror's `mirror_load` sends it; with
-//! `shared_conversations` its conversation mark does too (what the live mirror does not carry yet).
+//! `shared_conversations` its conversation mark does too (the live mirror sends both together).
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -64,7 +64,7 @@ pub(super) struct Replicas {
     one_index: bool,
     /// Other replicas' decisions are charged as in-flight load (the live mirror does).
     shared_load: bool,
-    /// Other replicas' conversation marks are recorded too (the live mirror does not yet).
+    /// Other replicas' conversation marks are recorded too (the live mirror's `mirror_load`).
     shared_conversations: bool,
     /// Charges older than this on arrival are not applied (`index.redis.mirror_max_lag_ms`).
     max_charge_age_us: u64,
@@ -161,8 +161,8 @@ impl Replicas {
                 ),
             });
             let conv = self.shared_conversations.then(|| {
-                let (best, new) = plan.conversation_mark();
-                (keys.clone(), best, new)
+                let m = plan.conversation_mark();
+                (keys.clone(), f64::from(m.best_match), m.new_conversation)
             });
             let keys = (!self.one_index).then_some(keys);
             if self.routers.len() > 1 && (keys.is_some() || charge.is_some() || conv.is_some()) {
