@@ -50,6 +50,10 @@ pub const ENDS_LOOKBACK: usize = 128;
 /// Placement counts below this are forgotten (a pod that left stops costing memory).
 const PLACED_FLOOR: f64 = 1e-3;
 
+/// Most pods with placements remembered: other replicas' marks name pods from the shared stream,
+/// and a name this router never saw must not grow the map without bound.
+pub const PLACED_PODS: usize = 4_096;
+
 /// The request's session as the decision sees it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SessionSeen {
@@ -205,6 +209,9 @@ impl Conversations {
             inner
                 .placed
                 .retain(|_, d| d.at(now_ms, half_life) >= PLACED_FLOOR);
+            if inner.placed.len() >= PLACED_PODS && !inner.placed.contains_key(pod) {
+                return;
+            }
             let d = inner.placed.entry(pod.clone()).or_insert(Decaying {
                 value: 0.0,
                 at_ms: now_ms,
@@ -214,6 +221,18 @@ impl Conversations {
                 at_ms: now_ms.max(d.at_ms),
             };
         }
+    }
+
+    /// [`Self::record`] of another replica's decision on `pod`, from its mark.
+    pub fn record_mark(
+        &self,
+        keys: &[BlockKey],
+        pod: &PodId,
+        mark: crate::index::ConversationMark,
+        now_ms: u64,
+    ) {
+        let new_on = mark.new_conversation.then_some(pod);
+        self.record(keys, f64::from(mark.best_match), new_on, now_ms);
     }
 
     /// New conversations placed on each pod, each counting one at first and half as much every
@@ -276,9 +295,7 @@ impl crate::index::RemoteLoad for RemoteDecisions {
         mark: crate::index::ConversationMark,
         now_ms: u64,
     ) {
-        let new_on = mark.new_conversation.then_some(pod);
-        self.conversations
-            .record(keys, f64::from(mark.best_match), new_on, now_ms);
+        self.conversations.record_mark(keys, pod, mark, now_ms);
     }
 }
 
@@ -405,6 +422,27 @@ mod tests {
         c.record(&k, 1.0, Some(&b), 30_000);
         assert_eq!(c.sizes().2, 1);
         assert!(c.placed(&[a], 30_000)[0] < 1e-6);
+    }
+
+    #[test]
+    fn placements_on_pods_from_other_replicas_marks_are_bounded() {
+        let c = Conversations::new(16, 300_000);
+        let k = keys(0..3);
+        let new = crate::index::ConversationMark {
+            best_match: 1,
+            new_conversation: true,
+        };
+        let pods: Vec<PodId> = (0..PLACED_PODS + 10)
+            .map(|i| PodId::new(format!("stream-{i}")))
+            .collect();
+        for p in &pods {
+            c.record_mark(&k, p, new, 0);
+        }
+        assert_eq!(c.sizes().2, PLACED_PODS);
+        // A pod already counted still counts more.
+        c.record_mark(&k, &pods[0], new, 0);
+        assert!((c.placed(&pods[..1], 0)[0] - 2.0).abs() < 1e-9);
+        assert_eq!(c.placed(&pods[PLACED_PODS..], 0)[0], 0.0);
     }
 
     #[test]

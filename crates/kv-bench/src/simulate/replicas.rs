@@ -13,7 +13,7 @@ use kv_router::blocks::BlockKey;
 use kv_router::config::RedisConfig;
 use kv_router::decide::Plan;
 use kv_router::events::KvEventBatch;
-use kv_router::index::{ApplyStats, KvIndex};
+use kv_router::index::{ApplyStats, ConversationMark, KvIndex};
 use kv_router::keys::Keys;
 use kv_router::pods::{prefill_time, Timestamp};
 use rand::Rng;
@@ -49,8 +49,8 @@ struct InFlight {
     /// `None` when the replicas hold one index object (nothing to copy).
     keys: Option<Arc<[BlockKey]>>,
     charge: Option<Charge>,
-    /// The decision's best match and whether it started a conversation, with its keys.
-    conv: Option<(Arc<[BlockKey]>, f64, bool)>,
+    /// The decision's conversation mark, with its keys.
+    conv: Option<(Arc<[BlockKey]>, ConversationMark)>,
 }
 
 /// The router replicas of one run.
@@ -124,12 +124,12 @@ impl Replicas {
                 let pod = &router.ids[rec.pod];
                 ready(index.record(pod, keys, now_ms)).expect("in-memory index");
             }
-            if let Some((keys, best, new)) = &rec.conv {
-                let new_on = new.then(|| router.ids[rec.pod].clone());
+            if let Some((keys, mark)) = &rec.conv {
+                let pod = &router.ids[rec.pod];
                 router
                     .state
                     .conversations()
-                    .record(keys, *best, new_on.as_ref(), now_ms);
+                    .record_mark(keys, pod, *mark, now_ms);
             }
             if let Some(c) = rec.charge {
                 if SimTime(rec.due_us).since(c.at).as_micros() as u64 <= self.max_charge_age_us {
@@ -160,10 +160,9 @@ impl Replicas {
                     plan.ranked[0].predicted.tokens_per_sec,
                 ),
             });
-            let conv = self.shared_conversations.then(|| {
-                let m = plan.conversation_mark();
-                (keys.clone(), f64::from(m.best_match), m.new_conversation)
-            });
+            let conv = self
+                .shared_conversations
+                .then(|| (keys.clone(), plan.conversation_mark()));
             let keys = (!self.one_index).then_some(keys);
             if self.routers.len() > 1 && (keys.is_some() || charge.is_some() || conv.is_some()) {
                 self.pending.push_back(InFlight {
