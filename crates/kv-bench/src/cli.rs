@@ -611,6 +611,10 @@ pub struct TraceArgs {
     /// Trace: output tokens = output_length x this.
     #[arg(long, default_value_t = 1.0)]
     pub output_scale: f64,
+    /// Trace: requests that share one timestamp arrive evenly spread until the next (the
+    /// Mooncake conversation trace buckets its arrivals to 3 s: about 10 at one instant).
+    #[arg(long)]
+    pub spread_clumps: bool,
 }
 
 impl TraceArgs {
@@ -630,6 +634,7 @@ impl TraceArgs {
                     concurrency: w.concurrency.unwrap_or(1),
                 }
             },
+            spread_clumps: self.spread_clumps,
             model: w.model.clone(),
         })
     }

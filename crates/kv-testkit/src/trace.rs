@@ -114,6 +114,20 @@ impl Trace {
         }
     }
 
+    /// Arrival times in µs at `speedup` (trace ms / speedup, rounded); with `spread`, requests
+    /// that share one timestamp arrive evenly spread until the next ([`spread_clumps`]).
+    pub fn arrivals_us(&self, speedup: f64, spread: bool) -> Vec<u64> {
+        let mut at: Vec<u64> = self
+            .records
+            .iter()
+            .map(|r| (r.timestamp as f64 * 1e3 / speedup).round() as u64)
+            .collect();
+        if spread {
+            spread_clumps(&mut at);
+        }
+        at
+    }
+
     /// Statistics, including the infinite-cache ideal hit ratio computed as in workloads.md §1.2.
     #[cfg(test)]
     pub fn stats(&self) -> TraceStats {
@@ -151,6 +165,24 @@ impl Trace {
                 hit as f64 / total as f64
             },
         }
+    }
+}
+
+/// Arrivals that share one instant (`at_us`, ascending) spread evenly from it until the next
+/// distinct instant; a clump at the end spreads over one millisecond. The Mooncake conversation
+/// trace buckets its timestamps to 3 s: about 10 requests at one instant, which any router
+/// replica deciding without the others' picks sends to the same pod.
+pub fn spread_clumps(at_us: &mut [u64]) {
+    let mut i = 0;
+    while i < at_us.len() {
+        let t = at_us[i];
+        let end = i + at_us[i..].iter().take_while(|&&a| a == t).count();
+        let next = at_us.get(end).copied().unwrap_or(t + 1_000);
+        let k = (end - i) as u64;
+        for (n, a) in (0u64..).zip(&mut at_us[i..end]) {
+            *a = t + (next - t) * n / k;
+        }
+        i = end;
     }
 }
 
@@ -245,6 +277,15 @@ impl Expansion {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn clumps_spread_evenly_until_the_next_arrival() {
+        let mut at = vec![0, 0, 0, 3_000, 3_000, 4_000, 9_000, 9_000];
+        super::spread_clumps(&mut at);
+        assert_eq!(at, vec![0, 1_000, 2_000, 3_000, 3_500, 4_000, 9_000, 9_500]);
+        let mut none: Vec<u64> = vec![];
+        super::spread_clumps(&mut none);
+    }
+
     use super::*;
 
     #[test]

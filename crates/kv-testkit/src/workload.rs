@@ -504,6 +504,9 @@ pub struct TraceSpec {
     pub output_scale: f64,
     /// Open loop at trace times (`Timed`) or closed loop.
     pub arrivals: Arrivals,
+    /// Timed arrivals: requests sharing one timestamp spread until the next
+    /// ([`super::trace::spread_clumps`]).
+    pub spread_clumps: bool,
     /// `model` field.
     pub model: String,
 }
@@ -512,9 +515,11 @@ impl TraceSpec {
     /// One single-request session per trace line, in trace order; `/v1/completions` with a
     /// token-id prompt, as vLLM accepts it (so router and engine blocks coincide).
     pub fn build(&self) -> Workload {
-        let speedup = match self.arrivals {
-            Arrivals::Timed { speedup } => Some(speedup.max(1e-9)),
-            _ => None,
+        let at_us = match self.arrivals {
+            Arrivals::Timed { speedup } => self
+                .trace
+                .arrivals_us(speedup.max(1e-9), self.spread_clumps),
+            _ => Vec::new(),
         };
         let sessions: Vec<Box<dyn Session>> = self
             .trace
@@ -531,8 +536,7 @@ impl TraceSpec {
                         body: completion_body(&self.model, json!(tokens), out),
                         headers: Vec::new(),
                         turn: 0,
-                        not_before: speedup
-                            .map(|s| Duration::from_secs_f64(r.timestamp as f64 / 1e3 / s)),
+                        not_before: at_us.get(i).map(|&us| Duration::from_micros(us)),
                         think: None,
                     }),
                 }) as Box<dyn Session>
@@ -542,13 +546,18 @@ impl TraceSpec {
         Workload {
             name: format!("trace:{}", self.trace.name),
             description: format!(
-                "requests {}..{} of {} ({:.0} s recorded), output x{}, {}",
+                "requests {}..{} of {} ({:.0} s recorded), output x{}, {}{}",
                 self.trace.offset,
                 self.trace.offset + self.trace.records.len(),
                 self.trace.name,
                 last as f64 / 1e3,
                 self.output_scale,
-                self.arrivals.describe()
+                self.arrivals.describe(),
+                if self.spread_clumps && !at_us.is_empty() {
+                    ", clumps spread"
+                } else {
+                    ""
+                }
             ),
             requests: sessions.len(),
             sessions,
@@ -752,13 +761,20 @@ mod tests {
                     output_length: 0,
                     hash_ids: vec![0],
                 },
+                TraceRecord {
+                    timestamp: 3000,
+                    input_length: 100,
+                    output_length: 0,
+                    hash_ids: vec![0],
+                },
             ],
         };
-        let spec = TraceSpec {
+        let mut spec = TraceSpec {
             trace,
             expansion: Expansion::default(),
             output_scale: 0.5,
             arrivals: Arrivals::Timed { speedup: 2.0 },
+            spread_clumps: false,
             model: "m".into(),
         };
         let reqs: Vec<PlannedRequest> = drive(&mut spec.build()).into_iter().flatten().collect();
@@ -767,6 +783,21 @@ mod tests {
         assert_eq!(reqs[0].body["max_tokens"], 5);
         assert_eq!(reqs[1].body["max_tokens"], 1);
         assert_eq!(reqs[1].not_before, Some(Duration::from_millis(1500)));
+        assert_eq!(reqs[2].not_before, reqs[1].not_before, "a clump as traced");
         assert_eq!(reqs[0].api, Api::Completions);
+        spec.spread_clumps = true;
+        let mut w = spec.build();
+        assert!(
+            w.description.ends_with("clumps spread"),
+            "{}",
+            w.description
+        );
+        let spread: Vec<Option<Duration>> = drive(&mut w)
+            .into_iter()
+            .flatten()
+            .map(|r| r.not_before)
+            .collect();
+        let ms = |m: u64| Some(Duration::from_micros(m));
+        assert_eq!(spread, [ms(0), ms(1_500_000), ms(1_500_500)]);
     }
 }

@@ -55,16 +55,7 @@ impl Prepared {
         });
         let (tokens, oracle) = parts.into_iter().flatten().unzip();
         Self {
-            at_us: {
-                let mut at: Vec<u64> = recs
-                    .iter()
-                    .map(|r| (r.timestamp as f64 * 1e3 / opts.speedup).round() as u64)
-                    .collect();
-                if opts.spread_clumps {
-                    spread_clumps(&mut at);
-                }
-                at
-            },
+            at_us: trace.arrivals_us(opts.speedup, opts.spread_clumps),
             tokens,
             oracle,
             max_tokens: recs
@@ -72,33 +63,5 @@ impl Prepared {
                 .map(|r| ((f64::from(r.output_length) * opts.output_scale).round() as u32).max(1))
                 .collect(),
         }
-    }
-}
-
-/// Arrivals that share one instant (`at_us`, ascending) spread evenly from it until the next
-/// distinct instant; a clump at the end spreads over one millisecond.
-pub(super) fn spread_clumps(at_us: &mut [u64]) {
-    let mut i = 0;
-    while i < at_us.len() {
-        let t = at_us[i];
-        let end = i + at_us[i..].iter().take_while(|&&a| a == t).count();
-        let next = at_us.get(end).copied().unwrap_or(t + 1_000);
-        let k = (end - i) as u64;
-        for (n, a) in (0u64..).zip(&mut at_us[i..end]) {
-            *a = t + (next - t) * n / k;
-        }
-        i = end;
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn clumps_spread_evenly_until_the_next_arrival() {
-        let mut at = vec![0, 0, 0, 3_000, 3_000, 4_000, 9_000, 9_000];
-        super::spread_clumps(&mut at);
-        assert_eq!(at, vec![0, 1_000, 2_000, 3_000, 3_500, 4_000, 9_000, 9_500]);
-        let mut none: Vec<u64> = vec![];
-        super::spread_clumps(&mut none);
     }
 }
