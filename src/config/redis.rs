@@ -88,8 +88,8 @@ pub struct RedisConfig {
     /// Shared sessions the mirror keeps at most (least recently set go first).
     pub mirror_sessions: usize,
     /// Each replica also counts the others' requests (from the stream) as in-flight load on
-    /// their pods. Off by default: with the stream's delay, replicas that share one load view
-    /// pick the same pod in a burst (docs/results.md, "the mirror's load sharing").
+    /// their pods and records their conversation marks. Off, each replica sees only its own
+    /// share of the fleet's load (docs/results.md, "Replicas sharing the load view, live").
     pub mirror_load: bool,
 }
 
@@ -119,7 +119,7 @@ impl Default for RedisConfig {
             stream_max_len: 20_000,
             mirror_max_lag_ms: 1_000,
             mirror_sessions: 100_000,
-            mirror_load: false,
+            mirror_load: true,
         }
     }
 }

@@ -20,9 +20,12 @@ use kv_testkit::runner::{self, RunOptions};
 use kv_testkit::workload::Workload;
 
 /// Strategies a llama.cpp fleet can run: not `precise` (llama.cpp publishes no KV events) nor
-/// `redis` (one router here).
+/// the `redis` ones (one router here).
 pub fn supported(s: Strategy) -> bool {
-    !matches!(s, Strategy::Precise | Strategy::Redis)
+    !matches!(
+        s,
+        Strategy::Precise | Strategy::Redis | Strategy::RedisOwnLoad
+    )
 }
 
 /// One cell: `pods` llama.cpp pods per strategy, `workload()` through Envoy (round robin

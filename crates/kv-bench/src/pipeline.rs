@@ -143,10 +143,12 @@ fn plan(quick: bool) -> Vec<Planned> {
         ];
     }
     vec![
+        // The conversation trace's timestamps are bucketed to 3 s: replayed as recorded, ~10
+        // requests would arrive at one instant (both windows spread, for one replay rule).
         p("Mooncake conversation trace", "trace-conversation",
-          format!("compare --workload trace --trace conversation --trace-requests 600 --speedup 8 --output-scale 0.25 --pods 8 --gpu-blocks 32768 {TRACE_SIM} {TRACE_RUNS}")),
+          format!("compare --workload trace --trace conversation --trace-requests 600 --speedup 8 --spread-clumps --output-scale 0.25 --pods 8 --gpu-blocks 32768 {TRACE_SIM} {TRACE_RUNS}")),
         p("Mooncake synthetic trace", "trace-synthetic",
-          format!("compare --workload trace --trace synthetic --trace-skip 2000 --trace-requests 600 --speedup 6 --output-scale 0.25 --pods 8 --gpu-blocks 32768 {TRACE_SIM} {TRACE_RUNS}")),
+          format!("compare --workload trace --trace synthetic --trace-skip 2000 --trace-requests 600 --speedup 6 --spread-clumps --output-scale 0.25 --pods 8 --gpu-blocks 32768 {TRACE_SIM} {TRACE_RUNS}")),
         p("Multi-turn chat", "multiturn",
           "compare --workload multiturn --sessions 32 --turns 6 --pods 8 --gpu-blocks 4096".into()),
         p("Shared prefix", "shared-prefix",

@@ -28,6 +28,10 @@ pub enum Strategy {
     Precise,
     /// The defaults on the shared Redis index.
     Redis,
+    /// The shared Redis index with `index.redis.mirror_load` off: each replica counts only its
+    /// own in-flight load and conversation placements (not in compare's default set: run it
+    /// beside `redis` to measure what sharing the load view changes).
+    RedisOwnLoad,
     /// Weighted on a prefill/decode fleet: the router disaggregates long uncached prompts
     /// (the pods' roles kept; every other strategy sees the same pods as aggregated).
     Pd,
@@ -48,16 +52,17 @@ impl Strategy {
         Strategy::Redis,
     ];
 
-    /// Every strategy, baselines first: the aggregated ones, then the P/D ones.
-    pub const ALL: [Strategy; 10] = {
-        let mut all = [Strategy::Pd; 10];
+    /// Every strategy, baselines first: the aggregated ones, `redis-own-load`, then the P/D ones.
+    pub const ALL: [Strategy; 11] = {
+        let mut all = [Strategy::Pd; 11];
         let mut i = 0;
         while i < Strategy::AGGREGATED.len() {
             all[i] = Strategy::AGGREGATED[i];
             i += 1;
         }
-        all[8] = Strategy::Pd;
-        all[9] = Strategy::PrecisePd;
+        all[8] = Strategy::RedisOwnLoad;
+        all[9] = Strategy::Pd;
+        all[10] = Strategy::PrecisePd;
         all
     };
 
@@ -72,6 +77,7 @@ impl Strategy {
             Strategy::PredictedTtft => "predicted-ttft",
             Strategy::Precise => "precise",
             Strategy::Redis => "redis",
+            Strategy::RedisOwnLoad => "redis-own-load",
             Strategy::Pd => "pd",
             Strategy::PrecisePd => "precise-pd",
         }
@@ -81,9 +87,9 @@ impl Strategy {
     /// cannot. `kv-bench compare` runs every strategy.
     pub fn unavailable(self) -> Option<&'static str> {
         match self {
-            Strategy::Redis => Some(
+            Strategy::Redis | Strategy::RedisOwnLoad => Some(
                 "the fleet simulator runs one router in one process; the shared Redis index \
-                 needs live replicas (kv-bench compare)",
+                 needs live replicas (kv-bench compare; simulate models them with --replicas)",
             ),
             Strategy::Pd | Strategy::PrecisePd => Some(
                 "the fleet simulator models aggregated pods only; prefill/decode roles need \
@@ -111,14 +117,14 @@ impl Strategy {
     pub fn default_replicas(self) -> usize {
         match self {
             Strategy::RoundRobin => 0,
-            Strategy::Redis => 2,
+            Strategy::Redis | Strategy::RedisOwnLoad => 2,
             _ => 1,
         }
     }
 
     /// Whether the strategy needs a Redis/Valkey server.
     pub fn needs_redis(self) -> bool {
-        self == Strategy::Redis
+        matches!(self, Strategy::Redis | Strategy::RedisOwnLoad)
     }
 
     /// The router configuration of this strategy on top of `base`, for requests naming `model`
@@ -145,9 +151,12 @@ impl Strategy {
             }
             Strategy::Weighted | Strategy::Pd => {}
             Strategy::PredictedTtft => cfg.policy = Policy::PredictedTtft,
-            Strategy::Redis => {
+            Strategy::Redis | Strategy::RedisOwnLoad => {
                 cfg.index.backend = IndexBackend::Redis;
                 cfg.index.redis.key_prefix = "kv-bench".into();
+                if self == Strategy::RedisOwnLoad {
+                    cfg.index.redis.mirror_load = false;
+                }
             }
             Strategy::Precise | Strategy::PrecisePd => {
                 cfg.kv_events.enabled = true;
@@ -199,10 +208,17 @@ mod tests {
         let r = cfg(Strategy::Redis);
         assert_eq!(r.index.backend, IndexBackend::Redis);
         assert_eq!(
-            (r.scorers, r.gate),
-            (w.scorers, w.gate),
+            (&r.scorers, &r.gate),
+            (&w.scorers, &w.gate),
             "redis is weighted, shared"
         );
+        assert!(r.index.redis.mirror_load, "redis keeps the default");
+        let own = cfg(Strategy::RedisOwnLoad);
+        assert_eq!(own.index.backend, IndexBackend::Redis);
+        assert!(!own.index.redis.mirror_load);
+        assert_eq!((&own.scorers, &own.gate), (&w.scorers, &w.gate));
+        assert!(Strategy::RedisOwnLoad.needs_redis());
+        assert_eq!(Strategy::RedisOwnLoad.default_replicas(), 2);
         assert_eq!(Strategy::Redis.default_replicas(), 2);
         assert_eq!(Strategy::Weighted.default_replicas(), 1);
         assert!(
@@ -237,7 +253,7 @@ mod tests {
         assert!(Strategy::Pd.unavailable().is_some(), "not in the simulator");
         let aggregated: Vec<Strategy> = Strategy::ALL
             .into_iter()
-            .filter(|s| !s.disaggregates())
+            .filter(|s| !s.disaggregates() && *s != Strategy::RedisOwnLoad)
             .collect();
         assert_eq!(aggregated, Strategy::AGGREGATED, "compare's default");
     }
