@@ -403,3 +403,50 @@ async fn a_pod_reporting_far_fewer_hits_than_predicted_loses_the_routers_prefere
         "without the correction A attracts every prefix: {sent:?}"
     );
 }
+
+/// Scrape windows after which a precise-mode pod whose events promise four times the hits its
+/// counters report is weighted at most 0.5, and after which, once they agree again, it is back
+/// within the tolerance of full weight (steps of at most `max_step`, by the ratio's square root;
+/// a window with fewer than `min_predicted_tokens` predicted waits for the next).
+const FLAGGED_WITHIN: usize = 3;
+const TRUSTED_AGAIN_WITHIN: usize = 5;
+
+#[test]
+fn a_precise_pod_whose_counters_contradict_its_events_is_weighted_down_until_they_agree() {
+    // The decider predicts the events' matches times the pod's confidence (its scale):
+    // `decide::input` weights the matches, and the commit predicts from the weighted plan.
+    let promised = 0.8;
+    let (mut a, mut at) = (HitAccuracy::default(), PrefixCounters::default());
+    a.observe(Some(at));
+    let mut scales = Vec::new();
+    // Lost removals: the pod really holds a quarter of what its events say.
+    for _ in 0..8 {
+        let predicted = promised * a.scale();
+        window(&mut a, &mut at, predicted, promised / 4.0);
+        scales.push(a.correct(&cfg()));
+    }
+    assert!(
+        scales[FLAGGED_WITHIN - 1] <= 0.5,
+        "flagged within {FLAGGED_WITHIN} windows: {scales:?}"
+    );
+    let settled = *scales.last().expect("judged");
+    assert!(
+        (0.2..=0.3).contains(&settled),
+        "it settles near the quarter its counters confirm, within the tolerance: {scales:?}"
+    );
+    // The events are fixed: the counters now report what the events promise.
+    scales.clear();
+    for _ in 0..8 {
+        let predicted = promised * a.scale();
+        window(&mut a, &mut at, predicted, promised);
+        scales.push(a.correct(&cfg()));
+    }
+    // Within the tolerance the weight stops moving, as a right-sized one does under noise.
+    let trusted = 1.0 / (1.0 + cfg().tolerance);
+    assert!(
+        scales[TRUSTED_AGAIN_WITHIN - 1..]
+            .iter()
+            .all(|&s| s >= trusted),
+        "trusted again within {TRUSTED_AGAIN_WITHIN} windows: {scales:?}"
+    );
+}
