@@ -277,16 +277,16 @@ impl Expansion {
 
 #[cfg(test)]
 mod tests {
+    use super::*;
+
     #[test]
     fn clumps_spread_evenly_until_the_next_arrival() {
         let mut at = vec![0, 0, 0, 3_000, 3_000, 4_000, 9_000, 9_000];
-        super::spread_clumps(&mut at);
+        spread_clumps(&mut at);
         assert_eq!(at, vec![0, 1_000, 2_000, 3_000, 3_500, 4_000, 9_000, 9_500]);
         let mut none: Vec<u64> = vec![];
-        super::spread_clumps(&mut none);
+        spread_clumps(&mut none);
     }
-
-    use super::*;
 
     #[test]
     fn expansion_matches_the_reference_values() {
