@@ -107,8 +107,12 @@ async fn maintenance(
             }
             // KV events say what a pod holds: its judged scale weights its matches instead
             // (`Pod::index_confidence`); only the approximate index's capacity is scaled.
-            let judged = pod.correct_capacity(&cfg.index.correction);
-            let scale = if cfg.kv_events.enabled { 1.0 } else { judged };
+            let scale = if cfg.kv_events.enabled {
+                pod.correct_capacity(&cfg.index.correction.for_precise());
+                1.0
+            } else {
+                pod.correct_capacity(&cfg.index.correction)
+            };
             gauges.pods.observe(pod, model, now, stale_after);
             let Some((_, sample)) = pod.last_sample() else {
                 continue;

@@ -13,6 +13,9 @@ pub struct CorrectionConfig {
     pub tolerance: f64,
     /// Smallest fraction of the configured capacity a pod's index may be scaled to.
     pub min_scale: f64,
+    /// Largest multiple of the configured capacity a pod's index may grow to, where the pod finds
+    /// more hits than this router predicted (its configuration understates its cache).
+    pub max_scale: f64,
     /// The most one judgement multiplies or divides a pod's scale by.
     pub max_step: f64,
     /// Predicted hit tokens a pod must accumulate before its gap is judged.
@@ -25,11 +28,12 @@ pub struct CorrectionConfig {
 impl Default for CorrectionConfig {
     fn default() -> Self {
         Self {
-            // Off: it neither pays nor costs in simulation (docs/results.md, "Prediction
-            // accuracy"), and a shrunk index forgets prefix heads the pods still hold.
+            // Off: in simulation it pays only where the configured capacity is too small, and
+            // costs up to 2 points of pooled elsewhere (docs/results.md, "Prediction accuracy").
             enabled: false,
             tolerance: 0.2,
             min_scale: 0.1,
+            max_scale: 4.0,
             max_step: 1.5,
             min_predicted_tokens: 8192,
             min_decisions: 32,
@@ -38,6 +42,15 @@ impl Default for CorrectionConfig {
 }
 
 impl CorrectionConfig {
+    /// The rules for a precise-mode pod: its KV events already say what it holds, so its weight
+    /// only falls below 1 where its counters contradict them.
+    pub fn for_precise(self) -> Self {
+        Self {
+            max_scale: 1.0,
+            ..self
+        }
+    }
+
     /// Problems by key under `index.correction`.
     pub fn problems(&self) -> Vec<(&'static str, &'static str)> {
         let mut out = Vec::new();
@@ -46,6 +59,9 @@ impl CorrectionConfig {
         }
         if !(self.min_scale > 0.0 && self.min_scale <= 1.0) {
             out.push(("min_scale", "must be in (0, 1]"));
+        }
+        if !(self.max_scale >= 1.0 && self.max_scale <= 8.0) {
+            out.push(("max_scale", "must be in [1, 8]"));
         }
         if !(self.max_step > 1.0 && self.max_step <= 4.0) {
             out.push(("max_step", "must be in (1, 4]"));

@@ -174,7 +174,8 @@ impl HitAccuracy {
     /// Judges the windows seen since the last judgement once they hold `min_predicted_tokens`
     /// predicted hits and `min_decisions` decisions, and returns the capacity scale. Outside
     /// `1 ± tolerance` of the credited observed/predicted ratio the scale moves by the ratio's
-    /// square root, at most `max_step` either way, within `[min_scale, 1]`. Disabled: always 1.
+    /// square root, at most `max_step` either way, within `[min_scale, 1]`, or up to `max_scale`
+    /// where the pod's own, uncredited ratio is above the band too. Disabled: always 1.
     pub fn correct(&mut self, cfg: &CorrectionConfig) -> f64 {
         if !cfg.enabled {
             self.scale = 1.0;
@@ -192,14 +193,21 @@ impl HitAccuracy {
         }
         self.unjudged = HitWindow::default();
         self.unjudged_decisions = 0;
-        let Some(r) = w.credited_accuracy() else {
+        let (Some(r), Some(own)) = (w.credited_accuracy(), w.accuracy()) else {
             return self.scale;
         };
         if (r - 1.0).abs() > cfg.tolerance {
+            // Past the configured capacity only the pod's own rate, uncredited, may grow the
+            // index: other clients' hits say the pod holds their prefixes, not this router's.
+            let ceiling = if own > 1.0 + cfg.tolerance {
+                cfg.max_scale
+            } else {
+                self.scale.max(1.0)
+            };
             // Damped and symmetric: a judgement rests on a few dozen decisions, and full steps
             // that shrink on noise but grow back slowly ratchet a right-sized index down.
             let step = r.sqrt().clamp(1.0 / cfg.max_step, cfg.max_step);
-            self.scale = (self.scale * step).clamp(cfg.min_scale, 1.0);
+            self.scale = (self.scale * step).clamp(cfg.min_scale, ceiling.max(cfg.min_scale));
         }
         self.scale
     }
@@ -213,6 +221,12 @@ impl HitAccuracy {
     /// The fraction of its configured capacity the pod's index entries are held to.
     pub fn scale(&self) -> f64 {
         self.scale
+    }
+
+    /// In precise mode, the weight the pod's index matches get: events already say what the pod
+    /// holds, so only a shortfall (a scale below 1) is applied.
+    pub fn confidence(&self) -> f64 {
+        self.scale.min(1.0)
     }
 
     /// The windows closed since the last call (for metric counters).

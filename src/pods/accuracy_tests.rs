@@ -150,6 +150,7 @@ fn cfg() -> CorrectionConfig {
         enabled: true,
         tolerance: 0.2,
         min_scale: 0.1,
+        max_scale: 1.0,
         max_step: 1.5,
         min_predicted_tokens: 1000,
         min_decisions: 1,
@@ -200,6 +201,54 @@ fn the_scale_moves_by_the_ratios_square_root_within_the_step_and_its_bounds() {
         a.correct(&cfg());
     }
     assert_eq!(a.scale(), 0.1, "never under min_scale");
+}
+
+#[test]
+fn a_pod_finding_more_than_predicted_grows_past_its_configuration_only_on_its_own_hits() {
+    let grows = CorrectionConfig {
+        max_scale: 4.0,
+        ..cfg()
+    };
+    // The router's index forgets what the pod still holds: the pod finds 1.44x the predicted
+    // rate on this router's own traffic, so the scale grows by 1.2 per judgement, up to 4.
+    let (mut a, mut at) = (HitAccuracy::default(), PrefixCounters::default());
+    a.observe(Some(at));
+    window(&mut a, &mut at, 0.25, 0.36);
+    assert!(close(a.correct(&grows), 1.2));
+    for _ in 0..20 {
+        window(&mut a, &mut at, 0.25, 0.36);
+        a.correct(&grows);
+    }
+    assert_eq!(a.scale(), 4.0, "never above max_scale");
+    assert_eq!(
+        a.confidence(),
+        1.0,
+        "a precise pod's weight stays at most 1"
+    );
+    // Within the band it holds; a shortfall brings it back down.
+    window(&mut a, &mut at, 0.25, 0.27);
+    assert_eq!(a.correct(&grows), 4.0);
+    window(&mut a, &mut at, 0.5, 0.32);
+    assert!(close(a.correct(&grows), 4.0 * 0.8));
+
+    // The same excess, but only once other clients' hits are credited: the pod found 0.9x the
+    // rate over twice the tokens this router sent, so it holds other clients' prefixes, not ours.
+    let (mut b, mut at) = (HitAccuracy::default(), PrefixCounters::default());
+    b.observe(Some(at));
+    for _ in 0..5 {
+        b.predicted(1000, 4000);
+        at.queries += 8000.0;
+        at.hits += 1800.0;
+        b.observe(Some(at));
+        assert_eq!(b.correct(&grows), 1.0, "credited 1.8x, own 0.9x: not grown");
+    }
+    // Precise mode never grows: events already say what the pod holds.
+    let (mut c, mut at) = (HitAccuracy::default(), PrefixCounters::default());
+    c.observe(Some(at));
+    for _ in 0..5 {
+        window(&mut c, &mut at, 0.25, 0.5);
+        assert_eq!(c.correct(&grows.for_precise()), 1.0);
+    }
 }
 
 #[test]

@@ -293,7 +293,7 @@ impl Pod {
     /// In precise mode, the weight the pod's index matches get: its last judged scale (1 unless
     /// `index.correction` found its counters far below what its KV events promise).
     pub fn index_confidence(&self) -> f64 {
-        self.accuracy.lock().scale()
+        self.accuracy.lock().confidence()
     }
 
     /// Judges the scrape windows seen so far (see [`HitAccuracy::correct`]); the fraction of its

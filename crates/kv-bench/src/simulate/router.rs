@@ -132,7 +132,11 @@ impl SimRouter {
             applied: vec![0; ids.len()],
             ids,
             stale_after: Duration::from_millis(cfg.pods.stale_after_ms),
-            correction: cfg.index.correction,
+            correction: if cfg.kv_events.enabled {
+                cfg.index.correction.for_precise()
+            } else {
+                cfg.index.correction
+            },
             capacity: None,
             precise: cfg.kv_events.enabled,
         }
@@ -169,6 +173,11 @@ impl SimRouter {
         }
     }
 
+    /// Each pod's judged scale (capacity in approximate mode, match weight in precise mode).
+    pub(super) fn scales(&self) -> Vec<f64> {
+        self.views.iter().map(|v| v.accuracy.scale()).collect()
+    }
+
     /// What the router knows of a request arriving at `t` (µs): its session's pod, each pod's
     /// load, prefill model and the index's matches.
     fn gather(
@@ -198,7 +207,11 @@ impl SimRouter {
                 load: v.load(SimTime(t), stale_after),
                 model,
                 matched_blocks,
-                confidence: if precise { v.accuracy.scale() } else { 1.0 },
+                confidence: if precise {
+                    v.accuracy.confidence()
+                } else {
+                    1.0
+                },
             })
             .collect();
         let req = RequestFacts {
