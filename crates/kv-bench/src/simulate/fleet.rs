@@ -15,6 +15,7 @@ use kv_testkit::splitmix::SplitMix64;
 use vllm_sim::engine::{Engine, EngineConfig, Output, Submission};
 use vllm_sim::translate::{Hashes, Translator};
 
+use super::convergence::ScaleTrack;
 use super::options::{Replication, SimulateError, SimulateOptions, BLOCK_TOKENS, MODEL};
 use super::prepare::Prepared;
 use super::replicas::{Replicas, Writes};
@@ -62,6 +63,8 @@ pub(super) struct RunOutcome {
     pub(super) replication: Replication,
     /// Index records the replicas published.
     pub(super) writes: Writes,
+    /// The first replica's capacity correction over time, when `index.correction` is on.
+    pub(super) scale_track: Option<ScaleTrack>,
 }
 
 /// The fleet side of one run: engines, their event schedule, and what they reported.
@@ -263,6 +266,7 @@ pub(super) fn simulate_replicas(
     let mut per_pod = vec![0usize; pods];
     let mut all_saturated = 0usize;
     let mut applied = ApplyStats::default();
+    let mut scale_track = cfg.index.correction.enabled.then(ScaleTrack::default);
     let (mut next_req, mut next_tick, mut ticks) = (0usize, 0u64, 0u64);
     // The pod each request was routed to (a bypassed one has none): its router's charge.
     let mut routed_to: Vec<Option<usize>> = vec![None; n];
@@ -312,6 +316,9 @@ pub(super) fn simulate_replicas(
             router.scrape(t, &fleet.engines);
             if ticks % sweep_every == 0 {
                 router.correct();
+                if let Some(track) = &mut scale_track {
+                    track.record(t as f64 / 1e6, &router.routers[0].scales());
+                }
                 router.sweep(t);
             }
             ticks += 1;
@@ -379,5 +386,6 @@ pub(super) fn simulate_replicas(
         learned_tokens_per_sec: router.routers[0].learned_tokens_per_sec(),
         replication: how,
         writes: router.writes,
+        scale_track,
     })
 }

@@ -24,6 +24,7 @@
 //! this file (orchestration), [`report`] (the tables).
 
 mod capacity;
+mod convergence;
 #[cfg(test)]
 mod equivalence_tests;
 mod fleet;
@@ -53,6 +54,7 @@ use kv_testkit::trace::{self, Trace};
 use prepare::Prepared;
 
 pub use capacity::CapacityPlan;
+pub use convergence::ScaleTrack;
 pub use options::{
     CapacityOptions, Divergence, Replication, SimulateError, SimulateOptions, BLOCK_TOKENS,
     DEFAULT_TTFT_TARGET_MS,
