@@ -90,6 +90,15 @@ pub fn comparison_section(
         body.push('\n');
         body.push_str(&note);
     }
+    let counters = cmp.counters_note();
+    if !counters.is_empty() {
+        body.push_str(
+            "\nShared-index counters of each replica at the end of its run (`kv_router_redis_*`: \
+             lookups by source, fallbacks and dropped writes by reason, the mirror's applies and \
+             reloads, its lag):\n\n",
+        );
+        body.push_str(&counters);
+    }
     let pd = cmp.pd_rows();
     if cmp.pd_prefill > 0 && !pd.is_empty() {
         body.push_str(
