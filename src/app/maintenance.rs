@@ -81,6 +81,7 @@ async fn maintenance(
     gauges: Gauges,
 ) {
     let stale_after = Duration::from_millis(cfg.pods.stale_after_ms);
+    let correction = cfg.index.correction.for_index(cfg.kv_events.enabled);
     let mut capacities = ahash::AHashMap::new();
     let mut tick = interval(Duration::from_secs(1));
     tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
@@ -107,12 +108,8 @@ async fn maintenance(
             }
             // KV events say what a pod holds: its judged scale weights its matches instead
             // (`Pod::index_confidence`); only the approximate index's capacity is scaled.
-            let scale = if cfg.kv_events.enabled {
-                pod.correct_capacity(&cfg.index.correction.for_precise());
-                1.0
-            } else {
-                pod.correct_capacity(&cfg.index.correction)
-            };
+            let judged = pod.correct_capacity(&correction);
+            let scale = if cfg.kv_events.enabled { 1.0 } else { judged };
             gauges.pods.observe(pod, model, now, stale_after);
             let Some((_, sample)) = pod.last_sample() else {
                 continue;

@@ -42,12 +42,17 @@ impl Default for CorrectionConfig {
 }
 
 impl CorrectionConfig {
-    /// The rules for a precise-mode pod: its KV events already say what it holds, so its weight
-    /// only falls below 1 where its counters contradict them.
-    pub fn for_precise(self) -> Self {
-        Self {
-            max_scale: 1.0,
-            ..self
+    /// The rules for an index fed by KV events (`precise`) or by the router's own decisions:
+    /// events already say what a pod holds, so its weight only falls below 1 where its counters
+    /// contradict them, and never grows.
+    pub fn for_index(self, precise: bool) -> Self {
+        if precise {
+            Self {
+                max_scale: 1.0,
+                ..self
+            }
+        } else {
+            self
         }
     }
 

@@ -247,7 +247,7 @@ fn a_pod_finding_more_than_predicted_grows_past_its_configuration_only_on_its_ow
     c.observe(Some(at));
     for _ in 0..5 {
         window(&mut c, &mut at, 0.25, 0.5);
-        assert_eq!(c.correct(&grows.for_precise()), 1.0);
+        assert_eq!(c.correct(&grows.for_index(true)), 1.0);
     }
 }
 

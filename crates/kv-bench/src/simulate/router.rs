@@ -132,11 +132,7 @@ impl SimRouter {
             applied: vec![0; ids.len()],
             ids,
             stale_after: Duration::from_millis(cfg.pods.stale_after_ms),
-            correction: if cfg.kv_events.enabled {
-                cfg.index.correction.for_precise()
-            } else {
-                cfg.index.correction
-            },
+            correction: cfg.index.correction.for_index(cfg.kv_events.enabled),
             capacity: None,
             precise: cfg.kv_events.enabled,
         }
