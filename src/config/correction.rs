@@ -80,3 +80,28 @@ impl CorrectionConfig {
         out
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use crate::config::Config;
+
+    fn with_max_scale(v: &str) -> String {
+        format!(
+            "pods:\n  static:\n    - address: 127.0.0.1:8000\nindex:\n  correction:\n    max_scale: {v}\n"
+        )
+    }
+
+    #[test]
+    fn a_max_scale_outside_one_to_eight_is_refused_by_its_key() {
+        for bad in ["0.5", "9", ".nan"] {
+            let yaml = with_max_scale(bad);
+            let err = Config::from_yaml(&yaml).unwrap_err().to_string();
+            assert!(err.contains("index.correction.max_scale"), "{bad}: {err}");
+        }
+        for good in ["1", "4", "8"] {
+            let yaml = with_max_scale(good);
+            let r = Config::from_yaml(&yaml);
+            assert!(r.is_ok(), "{good}: {:?}", r.err().map(|e| e.to_string()));
+        }
+    }
+}
