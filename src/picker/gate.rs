@@ -183,6 +183,7 @@ mod tests {
             kv_usage,
             inflight_requests: 0.0,
             inflight_tokens: 0.0,
+            others: 0.0,
             fresh,
         }
     }

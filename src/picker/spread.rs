@@ -64,9 +64,7 @@ fn commitments(input: &ScoreInput) -> Vec<f64> {
         .iter()
         .map(|c| {
             let l = &c.load;
-            let mut committed = (l.waiting + l.running)
-                .max(l.inflight_requests)
-                .max(c.conversations);
+            let mut committed = l.requests().max(c.conversations);
             if costly_to_warm && holders == 1 && holds(c.matched_blocks) {
                 committed = committed.max(1.0);
             }

@@ -111,6 +111,9 @@ pub struct LoadSample {
     pub timing: Option<EngineTiming>,
     /// Cumulative prefix-cache counters, for engines that report them (prediction accuracy).
     pub prefix_cache: Option<PrefixCounters>,
+    /// This router's own requests in flight on the pod when the scrape was sent (set by the
+    /// prober, not read from the metrics): the rest of `waiting + running` came from elsewhere.
+    pub sent_here: f64,
 }
 
 /// Cumulative prefill counters a pod's engine reports since it started, summed over its ranks.
@@ -141,15 +144,20 @@ pub struct PodLoad {
     pub inflight_requests: f64,
     /// Uncached prompt tokens this router sent that are still being prefilled (estimate).
     pub inflight_tokens: f64,
+    /// Requests in the last scrape that this router did not send (other replicas', clients that
+    /// bypass it): its own in-flight count cannot stand for them.
+    pub others: f64,
     /// Whether the scrape is recent enough to trust.
     pub fresh: bool,
 }
 
 impl PodLoad {
-    /// Requests on the pod, each counted once: its scrape's or this router's in-flight count,
-    /// whichever is larger (a request this router sent is in both once the pod runs it).
+    /// Requests on the pod, each counted once: its scrape's, or this router's in-flight count
+    /// plus the scrape's requests from elsewhere, whichever is larger (a request this router sent
+    /// is in both once the pod runs it). Without `others`, replicas sharing a pod each hid their
+    /// peers' scraped requests under their own newer ones and herded onto it.
     pub fn requests(&self) -> f64 {
-        (self.waiting + self.running).max(self.inflight_requests)
+        (self.waiting + self.running).max(self.inflight_requests + self.others)
     }
 
     /// The load at `now` from the last scrape (trusted while at most `stale_after` old) and the
@@ -170,6 +178,7 @@ impl PodLoad {
             kv_usage: s.kv_usage,
             inflight_requests: inflight_requests as f64,
             inflight_tokens: inflight_tokens as f64,
+            others: (s.waiting + s.running - s.sent_here).max(0.0),
             fresh,
         }
     }
@@ -443,6 +452,11 @@ impl Pod {
         InflightGuard::new(self.clone(), uncached_tokens, now, prefill_tokens_per_sec)
     }
 
+    /// This router's own requests in flight here (taken as a scrape is sent: [`LoadSample::sent_here`]).
+    pub fn own_requests(&self) -> u64 {
+        self.inflight.raw().0.max(0) as u64
+    }
+
     /// Current in-flight counters (for gauges): requests, tokens.
     pub fn inflight_counts(&self) -> (i64, i64) {
         self.inflight.raw()
@@ -567,6 +581,30 @@ mod tests {
             kv_events_endpoint: None,
             kv_events_replay_endpoint: None,
         }
+    }
+
+    /// One router alone: its own in-flight count is the pod's load (its scrape shows nothing
+    /// else). Beside peers or clients that bypass it, their scraped requests add to its own.
+    #[test]
+    fn requests_add_the_scrapes_others_to_this_routers_own() {
+        let at = |running: f64, sent_here: f64, inflight: u64| {
+            let sample = LoadSample {
+                running,
+                sent_here,
+                ..LoadSample::default()
+            };
+            let stale = std::time::Duration::from_secs(1);
+            let now = tokio::time::Instant::now();
+            PodLoad::at(now, Some((now, sample)), (inflight, 0), stale).requests()
+        };
+        assert_eq!(at(3.0, 3.0, 4), 4.0, "alone: 3 scraped, 1 sent since");
+        assert_eq!(
+            at(3.0, 3.0, 1),
+            3.0,
+            "alone, 2 ended since: the scrape still counts them"
+        );
+        assert_eq!(at(3.0, 1.0, 2), 4.0, "2 of the 3 scraped were a peer's");
+        assert_eq!(at(0.0, 2.0, 2), 2.0, "sent but not yet seen by the pod");
     }
 
     #[test]

@@ -11,7 +11,7 @@ use futures::FutureExt;
 use tokio::time::{interval, Instant, Interval, MissedTickBehavior};
 use tracing::{debug, info, warn};
 
-use super::{Pod, PodId, PodRegistry, PodSource, PodSpec};
+use super::{LoadSample, Pod, PodId, PodRegistry, PodSource, PodSpec};
 use crate::config::PodsConfig;
 use crate::telemetry::{ErrorKind, Errors};
 
@@ -199,6 +199,7 @@ impl Prober {
     /// go stale.
     pub async fn scrape_once(&self, pod: Arc<Pod>) {
         let started = Instant::now();
+        let sent_here = pod.own_requests() as f64;
         let url = format!("http://{}/metrics", pod.spec.addr);
         let body = match self.client.get(&url).send().await {
             Ok(r) if r.status().is_success() => read_capped(r, self.cfg.max_response_bytes).await,
@@ -214,7 +215,11 @@ impl Prober {
         match body {
             Ok(body) => {
                 let text = String::from_utf8_lossy(&body);
-                pod.record_sample(started, pod.engine().read(pod.id(), &text));
+                let sample = LoadSample {
+                    sent_here,
+                    ..pod.engine().read(pod.id(), &text)
+                };
+                pod.record_sample(started, sample);
                 pod.record_lora(started, pod.engine().read_lora(&text));
             }
             Err(e) => debug!(pod = %pod.id(), error = %e, "scrape body failed"),
@@ -493,6 +498,26 @@ vllm:prefix_cache_hits_total{engine="0",model_name="m"} 100.0
             m >= 20,
             "pod with this router's request scraped {m} times in 1 s"
         );
+    }
+
+    /// Replicas sharing a pod: the scrape shows the peers' requests beside this router's own, and
+    /// a request this router sends after it must add to them, not hide under them.
+    #[tokio::test]
+    async fn a_scrape_counts_the_requests_this_router_did_not_send_beside_its_new_ones() {
+        let addr = metrics_server("vllm:num_requests_running 3\n".to_string()).await;
+        let registry = pods(&[addr]);
+        let pod = registry.snapshot().pods()[0].clone();
+        let _mine = pod.begin_request(100, Instant::now(), 1e6);
+        prober(&registry, 1 << 20).scrape_once(pod.clone()).await;
+        let (_, sample) = pod.last_sample().unwrap();
+        assert_eq!(
+            sample.sent_here, 1.0,
+            "one of the 3 running was this router's"
+        );
+        let _newer = pod.begin_request(100, Instant::now(), 1e6);
+        let load = pod.load(Instant::now(), Duration::from_secs(5));
+        assert_eq!(load.others, 2.0);
+        assert_eq!(load.requests(), 4.0, "3 scraped + 1 sent since: {load:?}");
     }
 
     #[tokio::test]

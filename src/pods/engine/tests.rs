@@ -270,6 +270,7 @@ fn vllm_timing_sums_both_engines() {
             block_size: Some(16),
             timing: None,
             prefix_cache: None,
+            sent_here: 0.0,
         }
     );
     // No other preset, and no custom mapping, reads timing.

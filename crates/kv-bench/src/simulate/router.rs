@@ -76,6 +76,7 @@ impl PodView {
                 running: s.running as f64,
                 kv_usage: s.kv_cache_usage,
                 timing: Some(s.timing()),
+                sent_here: self.live as f64,
                 ..LoadSample::default()
             },
         ));
