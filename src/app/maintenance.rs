@@ -13,7 +13,7 @@ use tracing::warn;
 use crate::config::Config;
 use crate::decide::Decider;
 use crate::index::index_capacity;
-use crate::pods::{prefill_models, scaled_capacity, PodMetrics, PodRegistry};
+use crate::pods::{prefill_models, scaled_capacity, LoadSample, PodMetrics, PodRegistry};
 use crate::scoring::SessionStore;
 use crate::telemetry::{ErrorKind, Errors};
 
@@ -114,13 +114,10 @@ async fn maintenance(
             let Some((_, sample)) = pod.last_sample() else {
                 continue;
             };
-            let cap = match sample.num_gpu_blocks {
-                Some(blocks) => index_capacity(&cfg, blocks, sample.block_size.unwrap_or(16)),
-                // A pod without `cache_config_info` keeps the default unless corrected.
-                None if scale < 1.0 => cfg.index.default_capacity_blocks,
-                None => continue,
+            let managed = capacities.contains_key(pod.id());
+            let Some(cap) = pod_capacity(&cfg, &sample, scale, managed) else {
+                continue;
             };
-            let cap = scaled_capacity(cap, scale);
             if capacities.get(pod.id()) != Some(&cap) {
                 match index.set_capacity(pod.id(), cap).await {
                     Ok(()) => {
@@ -142,5 +139,56 @@ async fn maintenance(
         m.index_entries.set(stats.entries as i64);
         m.index_keys.set(stats.keys as i64);
         m.sessions.set(sessions.len() as i64);
+    }
+}
+
+/// A pod's index capacity: its KV size (`cache_config_info`) times its judged `scale`. A pod
+/// without one keeps the index's default until a scale other than 1 applies, and from then on
+/// (`managed`) is set from the default, so a scale back at 1 restores it.
+fn pod_capacity(cfg: &Config, sample: &LoadSample, scale: f64, managed: bool) -> Option<usize> {
+    let cap = match sample.num_gpu_blocks {
+        Some(blocks) => index_capacity(cfg, blocks, sample.block_size.unwrap_or(16)),
+        None if scale != 1.0 || managed => cfg.index.default_capacity_blocks,
+        None => return None,
+    };
+    Some(scaled_capacity(cap, scale))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_pod_without_its_kv_size_is_scaled_from_the_default_both_ways_and_restored() {
+        let cfg = Config::default();
+        let default = cfg.index.default_capacity_blocks;
+        let unsized_pod = LoadSample::default();
+        assert_eq!(
+            pod_capacity(&cfg, &unsized_pod, 1.0, false),
+            None,
+            "left to the index"
+        );
+        assert_eq!(
+            pod_capacity(&cfg, &unsized_pod, 0.5, false),
+            Some(default / 2)
+        );
+        assert_eq!(
+            pod_capacity(&cfg, &unsized_pod, 2.0, false),
+            Some(default * 2),
+            "finding more than predicted grows it as it grows a sized pod"
+        );
+        assert_eq!(
+            pod_capacity(&cfg, &unsized_pod, 1.0, true),
+            Some(default),
+            "a scale back at 1 restores the default it had scaled"
+        );
+        let sized = LoadSample {
+            num_gpu_blocks: Some(1000),
+            block_size: Some(16),
+            ..LoadSample::default()
+        };
+        let full = index_capacity(&cfg, 1000, 16);
+        assert_eq!(pod_capacity(&cfg, &sized, 1.0, false), Some(full));
+        assert_eq!(pod_capacity(&cfg, &sized, 2.0, true), Some(full * 2));
     }
 }
