@@ -452,11 +452,6 @@ impl Pod {
         InflightGuard::new(self.clone(), uncached_tokens, now, prefill_tokens_per_sec)
     }
 
-    /// This router's own requests in flight here (taken as a scrape is sent: [`LoadSample::sent_here`]).
-    pub fn own_requests(&self) -> u64 {
-        self.inflight.raw().0.max(0) as u64
-    }
-
     /// Current in-flight counters (for gauges): requests, tokens.
     pub fn inflight_counts(&self) -> (i64, i64) {
         self.inflight.raw()

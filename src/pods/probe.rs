@@ -199,7 +199,8 @@ impl Prober {
     /// go stale.
     pub async fn scrape_once(&self, pod: Arc<Pod>) {
         let started = Instant::now();
-        let sent_here = pod.own_requests() as f64;
+        // This router's own requests in flight as the scrape is sent (`LoadSample::sent_here`).
+        let sent_here = pod.inflight_counts().0.max(0) as f64;
         let url = format!("http://{}/metrics", pod.spec.addr);
         let body = match self.client.get(&url).send().await {
             Ok(r) if r.status().is_success() => read_capped(r, self.cfg.max_response_bytes).await,
