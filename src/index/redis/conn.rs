@@ -8,6 +8,7 @@ use std::time::Duration;
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::ClusterClient;
 use redis::cluster_async::ClusterConnection;
+use redis::io::tcp::TcpSettings;
 use redis::{
     ClientTlsConfig, Cmd, IntoConnectionInfo, Pipeline, RedisError, RedisFuture, TlsCertificates,
     Value,
@@ -74,8 +75,15 @@ impl ConnectionLike for Handle {
     }
 }
 
+/// Every connection's socket: `TCP_NODELAY`, which the client leaves off. Without it a small
+/// command sent while an earlier reply's ACK is outstanding waits for that ACK, up to the
+/// peer's 40 ms delayed-ACK timer (a load-stream entry took 11.5 ms p50 on an idle server).
+fn tcp() -> TcpSettings {
+    TcpSettings::default().set_nodelay(true)
+}
+
 /// The connection details of `url` with the configured credentials (which win over any in
-/// the URL).
+/// the URL), on [`tcp`] sockets.
 fn connection_info(
     url: &str,
     username: Option<&str>,
@@ -91,7 +99,7 @@ fn connection_info(
     if let Some(p) = password {
         settings = settings.set_password(p);
     }
-    Ok(info.set_redis_settings(settings))
+    Ok(info.set_redis_settings(settings).set_tcp_settings(tcp()))
 }
 
 trait KindDescription {
@@ -174,6 +182,7 @@ impl Conn {
                 let mut builder = ClusterClient::builder(nodes)
                     .connection_timeout(CONNECT_TIMEOUT)
                     .response_timeout(CONNECT_TIMEOUT)
+                    .tcp_settings(tcp())
                     .retries(2);
                 if let Some(certs) = tls {
                     builder = builder.certs(certs);
@@ -265,6 +274,14 @@ pub(super) fn to_index_error(e: &RedisError) -> IndexError {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_connection_sends_small_commands_without_waiting_for_acks() {
+        for url in ["redis://127.0.0.1:6379", "rediss://u:p@redis.example:6380/2"] {
+            let info = connection_info(url, None, None).unwrap();
+            assert!(info.tcp_settings().nodelay(), "{url}");
+        }
+    }
 
     #[test]
     fn credentials_come_from_the_config_and_bad_urls_never_echo_secrets() {
