@@ -788,6 +788,10 @@ pub struct SimulateArgs {
     /// delays (each with each --replicas).
     #[arg(long, value_delimiter = ',', default_values_t = vec![0.0f64])]
     pub propagation_ms: Vec<f64>,
+    /// Virtual ms before a decision's load reaches the other replicas when it travels apart
+    /// from, and ahead of, its record (the live mirror's load stream); default: with it.
+    #[arg(long)]
+    pub charge_propagation_ms: Option<f64>,
     /// Replicas also count the others' requests as in-flight load, `propagation_ms` after they
     /// were decided (the live mirror's `index.redis.mirror_load`).
     #[arg(long)]
@@ -870,6 +874,7 @@ impl SimulateArgs {
             },
             replicas: self.replicas.clone(),
             propagation_ms: self.propagation_ms.clone(),
+            charge_propagation_ms: self.charge_propagation_ms,
             shared_load: self.shared_load,
             correction: self.correction,
             shared_conversations: self.shared_conversations,

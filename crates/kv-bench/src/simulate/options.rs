@@ -125,6 +125,9 @@ pub struct SimulateOptions {
     pub replicas: Vec<usize>,
     /// Virtual ms before one replica's index record reaches the other replicas' indexes.
     pub propagation_ms: Vec<f64>,
+    /// Virtual ms before a decision's load reaches the other replicas, when it travels apart
+    /// from its record (`None`: with it).
+    pub charge_propagation_ms: Option<f64>,
     /// Each replica counts the others' requests as in-flight load, from their records (the
     /// live mirror's `mirror_load`); off: each charges only its own decisions.
     pub shared_load: bool,
@@ -147,6 +150,9 @@ pub struct Replication {
     pub replicas: usize,
     /// Delay of another replica's record, virtual ms (0 with one replica: nothing to propagate).
     pub propagation_ms: f64,
+    /// Delay of another replica's load when it travels apart from the record.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub charge_ms: Option<f64>,
 }
 
 impl Default for Replication {
@@ -154,6 +160,7 @@ impl Default for Replication {
         Self {
             replicas: 1,
             propagation_ms: 0.0,
+            charge_ms: None,
         }
     }
 }
@@ -214,6 +221,7 @@ impl Default for SimulateOptions {
             divergence: Divergence::default(),
             replicas: vec![1],
             propagation_ms: vec![0.0],
+            charge_propagation_ms: None,
             shared_load: false,
             correction: false,
             shared_conversations: false,
@@ -243,6 +251,7 @@ impl SimulateOptions {
                 let r = Replication {
                     replicas,
                     propagation_ms,
+                    charge_ms: self.charge_propagation_ms.filter(|_| replicas > 1),
                 };
                 if !out.contains(&r) {
                     out.push(r);
@@ -269,6 +278,14 @@ impl SimulateOptions {
         {
             return Err(SimulateError::BadReplication(
                 "at least one propagation delay, each finite and at least 0",
+            ));
+        }
+        if self
+            .charge_propagation_ms
+            .is_some_and(|d| !(d.is_finite() && d >= 0.0))
+        {
+            return Err(SimulateError::BadReplication(
+                "the charge's propagation delay must be finite and at least 0",
             ));
         }
         if self.strategies.is_empty() {

@@ -12,6 +12,7 @@ fn replicas(replicas: usize, propagation_ms: f64) -> Replication {
     Replication {
         replicas,
         propagation_ms,
+        charge_ms: None,
     }
 }
 
@@ -217,4 +218,70 @@ fn shared_conversation_marks_reach_the_other_replica_with_the_record() {
     };
     assert_eq!(seen_by_second(true), (false, true));
     assert_eq!(seen_by_second(false), (false, false), "without sharing");
+}
+
+#[test]
+fn a_load_sent_apart_reaches_the_other_replica_before_its_record() {
+    use kv_router::blocks::BlockKey;
+    use kv_router::config::Config;
+    use kv_router::keys::Keys;
+    use kv_router::pods::PodId;
+    use rand::SeedableRng;
+
+    use super::options::MODEL;
+    use super::replicas::Replicas;
+    use super::router::{SimRouter, SimTime};
+
+    let ids: Vec<PodId> = (0..2).map(|i| PodId::new(format!("pod-{i}"))).collect();
+    let cfg = Strategy::Weighted.router_config(&Config::default(), MODEL);
+    let keys = Keys {
+        keys: (1..=8).map(BlockKey).collect(),
+        tokens_per_block: 16,
+        prompt_tokens: 128,
+        ..Keys::default()
+    };
+    let routers = (0..2)
+        .map(|_| {
+            let index = kv_router::index::build_index(&cfg, None).unwrap().index;
+            SimRouter::new(&cfg, Some(index), ids.clone())
+        })
+        .collect();
+    let how = Replication {
+        charge_ms: Some(1.0),
+        ..replicas(2, 10.0)
+    };
+    let mut r = Replicas::new(routers, how, false, true, false);
+    let mut rng = rand::rngs::StdRng::seed_from_u64(1);
+    let plan = r.decide(0, 1_000, keys.clone(), &mut rng);
+    let stale = std::time::Duration::from_secs(60);
+    let load = |r: &mut Replicas, at: u64| {
+        r.routers[1].views[plan.primary]
+            .load(SimTime(at), stale)
+            .requests()
+    };
+    assert_eq!(
+        r.next_due(),
+        Some(2_000),
+        "the load first, after its own delay"
+    );
+    r.deliver_next();
+    assert_eq!(load(&mut r, 2_000), 1.0, "the other replica counts it");
+    let held = |r: &Replicas, at: u64| {
+        let index = r.routers[1].index.as_ref().unwrap().clone();
+        super::fleet::ready(index.lookup(&keys.keys, &ids, at)).unwrap()
+    };
+    assert_eq!(held(&r, 2), [0.0, 0.0], "no keys yet");
+    assert_eq!(r.next_due(), Some(11_000), "then the record");
+    r.deliver_next();
+    assert_eq!(
+        load(&mut r, 11_000),
+        1.0,
+        "charged once, not again with the record"
+    );
+    assert_eq!(
+        held(&r, 11)[plan.primary],
+        8.0,
+        "the keys arrive with the record"
+    );
+    assert_eq!(r.next_due(), None);
 }

@@ -5,6 +5,8 @@
 //! replica alike (each subscribes to every pod). With `shared_load` each routed request's load
 //! travels with its record, as the live mirror's `mirror_load` sends it; with
 //! `shared_conversations` its conversation mark does too (the live mirror sends both together).
+//! With a `charge_ms` of its own the load travels apart from the record, ahead of it (the
+//! live mirror's load stream).
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -59,6 +61,9 @@ pub(super) struct Replicas {
     /// Records not yet applied by the other replicas, in due order (one delay per run).
     pending: VecDeque<InFlight>,
     delay_us: u64,
+    /// Charges sent apart from their records, in due order, when they travel faster.
+    charges: VecDeque<InFlight>,
+    charge_delay_us: Option<u64>,
     /// Every replica holds the same index object: a shared index with no delay at all (the
     /// reference the propagation is tested against).
     one_index: bool,
@@ -85,6 +90,11 @@ impl Replicas {
             routers,
             pending: VecDeque::new(),
             delay_us: (how.propagation_ms * 1e3).round() as u64,
+            charges: VecDeque::new(),
+            charge_delay_us: how
+                .charge_ms
+                .map(|c| (c * 1e3).round() as u64)
+                .filter(|&c| c != (how.propagation_ms * 1e3).round() as u64),
             one_index,
             shared_load,
             shared_conversations,
@@ -107,12 +117,23 @@ impl Replicas {
 
     /// When the next propagated record is due, if any.
     pub(super) fn next_due(&self) -> Option<u64> {
-        self.pending.front().map(|p| p.due_us)
+        let (r, c) = (self.pending.front(), self.charges.front());
+        r.into_iter().chain(c).map(|p| p.due_us).min()
     }
 
-    /// Applies the next propagated record to every replica but its origin, at its due time.
+    /// Applies the next propagated record (or charge) to every replica but its origin, at its
+    /// due time; a charge first at equal times.
     pub(super) fn deliver_next(&mut self) {
-        let Some(rec) = self.pending.pop_front() else {
+        let charge_first = match (self.charges.front(), self.pending.front()) {
+            (Some(c), Some(r)) => c.due_us <= r.due_us,
+            (c, _) => c.is_some(),
+        };
+        let next = if charge_first {
+            self.charges.pop_front()
+        } else {
+            self.pending.pop_front()
+        };
+        let Some(rec) = next else {
             return;
         };
         let now_ms = rec.due_us / 1000;
@@ -164,6 +185,19 @@ impl Replicas {
                 .shared_conversations
                 .then(|| (keys.clone(), plan.conversation_mark()));
             let keys = (!self.one_index).then_some(keys);
+            let mut charge = charge;
+            if let (Some(d), Some(c), true) = (self.charge_delay_us, charge, self.routers.len() > 1)
+            {
+                self.charges.push_back(InFlight {
+                    due_us: t + d,
+                    from: r,
+                    pod: plan.primary,
+                    keys: None,
+                    charge: Some(c),
+                    conv: None,
+                });
+                charge = None;
+            }
             if self.routers.len() > 1 && (keys.is_some() || charge.is_some() || conv.is_some()) {
                 self.pending.push_back(InFlight {
                     due_us: t + self.delay_us,

@@ -109,7 +109,10 @@ impl SimulateReport {
                     // Past the last arrival: replicas that never share.
                     "never".into()
                 } else {
-                    format!("{} ms", how.propagation_ms)
+                    match how.charge_ms {
+                        Some(c) => format!("{} ms (load {c} ms)", how.propagation_ms),
+                        None => format!("{} ms", how.propagation_ms),
+                    }
                 });
             }
             row.extend([
