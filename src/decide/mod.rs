@@ -461,12 +461,9 @@ impl Decider {
             pod.prefill_sent(now, keys.prompt_tokens);
             Some(pod.begin_request(pd.prefill_uncached_tokens, now, pd.prefill_tokens_per_sec))
         });
-        let pending = p.unrecorded.map(|(id, keys)| PendingRecord {
-            pod: p.plan.ranked[0].pod.clone(),
-            prefill: p.plan.prefill_pod().cloned(),
-            keys,
-            now_ms: p.now_ms,
-            charge: Charge {
+        let pending = p.unrecorded.map(|(id, keys)| {
+            let pod = p.plan.ranked[0].pod.clone();
+            let mut charge = Charge {
                 uncached_tokens: p.plan.uncached_tokens,
                 prefill_ms: prefill_time(
                     p.plan.uncached_tokens,
@@ -474,9 +471,19 @@ impl Decider {
                 )
                 .as_millis() as u64,
                 mark: Some(p.plan.conversation_mark()),
-            },
-            id,
-            unrecorded: self.state.unrecorded().clone(),
+                announced: None,
+            };
+            // The other replicas count it now, not once its record (after the reply) reaches them.
+            charge.announced = self.index.announce(&pod, &charge);
+            PendingRecord {
+                pod,
+                prefill: p.plan.prefill_pod().cloned(),
+                keys,
+                now_ms: p.now_ms,
+                charge,
+                id,
+                unrecorded: self.state.unrecorded().clone(),
+            }
         });
         let decision = Decision {
             plan: p.plan,

@@ -48,6 +48,9 @@ pub struct Charge {
     pub prefill_ms: u64,
     /// What the deciding replica's conversation memory recorded of it.
     pub mark: Option<ConversationMark>,
+    /// Its number on the deciding replica's load stream, when it was sent ahead of the record
+    /// ([`KvIndex::announce`]): a replica charges whichever copy reaches it first.
+    pub announced: Option<u64>,
 }
 
 /// A decision as conversation memory records it, besides its keys and pod.
@@ -163,6 +166,12 @@ pub trait KvIndex: Send + Sync + 'static {
     }
     /// Where the other replicas' charges go; backends that share nothing ignore it.
     fn attach_remote_load(&self, _sink: std::sync::Arc<dyn RemoteLoad>) {}
+    /// Sends a routed request's load to the other replicas now, at commit and ahead of its
+    /// record, and answers its number there (never waits); backends that share nothing answer
+    /// `None`.
+    fn announce(&self, _pod: &PodId, _charge: &Charge) -> Option<u64> {
+        None
+    }
     /// Drops everything about `pod` (it left the fleet).
     async fn forget_pod(&self, pod: &PodId) -> Result<(), IndexError>;
     /// Sets how many blocks `pod` can hold (its KV-cache size); extra entries are evicted.

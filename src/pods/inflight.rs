@@ -398,6 +398,7 @@ mod tests {
             uncached_tokens: 800,
             prefill_ms: 1_000,
             mark: None,
+            announced: None,
         };
         let decided = Instant::now();
         tokio::time::advance(Duration::from_millis(40)).await;

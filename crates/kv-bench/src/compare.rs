@@ -557,6 +557,8 @@ impl Stack {
                         || l.starts_with("kv_router_redis_mirror_reloads_total")
                         || l.starts_with("kv_router_redis_mirror_publish_dropped_total")
                         || l.starts_with("kv_router_redis_mirror_applied_total")
+                        || l.starts_with("kv_router_redis_load_charges_total")
+                        || l.starts_with("kv_router_redis_load_dropped_total")
                 })
                 .map(|l| l.trim_start_matches("kv_router_redis_").to_string())
                 .collect();
@@ -569,7 +571,16 @@ impl Stack {
                 ),
                 _ => String::new(),
             };
-            out.push(format!("replica {i}: {}{lag}", counters.join(", ")));
+            let load = |q| histogram_quantile(&text, "kv_router_redis_load_lag_seconds", q);
+            let load = match (load(0.5), load(0.99)) {
+                (Some(p50), Some(p99)) => format!(
+                    ", load lag p50 ≤ {:.2} ms, p99 ≤ {:.2} ms",
+                    p50 * 1e3,
+                    p99 * 1e3
+                ),
+                _ => String::new(),
+            };
+            out.push(format!("replica {i}: {}{lag}{load}", counters.join(", ")));
         }
         out
     }

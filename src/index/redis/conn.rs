@@ -23,13 +23,16 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
 
 /// Open connections of one router to the shared index.
 pub(super) enum Conn {
-    /// One server: `lookups` spread over `pool_size` connections, writes on their own, and
-    /// the mirror's blocking stream reads on a third.
+    /// One server: `lookups` spread over `pool_size` connections, writes on their own, the
+    /// mirror's blocking stream reads on a third, and the load stream's on two more.
     Single {
         lookups: Vec<ConnectionManager>,
         next: AtomicUsize,
         writes: ConnectionManager,
         mirror: ConnectionManager,
+        /// The load stream's writes, and its blocking reads: neither waits behind anything.
+        load_writes: ConnectionManager,
+        load_reads: ConnectionManager,
     },
     /// Redis Cluster: connected on first use (and retried after a failure); the mirror's
     /// blocking reads get connections of their own.
@@ -37,6 +40,7 @@ pub(super) enum Conn {
         client: Box<ClusterClient>,
         conn: OnceCell<ClusterConnection>,
         mirror: OnceCell<ClusterConnection>,
+        load_reads: OnceCell<ClusterConnection>,
     },
 }
 
@@ -77,7 +81,7 @@ impl ConnectionLike for Handle {
 
 /// Every connection's socket: `TCP_NODELAY`, which the client leaves off. Without it a small
 /// command sent while an earlier reply's ACK is outstanding waits for that ACK, up to the
-/// peer's 40 ms delayed-ACK timer (a load-stream entry took 11.5 ms p50 on an idle server).
+/// peer's 40 ms delayed-ACK timer (one replica's load reached another in 11.5 ms p50, idle).
 fn tcp() -> TcpSettings {
     TcpSettings::default().set_nodelay(true)
 }
@@ -172,6 +176,8 @@ impl Conn {
                     next: AtomicUsize::new(0),
                     writes: manager()?,
                     mirror: manager()?,
+                    load_writes: manager()?,
+                    load_reads: manager()?,
                 })
             }
             RedisMode::Cluster => {
@@ -194,6 +200,7 @@ impl Conn {
                     client: Box::new(client),
                     conn: OnceCell::new(),
                     mirror: OnceCell::new(),
+                    load_reads: OnceCell::new(),
                 })
             }
         }
@@ -224,6 +231,29 @@ impl Conn {
         match self {
             Conn::Single { mirror, .. } => Ok(Handle::Single(mirror.clone())),
             Conn::Cluster { client, mirror, .. } => mirror
+                .get_or_try_init(|| client.get_async_connection())
+                .await
+                .map(|c| Handle::Cluster(c.clone()))
+                .map_err(|e| to_index_error(&e)),
+        }
+    }
+
+    /// The connection the load stream's entries are added on (the cluster's shared one: its
+    /// requests are not serialised behind each other's replies).
+    pub(super) async fn load_writes(&self) -> Result<Handle, IndexError> {
+        match self {
+            Conn::Single { load_writes, .. } => Ok(Handle::Single(load_writes.clone())),
+            Conn::Cluster { .. } => self.cluster().await,
+        }
+    }
+
+    /// The connection the load stream's blocking reads go through.
+    pub(super) async fn load_reads(&self) -> Result<Handle, IndexError> {
+        match self {
+            Conn::Single { load_reads, .. } => Ok(Handle::Single(load_reads.clone())),
+            Conn::Cluster {
+                client, load_reads, ..
+            } => load_reads
                 .get_or_try_init(|| client.get_async_connection())
                 .await
                 .map(|c| Handle::Cluster(c.clone()))
@@ -277,7 +307,10 @@ mod tests {
 
     #[test]
     fn every_connection_sends_small_commands_without_waiting_for_acks() {
-        for url in ["redis://127.0.0.1:6379", "rediss://u:p@redis.example:6380/2"] {
+        for url in [
+            "redis://127.0.0.1:6379",
+            "rediss://u:p@redis.example:6380/2",
+        ] {
             let info = connection_info(url, None, None).unwrap();
             assert!(info.tcp_settings().nodelay(), "{url}");
         }

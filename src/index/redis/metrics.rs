@@ -185,6 +185,10 @@ pub struct RedisMetrics {
     pub(crate) mirror_bad_entries: Counter,
     pub(crate) mirror_behind: Gauge,
     pub(crate) mirror_restarts: Counter,
+    pub(crate) load_lag: Histogram,
+    pub(crate) load_charges: Counter,
+    pub(crate) load_published: Counter,
+    pub(crate) load_drops: Family<DroppedLabel, Counter>,
 }
 
 impl RedisMetrics {
@@ -211,6 +215,11 @@ impl RedisMetrics {
             mirror_bad_entries: Counter::default(),
             mirror_behind: Gauge::default(),
             mirror_restarts: Counter::default(),
+            // 10 µs .. ~2.6 s
+            load_lag: Histogram::new(exponential_buckets(10e-6, 2.0, 19)),
+            load_charges: Counter::default(),
+            load_published: Counter::default(),
+            load_drops: Family::default(),
         }
     }
 
@@ -308,6 +317,26 @@ impl RedisMetrics {
             "Times the mirror task died and was restarted",
             m.mirror_restarts.clone(),
         );
+        registry.register(
+            "redis_load_lag_seconds",
+            "Time from another replica's commit (its clock, in µs) to this replica reading its load",
+            m.load_lag.clone(),
+        );
+        registry.register(
+            "redis_load_charges",
+            "Other replicas' loads charged from the load stream (ahead of their records)",
+            m.load_charges.clone(),
+        );
+        registry.register(
+            "redis_load_published",
+            "This replica's loads published to the load stream",
+            m.load_published.clone(),
+        );
+        registry.register(
+            "redis_load_dropped",
+            "Loads not published to the load stream, by reason (their records still carry them)",
+            m.load_drops.clone(),
+        );
         m
     }
 
@@ -320,6 +349,15 @@ impl RedisMetrics {
     pub(crate) fn fell_back(&self, reason: Reason) {
         self.looked_up(Source::Fallback);
         self.fallbacks.get_or_create(&ReasonLabel { reason }).inc();
+    }
+
+    /// Counts `n` loads not published for `reason`.
+    pub(crate) fn load_dropped(&self, reason: Dropped, n: u64) {
+        if n > 0 {
+            self.load_drops
+                .get_or_create(&DroppedLabel { reason })
+                .inc_by(n);
+        }
     }
 
     /// Counts `n` writes dropped for `reason`.

@@ -34,6 +34,7 @@ use tokio::sync::{mpsc, oneshot, watch};
 use tracing::{info, warn};
 
 use super::conn::{to_index_error, Handle};
+use super::load::{self, Announced, LoadStream, Seen};
 use super::metrics::{Dropped, Reload};
 use super::schema::parse_member;
 use super::{Local, Shared};
@@ -52,9 +53,9 @@ pub(super) const MAX_KEYS: usize = 1 << 20;
 /// Longest pod name accepted from the stream.
 pub(super) const MAX_POD: usize = 512;
 /// Most uncached tokens one entry may charge (far above any model's context).
-const MAX_CHARGE_TOKENS: u64 = 1 << 24;
+pub(super) const MAX_CHARGE_TOKENS: u64 = 1 << 24;
 /// Longest prefill one entry may charge, in ms (the in-flight accounting's own cap).
-const MAX_CHARGE_MS: u64 = crate::pods::MAX_PREFILL.as_millis() as u64;
+pub(super) const MAX_CHARGE_MS: u64 = crate::pods::MAX_PREFILL.as_millis() as u64;
 /// Recency-set members loaded per round trip.
 const LOAD_CHUNK: isize = 5_000;
 /// Changes published per batch.
@@ -75,7 +76,12 @@ impl EntryId {
         Some(Self(ms.parse().ok()?, seq.parse().ok()?))
     }
 
-    fn render(self) -> String {
+    /// The position just before every entry added at or after unix ms `ms`.
+    pub(super) fn at_ms(ms: u64) -> Self {
+        Self(ms, 0)
+    }
+
+    pub(super) fn render(self) -> String {
         format!("{}-{}", self.0, self.1)
     }
 }
@@ -125,6 +131,9 @@ fn fields(origin: u64, c: &Change) -> Vec<(&'static str, Vec<u8>)> {
             if let Some(c) = charge {
                 f.push(("u", c.uncached_tokens.to_string().into_bytes()));
                 f.push(("d", c.prefill_ms.to_string().into_bytes()));
+                if let Some(q) = c.announced {
+                    f.push(("q", q.to_string().into_bytes()));
+                }
                 if let Some(m) = c.mark {
                     f.push(("b", m.best_match.to_string().into_bytes()));
                     f.push(("n", vec![if m.new_conversation { b'1' } else { b'0' }]));
@@ -193,6 +202,11 @@ pub(super) fn parse_entry(map: &HashMap<String, Value>) -> Option<(u64, Change)>
                     uncached_tokens: number("u").filter(|&u| u <= MAX_CHARGE_TOKENS)?,
                     prefill_ms: number("d").filter(|&d| d <= MAX_CHARGE_MS)?,
                     mark,
+                    // Sent ahead on the load stream too: charged once, from the first copy.
+                    announced: match map.contains_key("q") {
+                        true => Some(number("q")?),
+                        false => None,
+                    },
                 }),
             };
             Change::Record {
@@ -230,14 +244,19 @@ pub(super) struct Mirror {
     remote: OnceLock<Arc<dyn RemoteLoad>>,
     /// `mirror_load`: publish and apply each request's load.
     pub(super) share_load: bool,
+    /// Where each decision's load is published ahead of its record (with `mirror_load`).
+    pub(super) load: Option<Arc<LoadStream>>,
+    /// Loads charged here, so their second copy is not.
+    seen: Seen,
 }
 
 impl Mirror {
     /// Starts the publisher and the reader (each restarted if it panics, and counted).
     pub(super) fn start(cfg: &RedisConfig, shared: Arc<Shared>, local: Arc<Local>) -> Arc<Self> {
         let (tx, rx) = mpsc::channel(cfg.write_queue.max(1));
+        let origin = rand::random();
         let mirror = Arc::new(Self {
-            origin: rand::random(),
+            origin,
             tx,
             sessions: Mutex::new(LruCache::new(
                 NonZeroUsize::new(cfg.mirror_sessions.max(1)).expect("max(1)"),
@@ -249,15 +268,48 @@ impl Mirror {
             max_lag_ms: cfg.mirror_max_lag_ms,
             remote: OnceLock::new(),
             share_load: cfg.mirror_load,
+            load: cfg
+                .mirror_load
+                .then(|| LoadStream::start(shared.clone(), origin)),
+            seen: Seen::new(),
         });
         let rx = Arc::new(tokio::sync::Mutex::new(rx));
         let (sh, m) = (shared.clone(), mirror.clone());
         supervise(shared.clone(), move || {
             publish(sh.clone(), m.clone(), rx.clone())
         });
+        if mirror.load.is_some() {
+            let (sh, m) = (shared.clone(), mirror.clone());
+            supervise(shared.clone(), move || {
+                let (sh2, m) = (sh.clone(), m.clone());
+                load::read(sh.clone(), origin, m.max_lag_ms, move |a, age| {
+                    m.charge_announced(&sh2, a, age)
+                })
+            });
+        }
         let (sh, m) = (shared.clone(), mirror.clone());
         supervise(shared, move || read(sh.clone(), m.clone(), local.clone()));
         mirror
+    }
+
+    /// Charges another replica's load from the load stream, unless it is too old by now or its
+    /// record already charged it.
+    fn charge_announced(&self, shared: &Shared, a: Announced, age: Duration) {
+        let Some(sink) = self.remote.get() else {
+            return;
+        };
+        if age.as_millis() as u64 > self.max_lag_ms || !self.seen.first(a.origin, a.seq) {
+            return;
+        }
+        let charge = Charge {
+            uncached_tokens: a.uncached_tokens,
+            prefill_ms: a.prefill_ms,
+            mark: None,
+            announced: Some(a.seq),
+        };
+        sink.charge(&a.pod, charge, age);
+        shared.metrics.mirror_charges.inc();
+        shared.metrics.load_charges.inc();
     }
 
     /// Queues `change` for the other replicas (never waits; a full queue drops and counts).
@@ -314,7 +366,8 @@ impl Mirror {
             .await
             .map_err(|_| stopped())?;
         wait.await.map_err(|_| stopped())?;
-        let Ok(head) = newest(shared, &mut shared.conn.lookup().await?).await else {
+        let Ok(head) = newest(&mut shared.conn.lookup().await?, &shared.schema.stream()).await
+        else {
             // Redis unreachable: nothing to catch up with.
             return Ok(());
         };
@@ -415,10 +468,10 @@ async fn send(shared: &Shared, mirror: &Mirror, changes: Vec<Change>) {
     }
 }
 
-/// The id of the stream's newest entry (`0-0` when there is none).
-async fn newest(shared: &Shared, con: &mut Handle) -> Result<EntryId, IndexError> {
+/// The id of stream `key`'s newest entry (`0-0` when there is none).
+async fn newest(con: &mut Handle, key: &str) -> Result<EntryId, IndexError> {
     let r: StreamRangeReply = redis::cmd("XREVRANGE")
-        .arg(shared.schema.stream())
+        .arg(key)
         .arg("+")
         .arg("-")
         .arg("COUNT")
@@ -481,7 +534,7 @@ pub(super) async fn trimmed_past(
 }
 
 /// Applies another replica's change to this replica's index and session map.
-async fn apply(shared: &Shared, mirror: &Mirror, local: &Local, change: Change) {
+async fn apply(shared: &Shared, mirror: &Mirror, local: &Local, origin: u64, change: Change) {
     match change {
         Change::Record {
             pod,
@@ -495,8 +548,11 @@ async fn apply(shared: &Shared, mirror: &Mirror, local: &Local, change: Change) 
             let now = shared.mono(wall);
             if let (Some(c), Some(sink)) = (charge, mirror.remote.get()) {
                 if mirror.share_load && age <= mirror.max_lag_ms {
-                    sink.charge(&pod, c, Duration::from_millis(age));
-                    shared.metrics.mirror_charges.inc();
+                    // Not when the load stream brought it first.
+                    if c.announced.is_none_or(|q| mirror.seen.first(origin, q)) {
+                        sink.charge(&pod, c, Duration::from_millis(age));
+                        shared.metrics.mirror_charges.inc();
+                    }
                     if let Some(m) = c.mark {
                         sink.mark(&pod, &keys, m, now);
                     }
@@ -527,7 +583,7 @@ async fn load(shared: &Shared, local: &Local) -> Result<(EntryId, u64), IndexErr
     let mut con = shared.conn.write().await?;
     // Rewound: an entry is published before its hashes are written, so the last seconds of the
     // stream are read again (applying an entry twice only refreshes it).
-    let newest = newest(shared, &mut con).await?;
+    let newest = newest(&mut con, &shared.schema.stream()).await?;
     let rewind = (shared.write_budget * 2).max(LOAD_REWIND).as_millis() as u64;
     let from = match newest {
         EntryId(0, 0) => newest,
@@ -678,14 +734,14 @@ async fn read(shared: Arc<Shared>, mirror: Arc<Mirror>, local: Arc<Local>) {
             }
             match parse_entry(&e.map) {
                 Some((origin, _)) if origin == mirror.origin => {}
-                Some((_, change)) => {
+                Some((origin, change)) => {
                     let wall = match &change {
                         Change::Record { wall, .. } | Change::Session { wall, .. } => *wall,
                     };
                     let lag = shared.wall_now().saturating_sub(wall);
                     shared.metrics.mirror_lag.observe(lag as f64 / 1e3);
                     newest_wall = Some(wall);
-                    apply(&shared, &mirror, &local, change).await;
+                    apply(&shared, &mirror, &local, origin, change).await;
                     shared.metrics.mirror_applied.inc();
                 }
                 None => {
@@ -736,6 +792,7 @@ mod tests {
                         best_match: 12,
                         new_conversation: true,
                     }),
+                    announced: Some(9),
                 }),
             },
             Change::Record {
@@ -746,6 +803,7 @@ mod tests {
                     uncached_tokens: 16,
                     prefill_ms: 0,
                     mark: None,
+                    announced: None,
                 }),
             },
             Change::Record {
@@ -775,6 +833,7 @@ mod tests {
                 uncached_tokens: 10,
                 prefill_ms: 1,
                 mark: Some(ConversationMark::default()),
+                announced: Some(3),
             }),
         };
         let base = fields(1, &good);
@@ -799,6 +858,7 @@ mod tests {
             with("b", (MAX_KEYS as u64 + 1).to_string().as_bytes()),
             with("b", b"-1"),
             with("n", b"2"),
+            with("q", b"-2"),
         ] {
             assert_eq!(parse_entry(&bad), None);
         }

@@ -365,6 +365,7 @@ async fn another_replicas_requests_count_as_load_here() {
             best_match: 0,
             new_conversation: true,
         }),
+        announced: None,
     };
     // B's own decisions are its guards' to count; a plain record (no request) charges nothing.
     b.record_decision(&p[2], &doc_keys(1, 8, BT), now_ms(&b), charge)
@@ -420,4 +421,79 @@ async fn another_replicas_requests_count_as_load_here() {
         !c_memory.continues(&doc_keys(3, 8, BT), 8),
         "mirror_load off"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decisions_load_reaches_the_others_ahead_of_its_record_and_counts_once() {
+    let srv = server();
+    let cfg = RedisConfig {
+        mirror_max_lag_ms: 5_000,
+        mirror_load: true,
+        ..config(&srv.url(), "mirror-ahead", 100_000)
+    };
+    let (a, b) = (replica(&cfg), replica(&cfg));
+    let off = replica(&RedisConfig {
+        mirror_load: false,
+        ..cfg.clone()
+    });
+    let p = pods(3);
+    let registry = Arc::new(PodRegistry::default());
+    registry.update(registry_specs(&p));
+    let memory = Arc::new(crate::decide::Conversations::new(1_000, 300_000));
+    b.attach_remote_load(Arc::new(crate::decide::RemoteDecisions {
+        load: registry.clone(),
+        conversations: memory.clone(),
+    }));
+    let load = |i: usize| {
+        let l = registry
+            .snapshot()
+            .get(&p[i])
+            .unwrap()
+            .load(tokio::time::Instant::now(), Duration::from_secs(30));
+        (l.inflight_requests, l.inflight_tokens)
+    };
+    let mut charge = Charge {
+        uncached_tokens: 4_000,
+        prefill_ms: 20_000,
+        mark: Some(ConversationMark {
+            best_match: 0,
+            new_conversation: true,
+        }),
+        announced: None,
+    };
+    assert_eq!(off.announce(&p[0], &charge), None, "mirror_load off");
+    // Announced at commit, recorded never (yet): B counts it from the load stream alone.
+    charge.announced = a.announce(&p[0], &charge);
+    assert!(charge.announced.is_some());
+    let t = Instant::now();
+    while load(0) == (0.0, 0.0) {
+        assert!(t.elapsed() < BOUND * 5, "A's load never reached B");
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    assert_eq!(load(0), (1.0, 4_000.0));
+    assert_eq!(b.metrics().load_charges.get(), 1);
+    // Its record follows: its keys and conversation mark land, its load is not counted again.
+    a.record_decision(&p[0], &doc_keys(1, 8, BT), now_ms(&a), charge)
+        .await
+        .unwrap();
+    a.flush().await.unwrap();
+    b.flush().await.unwrap();
+    assert!(sees(&b, &doc_keys(1, 8, BT), &p, 0).await);
+    assert!(memory.continues(&doc_keys(1, 8, BT), 8));
+    assert_eq!(load(0), (1.0, 4_000.0), "counted once");
+    assert_eq!(b.metrics().mirror_charges.get(), 1);
+    // A load whose announcement never arrived (a full queue) still counts, from its record.
+    let lost = Charge {
+        announced: Some(u64::MAX),
+        ..charge
+    };
+    a.record_decision(&p[1], &doc_keys(2, 8, BT), now_ms(&a), lost)
+        .await
+        .unwrap();
+    a.flush().await.unwrap();
+    b.flush().await.unwrap();
+    assert_eq!(load(1), (1.0, 4_000.0));
+    assert_eq!(b.metrics().mirror_charges.get(), 2);
+    assert_eq!(a.metrics().load_published.get(), 1);
+    assert_eq!(b.metrics().load_charges.get(), 1);
 }

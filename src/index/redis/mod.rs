@@ -11,6 +11,7 @@
 #[cfg(test)]
 mod cluster_tests;
 mod conn;
+mod load;
 #[cfg(test)]
 mod long_prompt_tests;
 mod metrics;
@@ -162,6 +163,13 @@ impl Shared {
     /// Unix milliseconds now (lags and expiries between replicas).
     fn wall_now(&self) -> u64 {
         Self::unix_ms().max(0) as u64
+    }
+
+    /// Unix microseconds now (the load stream's clock).
+    fn wall_now_us() -> u64 {
+        SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_micros() as u64)
     }
 
     fn unix_ms() -> i64 {
@@ -569,6 +577,11 @@ impl KvIndex for RedisIndex {
         let share = self.mirror.as_ref().is_some_and(|m| m.share_load);
         self.record_with(pod, keys, now_ms, share.then_some(charge))
             .await
+    }
+
+    fn announce(&self, pod: &PodId, charge: &Charge) -> Option<u64> {
+        let load = self.mirror.as_ref()?.load.as_ref()?;
+        load.announce(&self.shared, pod, Shared::wall_now_us(), charge)
     }
 
     fn attach_remote_load(&self, sink: Arc<dyn RemoteLoad>) {

@@ -17,6 +17,8 @@
 //!   after the session TTL.
 //! - `P:log` stream: every replica's decisions and session pins, in order, trimmed to
 //!   `stream_max_len`; each replica applies the others' to its in-process mirror.
+//! - `P:load` stream: each routed decision's load, published at commit ahead of its record and
+//!   trimmed to about 10,000 entries; each replica charges the others' at once (`mirror_load`).
 //! - `P:pods` set: the pods with recorded entries (where a mirror's snapshot starts).
 
 use redis::Script;
@@ -86,6 +88,11 @@ impl Schema {
     /// The stream of changes every replica's mirror applies (one key: one slot in a cluster).
     pub(super) fn stream(&self) -> String {
         format!("{}:log", self.prefix)
+    }
+
+    /// The load stream: each decision's load, sent ahead of its record.
+    pub(super) fn load_stream(&self) -> String {
+        format!("{}:load", self.prefix)
     }
 
     /// The pods with recorded entries.

@@ -1,0 +1,317 @@
+//! The load stream (`mirror_load`): each routed decision's load reaches the other replicas
+//! the moment it is committed, apart from and ahead of its record, so two replicas deciding a
+//! few milliseconds apart do not both take the same idle pod for the least loaded one.
+//!
+//! - At commit, before the reply, a replica queues the load (pod, uncached tokens, prefill
+//!   time, a sequence number) for a task of its own that `XADD`s it to `P:load` (`MAXLEN ~`
+//!   [`MAX_LEN`]) on a connection of its own: a few dozen bytes, never behind a record's keys.
+//! - A reader task follows `P:load` with blocking `XREAD`s on another connection of its own and
+//!   charges the other replicas' loads at once, not behind the records the mirror applies.
+//! - The record still carries the load, with its sequence number: whichever of the two arrives
+//!   first charges it and the other is skipped ([`Seen`]), so a replica that missed the load
+//!   entry (or an older replica that never reads the stream) still counts it once.
+//! - Nothing is reloaded: a load older than `mirror_max_lag_ms` is not charged (a scrape has
+//!   seen the request by then), so at start and after a reconnect the reader reads on from the
+//!   entries of the last `mirror_max_lag_ms`.
+//!
+//! Who may call: nobody; replicas only, as for the mirror stream. Entries are bounded before use
+//! (pod name, tokens and prefill time as for records); others are skipped and counted.
+
+use std::collections::HashMap;
+use std::num::NonZeroUsize;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::future::join_all;
+use lru::LruCache;
+use parking_lot::Mutex;
+use redis::streams::{StreamId, StreamReadReply};
+use redis::Value;
+use tokio::sync::mpsc;
+
+use super::conn::to_index_error;
+use super::metrics::Dropped;
+use super::mirror::{EntryId, MAX_CHARGE_MS, MAX_CHARGE_TOKENS, MAX_POD};
+use super::Shared;
+use crate::index::{Charge, IndexError};
+use crate::pods::PodId;
+
+/// Entries the stream keeps (`MAXLEN ~`): far more than the loads of `mirror_max_lag_ms`.
+pub(super) const MAX_LEN: usize = 10_000;
+/// Entries read per `XREAD`.
+const BATCH: usize = 512;
+/// How long one `XREAD` waits for new entries.
+const BLOCK_MS: u64 = 250;
+/// Loads queued for publishing at most (more are dropped and counted).
+const QUEUE: usize = 4_096;
+/// Loads published per pipelined batch.
+const PUBLISH_BATCH: usize = 256;
+/// Charged loads remembered, so the record of one is not charged again (at 1,000 requests/s,
+/// 16 s of them: far past `mirror_max_lag_ms`).
+const SEEN: usize = 16_384;
+
+/// One decision's load, as the load stream carries it.
+#[derive(Debug, Clone, PartialEq)]
+pub(super) struct Announced {
+    pub(super) origin: u64,
+    pub(super) seq: u64,
+    pub(super) pod: PodId,
+    /// When it was committed, unix microseconds.
+    pub(super) wall_us: u64,
+    pub(super) uncached_tokens: u64,
+    pub(super) prefill_ms: u64,
+}
+
+impl Announced {
+    fn fields(&self) -> [(&'static str, Vec<u8>); 6] {
+        [
+            ("o", format!("{:016x}", self.origin).into_bytes()),
+            ("q", self.seq.to_string().into_bytes()),
+            ("p", self.pod.as_str().as_bytes().to_vec()),
+            ("m", self.wall_us.to_string().into_bytes()),
+            ("u", self.uncached_tokens.to_string().into_bytes()),
+            ("d", self.prefill_ms.to_string().into_bytes()),
+        ]
+    }
+
+    /// A load entry; `None` for anything this router would not write.
+    pub(super) fn parse(map: &HashMap<String, Value>) -> Option<Self> {
+        let bytes = |f: &str| match map.get(f)? {
+            Value::BulkString(b) => Some(b.as_slice()),
+            Value::SimpleString(s) => Some(s.as_bytes()),
+            _ => None,
+        };
+        let text = |f: &str| std::str::from_utf8(bytes(f)?).ok();
+        let number = |f: &str| text(f)?.parse::<u64>().ok();
+        Some(Self {
+            origin: u64::from_str_radix(text("o").filter(|s| s.len() == 16)?, 16).ok()?,
+            seq: number("q")?,
+            pod: PodId::new(text("p").filter(|p| !p.is_empty() && p.len() <= MAX_POD)?),
+            wall_us: number("m")?,
+            uncached_tokens: number("u").filter(|&u| u <= MAX_CHARGE_TOKENS)?,
+            prefill_ms: number("d").filter(|&d| d <= MAX_CHARGE_MS)?,
+        })
+    }
+}
+
+/// The loads this replica charged, by origin and sequence number: the first of a load's two
+/// copies (load entry, record) to arrive is charged, the other is not.
+pub(super) struct Seen(Mutex<LruCache<(u64, u64), ()>>);
+
+impl Seen {
+    pub(super) fn new() -> Self {
+        Self(Mutex::new(LruCache::new(
+            NonZeroUsize::new(SEEN).expect("non-zero"),
+        )))
+    }
+
+    /// Whether this is the load's first copy here (and from now on, it is not).
+    pub(super) fn first(&self, origin: u64, seq: u64) -> bool {
+        self.0.lock().put((origin, seq), ()).is_none()
+    }
+}
+
+/// This replica's side of the load stream: its sequence numbers and publishing queue.
+pub(super) struct LoadStream {
+    origin: u64,
+    next: AtomicU64,
+    tx: mpsc::Sender<Announced>,
+}
+
+impl LoadStream {
+    /// The stream of replica `origin`, with its publisher task (the reader is started apart).
+    pub(super) fn start(shared: Arc<Shared>, origin: u64) -> Arc<Self> {
+        let (tx, rx) = mpsc::channel(QUEUE);
+        tokio::spawn(publish(shared, rx));
+        Arc::new(Self {
+            origin,
+            next: AtomicU64::new(1),
+            tx,
+        })
+    }
+
+    /// Queues `charge` on `pod`, committed at `wall_us`, and answers its sequence number (never
+    /// waits; a full queue drops it and counts, and the record carries it later).
+    pub(super) fn announce(
+        &self,
+        shared: &Shared,
+        pod: &PodId,
+        wall_us: u64,
+        charge: &Charge,
+    ) -> Option<u64> {
+        let seq = self.next.fetch_add(1, Ordering::Relaxed);
+        let a = Announced {
+            origin: self.origin,
+            seq,
+            pod: pod.clone(),
+            wall_us,
+            uncached_tokens: charge.uncached_tokens.min(MAX_CHARGE_TOKENS),
+            prefill_ms: charge.prefill_ms.min(MAX_CHARGE_MS),
+        };
+        if self.tx.try_send(a).is_err() {
+            shared.metrics.load_dropped(Dropped::QueueFull, 1);
+            return None;
+        }
+        Some(seq)
+    }
+}
+
+/// Drains the queue in batches: one pipelined round trip of `XADD`s per batch. Ends when the
+/// index is dropped (the queue's sender with it).
+async fn publish(shared: Arc<Shared>, mut rx: mpsc::Receiver<Announced>) {
+    let mut batch = Vec::with_capacity(PUBLISH_BATCH);
+    let key = shared.schema.load_stream();
+    while rx.recv_many(&mut batch, PUBLISH_BATCH).await > 0 {
+        let n = batch.len() as u64;
+        let Ok(con) = shared.conn.load_writes().await else {
+            shared.metrics.load_dropped(Dropped::Error, n);
+            batch.clear();
+            continue;
+        };
+        let adds = batch.drain(..).map(|a| {
+            let mut cmd = redis::cmd("XADD");
+            cmd.arg(&key).arg("MAXLEN").arg("~").arg(MAX_LEN).arg("*");
+            for (f, v) in a.fields() {
+                cmd.arg(f).arg(v);
+            }
+            let mut con = con.clone();
+            async move { cmd.query_async::<String>(&mut con).await }
+        });
+        match tokio::time::timeout(shared.write_budget, join_all(adds)).await {
+            Ok(results) => {
+                let failed = results.iter().filter(|r| r.is_err()).count() as u64;
+                shared.metrics.load_published.inc_by(n - failed);
+                shared.metrics.load_dropped(Dropped::Error, failed);
+            }
+            Err(_) => shared.metrics.load_dropped(Dropped::Timeout, n),
+        }
+    }
+}
+
+/// Follows the load stream, handing each other replica's load to `charge` with its age; at
+/// start and after an error it reads from `max_lag_ms` ago (older loads are not charged).
+pub(super) async fn read(
+    shared: Arc<Shared>,
+    origin: u64,
+    max_lag_ms: u64,
+    charge: impl Fn(Announced, Duration),
+) {
+    let key = shared.schema.load_stream();
+    let mut pos: Option<EntryId> = None;
+    let mut backoff = Duration::from_millis(50);
+    loop {
+        let step = async {
+            let mut con = shared.conn.load_reads().await?;
+            let from = pos.unwrap_or_else(|| {
+                EntryId::at_ms((Shared::wall_now_us() / 1_000).saturating_sub(max_lag_ms))
+            });
+            let reply: Option<StreamReadReply> = redis::cmd("XREAD")
+                .arg("COUNT")
+                .arg(BATCH)
+                .arg("BLOCK")
+                .arg(BLOCK_MS)
+                .arg("STREAMS")
+                .arg(&key)
+                .arg(from.render())
+                .query_async(&mut con)
+                .await
+                .map_err(|e| to_index_error(&e))?;
+            let entries: Vec<StreamId> = reply
+                .map(|r| r.keys.into_iter().flat_map(|k| k.ids).collect())
+                .unwrap_or_default();
+            Ok::<_, IndexError>((from, entries))
+        };
+        let (from, entries) = match step.await {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::debug!(error = %e, "redis load stream read failed; retrying");
+                shared.metrics.mirror_errors.inc();
+                pos = None;
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_secs(2));
+                continue;
+            }
+        };
+        backoff = Duration::from_millis(50);
+        let mut last = from;
+        for e in entries {
+            if let Some(id) = EntryId::parse(&e.id) {
+                last = last.max(id);
+            }
+            match Announced::parse(&e.map) {
+                Some(a) if a.origin == origin => {}
+                Some(a) => {
+                    let age =
+                        Duration::from_micros(Shared::wall_now_us().saturating_sub(a.wall_us));
+                    shared.metrics.load_lag.observe(age.as_secs_f64());
+                    charge(a, age);
+                }
+                None => {
+                    shared.metrics.mirror_bad_entries.inc();
+                }
+            }
+        }
+        pos = Some(last);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn announced() -> Announced {
+        Announced {
+            origin: 0xabc,
+            seq: 41,
+            pod: PodId::new("10.0.0.1:8000"),
+            wall_us: 1_700_000_000_123_456,
+            uncached_tokens: 4_000,
+            prefill_ms: 350,
+        }
+    }
+
+    fn as_map(a: &Announced) -> HashMap<String, Value> {
+        a.fields()
+            .into_iter()
+            .map(|(f, v)| (f.to_string(), Value::BulkString(v)))
+            .collect()
+    }
+
+    #[test]
+    fn a_load_survives_the_stream_encoding_and_bad_ones_are_refused() {
+        let a = announced();
+        assert_eq!(Announced::parse(&as_map(&a)), Some(a.clone()));
+        let with = |f: &str, v: &[u8]| {
+            let mut m = as_map(&a);
+            m.insert(f.to_string(), Value::BulkString(v.to_vec()));
+            m
+        };
+        for bad in [
+            with("o", b"not-hex"),
+            with("q", b"-1"),
+            with("p", b""),
+            with("p", &[b'x'; MAX_POD + 1]),
+            with("m", b"soon"),
+            with("u", (MAX_CHARGE_TOKENS + 1).to_string().as_bytes()),
+            with("d", (MAX_CHARGE_MS + 1).to_string().as_bytes()),
+        ] {
+            assert_eq!(Announced::parse(&bad), None);
+        }
+        let mut missing = as_map(&a);
+        missing.remove("q");
+        assert_eq!(Announced::parse(&missing), None);
+    }
+
+    #[test]
+    fn only_the_first_copy_of_a_load_is_charged() {
+        let seen = Seen::new();
+        assert!(seen.first(1, 7));
+        assert!(!seen.first(1, 7), "its second copy");
+        assert!(seen.first(2, 7), "another replica's seventh");
+        for seq in 0..SEEN as u64 {
+            seen.first(3, seq);
+        }
+        assert!(seen.first(1, 7), "forgotten once far older than any charge");
+    }
+}
