@@ -32,7 +32,7 @@ use tokio::sync::mpsc;
 
 use super::conn::to_index_error;
 use super::metrics::Dropped;
-use super::mirror::{EntryId, MAX_CHARGE_MS, MAX_CHARGE_TOKENS, MAX_POD};
+use super::mirror::{supervise, EntryId, MAX_CHARGE_MS, MAX_CHARGE_TOKENS, MAX_POD};
 use super::Shared;
 use crate::index::{Charge, IndexError};
 use crate::pods::PodId;
@@ -120,10 +120,13 @@ pub(super) struct LoadStream {
 }
 
 impl LoadStream {
-    /// The stream of replica `origin`, with its publisher task (the reader is started apart).
+    /// The stream of replica `origin`, with its publisher task (restarted if it panics, and
+    /// counted; the reader is started apart).
     pub(super) fn start(shared: Arc<Shared>, origin: u64) -> Arc<Self> {
         let (tx, rx) = mpsc::channel(QUEUE);
-        tokio::spawn(publish(shared, rx));
+        let rx = Arc::new(tokio::sync::Mutex::new(rx));
+        let sh = shared.clone();
+        supervise(shared, move || publish(sh.clone(), rx.clone()));
         Arc::new(Self {
             origin,
             next: AtomicU64::new(1),
@@ -159,7 +162,8 @@ impl LoadStream {
 
 /// Drains the queue in batches: one pipelined round trip of `XADD`s per batch. Ends when the
 /// index is dropped (the queue's sender with it).
-async fn publish(shared: Arc<Shared>, mut rx: mpsc::Receiver<Announced>) {
+async fn publish(shared: Arc<Shared>, rx: Arc<tokio::sync::Mutex<mpsc::Receiver<Announced>>>) {
+    let mut rx = rx.lock().await;
     let mut batch = Vec::with_capacity(PUBLISH_BATCH);
     let key = shared.schema.load_stream();
     while rx.recv_many(&mut batch, PUBLISH_BATCH).await > 0 {

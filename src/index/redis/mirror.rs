@@ -382,7 +382,7 @@ impl Mirror {
 }
 
 /// Runs `task` until it returns, restarting it (counted) whenever it panics.
-fn supervise<F, Fut>(shared: Arc<Shared>, task: F)
+pub(super) fn supervise<F, Fut>(shared: Arc<Shared>, task: F)
 where
     F: Fn() -> Fut + Send + 'static,
     Fut: std::future::Future<Output = ()> + Send + 'static,
