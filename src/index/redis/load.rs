@@ -26,23 +26,17 @@ use std::time::Duration;
 use futures::future::join_all;
 use lru::LruCache;
 use parking_lot::Mutex;
-use redis::streams::{StreamId, StreamReadReply};
 use redis::Value;
 use tokio::sync::mpsc;
 
-use super::conn::to_index_error;
 use super::metrics::Dropped;
-use super::mirror::{supervise, EntryId, MAX_CHARGE_MS, MAX_CHARGE_TOKENS, MAX_POD};
+use super::mirror::{read_after, supervise, EntryId, MAX_CHARGE_MS, MAX_CHARGE_TOKENS, MAX_POD};
 use super::Shared;
 use crate::index::{Charge, IndexError};
 use crate::pods::PodId;
 
 /// Entries the stream keeps (`MAXLEN ~`): far more than the loads of `mirror_max_lag_ms`.
 pub(super) const MAX_LEN: usize = 10_000;
-/// Entries read per `XREAD`.
-const BATCH: usize = 512;
-/// How long one `XREAD` waits for new entries.
-const BLOCK_MS: u64 = 250;
 /// Loads queued for publishing at most (more are dropped and counted).
 const QUEUE: usize = 4_096;
 /// Loads published per pipelined batch.
@@ -210,20 +204,7 @@ pub(super) async fn read(
             let from = pos.unwrap_or_else(|| {
                 EntryId::at_ms((Shared::wall_now_us() / 1_000).saturating_sub(max_lag_ms))
             });
-            let reply: Option<StreamReadReply> = redis::cmd("XREAD")
-                .arg("COUNT")
-                .arg(BATCH)
-                .arg("BLOCK")
-                .arg(BLOCK_MS)
-                .arg("STREAMS")
-                .arg(&key)
-                .arg(from.render())
-                .query_async(&mut con)
-                .await
-                .map_err(|e| to_index_error(&e))?;
-            let entries: Vec<StreamId> = reply
-                .map(|r| r.keys.into_iter().flat_map(|k| k.ids).collect())
-                .unwrap_or_default();
+            let entries = read_after(&mut con, &key, from).await?;
             Ok::<_, IndexError>((from, entries))
         };
         let (from, entries) = match step.await {

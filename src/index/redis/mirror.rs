@@ -485,6 +485,28 @@ async fn newest(con: &mut Handle, key: &str) -> Result<EntryId, IndexError> {
         .unwrap_or_default())
 }
 
+/// Up to [`BATCH`] entries of stream `key` after `from`, waiting up to [`BLOCK_MS`] for one.
+pub(super) async fn read_after(
+    con: &mut Handle,
+    key: &str,
+    from: EntryId,
+) -> Result<Vec<StreamId>, IndexError> {
+    let reply: Option<StreamReadReply> = redis::cmd("XREAD")
+        .arg("COUNT")
+        .arg(BATCH)
+        .arg("BLOCK")
+        .arg(BLOCK_MS)
+        .arg("STREAMS")
+        .arg(key)
+        .arg(from.render())
+        .query_async(con)
+        .await
+        .map_err(|e| to_index_error(&e))?;
+    Ok(reply
+        .map(|r| r.keys.into_iter().flat_map(|k| k.ids).collect())
+        .unwrap_or_default())
+}
+
 /// Whether entries after `pos` were trimmed before this replica read them.
 pub(super) async fn trimmed_past(
     shared: &Shared,
@@ -688,20 +710,7 @@ async fn read(shared: Arc<Shared>, mirror: Arc<Mirror>, local: Arc<Local>) {
         };
         let read = async {
             let mut con = shared.conn.mirror().await?;
-            let reply: Option<StreamReadReply> = redis::cmd("XREAD")
-                .arg("COUNT")
-                .arg(BATCH)
-                .arg("BLOCK")
-                .arg(BLOCK_MS)
-                .arg("STREAMS")
-                .arg(&key)
-                .arg(from.render())
-                .query_async(&mut con)
-                .await
-                .map_err(|e| to_index_error(&e))?;
-            let entries: Vec<StreamId> = reply
-                .map(|r| r.keys.into_iter().flat_map(|k| k.ids).collect())
-                .unwrap_or_default();
+            let entries = read_after(&mut con, &key, from).await?;
             // A full batch may mean this replica fell behind far enough to lose entries.
             if entries.len() >= BATCH && trimmed_past(&shared, &mut con, from).await? {
                 return Ok(None);
