@@ -91,6 +91,14 @@ pub struct RedisConfig {
     /// their pods and records their conversation marks. Off, each replica sees only its own
     /// share of the fleet's load (docs/results.md, "Replicas sharing the load view, live").
     pub mirror_load: bool,
+    /// With `mirror_load`: where this replica receives the others' loads as UDP datagrams, sent
+    /// straight from their commit (no Redis hop; each signed with the sender's key, which the
+    /// replicas exchange in Redis). Set a fixed port where a NetworkPolicy must admit it; empty
+    /// turns datagrams off (loads still travel on the load stream).
+    pub load_peers_bind: String,
+    /// The `host:port` the other replicas send to; default: this host's address on the route to
+    /// Redis (the pod IP in Kubernetes) and the bound port.
+    pub load_peers_advertise: Option<String>,
 }
 
 impl Default for RedisConfig {
@@ -120,6 +128,8 @@ impl Default for RedisConfig {
             mirror_max_lag_ms: 1_000,
             mirror_sessions: 100_000,
             mirror_load: true,
+            load_peers_bind: "0.0.0.0:0".into(),
+            load_peers_advertise: None,
         }
     }
 }
@@ -158,6 +168,8 @@ impl std::fmt::Debug for RedisConfig {
             .field("mirror_max_lag_ms", &self.mirror_max_lag_ms)
             .field("mirror_sessions", &self.mirror_sessions)
             .field("mirror_load", &self.mirror_load)
+            .field("load_peers_bind", &self.load_peers_bind)
+            .field("load_peers_advertise", &self.load_peers_advertise)
             .finish()
     }
 }
@@ -251,6 +263,23 @@ impl RedisConfig {
         }
         if !(1..=10_000_000).contains(&self.mirror_sessions) {
             p.push(("mirror_sessions", "must be in 1..=10000000"));
+        }
+        if !self.load_peers_bind.is_empty()
+            && self
+                .load_peers_bind
+                .parse::<std::net::SocketAddr>()
+                .is_err()
+        {
+            p.push((
+                "load_peers_bind",
+                "must be an ip:port (e.g. 0.0.0.0:9004), or empty for none",
+            ));
+        }
+        if let Some(a) = &self.load_peers_advertise {
+            if a.parse::<std::net::SocketAddr>().is_err() && a.parse::<std::net::IpAddr>().is_err()
+            {
+                p.push(("load_peers_advertise", "must be an ip or ip:port"));
+            }
         }
         p
     }

@@ -559,28 +559,30 @@ impl Stack {
                         || l.starts_with("kv_router_redis_mirror_applied_total")
                         || l.starts_with("kv_router_redis_load_charges_total")
                         || l.starts_with("kv_router_redis_load_dropped_total")
+                        || l.starts_with("kv_router_redis_load_peer_charges_total")
+                        || l.starts_with("kv_router_redis_load_peer_dropped_total")
                 })
                 .map(|l| l.trim_start_matches("kv_router_redis_").to_string())
                 .collect();
-            let lag = |q| histogram_quantile(&text, "kv_router_redis_mirror_lag_seconds", q);
-            let lag = match (lag(0.5), lag(0.99)) {
-                (Some(p50), Some(p99)) => format!(
-                    ", mirror lag p50 ≤ {:.1} ms, p99 ≤ {:.1} ms",
-                    p50 * 1e3,
-                    p99 * 1e3
-                ),
-                _ => String::new(),
+            // p50 and p99 of a lag histogram, in ms, when it has observations.
+            let lag = |what: &str, metric: &str| {
+                let q = |q| histogram_quantile(&text, metric, q);
+                match (q(0.5), q(0.99)) {
+                    (Some(p50), Some(p99)) => format!(
+                        ", {what} lag p50 ≤ {:.2} ms, p99 ≤ {:.2} ms",
+                        p50 * 1e3,
+                        p99 * 1e3
+                    ),
+                    _ => String::new(),
+                }
             };
-            let load = |q| histogram_quantile(&text, "kv_router_redis_load_lag_seconds", q);
-            let load = match (load(0.5), load(0.99)) {
-                (Some(p50), Some(p99)) => format!(
-                    ", load lag p50 ≤ {:.2} ms, p99 ≤ {:.2} ms",
-                    p50 * 1e3,
-                    p99 * 1e3
-                ),
-                _ => String::new(),
-            };
-            out.push(format!("replica {i}: {}{lag}{load}", counters.join(", ")));
+            let lag = [
+                lag("mirror", "kv_router_redis_mirror_lag_seconds"),
+                lag("load", "kv_router_redis_load_lag_seconds"),
+                lag("datagram", "kv_router_redis_load_peer_lag_seconds"),
+            ]
+            .concat();
+            out.push(format!("replica {i}: {}{lag}", counters.join(", ")));
         }
         out
     }

@@ -31,6 +31,7 @@ use tokio::sync::mpsc;
 
 use super::metrics::Dropped;
 use super::mirror::{read_after, supervise, EntryId, MAX_CHARGE_MS, MAX_CHARGE_TOKENS, MAX_POD};
+use super::peers::Peers;
 use super::Shared;
 use crate::index::{Charge, IndexError};
 use crate::pods::PodId;
@@ -111,12 +112,14 @@ pub(super) struct LoadStream {
     origin: u64,
     next: AtomicU64,
     tx: mpsc::Sender<Announced>,
+    /// Where each load is also sent straight to the other replicas (`load_peers_bind`).
+    pub(super) peers: Option<Arc<Peers>>,
 }
 
 impl LoadStream {
     /// The stream of replica `origin`, with its publisher task (restarted if it panics, and
     /// counted; the reader is started apart).
-    pub(super) fn start(shared: Arc<Shared>, origin: u64) -> Arc<Self> {
+    pub(super) fn start(shared: Arc<Shared>, origin: u64, peers: Option<Arc<Peers>>) -> Arc<Self> {
         let (tx, rx) = mpsc::channel(QUEUE);
         let rx = Arc::new(tokio::sync::Mutex::new(rx));
         let sh = shared.clone();
@@ -125,6 +128,7 @@ impl LoadStream {
             origin,
             next: AtomicU64::new(1),
             tx,
+            peers,
         })
     }
 
@@ -146,6 +150,9 @@ impl LoadStream {
             uncached_tokens: charge.uncached_tokens.min(MAX_CHARGE_TOKENS),
             prefill_ms: charge.prefill_ms.min(MAX_CHARGE_MS),
         };
+        if let Some(peers) = &self.peers {
+            peers.send(shared, &a);
+        }
         if self.tx.try_send(a).is_err() {
             shared.metrics.load_dropped(Dropped::QueueFull, 1);
             return None;
@@ -193,7 +200,7 @@ pub(super) async fn read(
     shared: Arc<Shared>,
     origin: u64,
     max_lag_ms: u64,
-    charge: impl Fn(Announced, Duration),
+    charge: impl Fn(Announced, Duration) -> bool,
 ) {
     let key = shared.schema.load_stream();
     let mut pos: Option<EntryId> = None;

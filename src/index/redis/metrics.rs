@@ -121,6 +121,35 @@ impl EncodeLabelValue for Dropped {
     }
 }
 
+/// Why a load datagram was not charged, or not sent.
+#[derive(Debug, Clone, Copy, Hash, PartialEq, Eq)]
+pub(crate) enum PeerDrop {
+    /// Not a datagram of this format, or a load past a record's bounds.
+    Malformed,
+    /// Signed by no replica listed in `P:peers`.
+    UnknownSender,
+    /// The signature does not match the named replica's key.
+    BadSignature,
+    /// The socket refused to send (its buffer full).
+    SendFailed,
+}
+
+impl EncodeLabelValue for PeerDrop {
+    fn encode(&self, encoder: &mut LabelValueEncoder) -> std::fmt::Result {
+        encoder.write_str(match self {
+            PeerDrop::Malformed => "malformed",
+            PeerDrop::UnknownSender => "unknown_sender",
+            PeerDrop::BadSignature => "bad_signature",
+            PeerDrop::SendFailed => "send_failed",
+        })
+    }
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub(crate) struct PeerDropLabel {
+    pub(crate) reason: PeerDrop,
+}
+
 /// Why a mirror loaded the shared index from Redis's hashes.
 #[derive(Debug, Clone, Copy, Hash, PartialEq, Eq)]
 pub enum Reload {
@@ -189,6 +218,11 @@ pub struct RedisMetrics {
     pub(crate) load_charges: Counter,
     pub(crate) load_published: Counter,
     pub(crate) load_drops: Family<DroppedLabel, Counter>,
+    pub(crate) load_peers: Gauge,
+    pub(crate) load_peer_sent: Counter,
+    pub(crate) load_peer_lag: Histogram,
+    pub(crate) load_peer_charges: Counter,
+    pub(crate) load_peer_drops: Family<PeerDropLabel, Counter>,
 }
 
 impl RedisMetrics {
@@ -220,6 +254,11 @@ impl RedisMetrics {
             load_charges: Counter::default(),
             load_published: Counter::default(),
             load_drops: Family::default(),
+            load_peers: Gauge::default(),
+            load_peer_sent: Counter::default(),
+            load_peer_lag: Histogram::new(exponential_buckets(10e-6, 2.0, 19)),
+            load_peer_charges: Counter::default(),
+            load_peer_drops: Family::default(),
         }
     }
 
@@ -337,6 +376,31 @@ impl RedisMetrics {
             "Loads not published to the load stream, by reason (their records still carry them)",
             m.load_drops.clone(),
         );
+        registry.register(
+            "redis_load_peers",
+            "Other replicas this one sends load datagrams to (live entries of P:peers)",
+            m.load_peers.clone(),
+        );
+        registry.register(
+            "redis_load_peer_sent",
+            "Load datagrams sent to other replicas",
+            m.load_peer_sent.clone(),
+        );
+        registry.register(
+            "redis_load_peer_lag_seconds",
+            "Time from another replica's commit (its clock, in µs) to its signed load datagram here",
+            m.load_peer_lag.clone(),
+        );
+        registry.register(
+            "redis_load_peer_charges",
+            "Other replicas' loads charged from their datagrams (the first copy to arrive)",
+            m.load_peer_charges.clone(),
+        );
+        registry.register(
+            "redis_load_peer_dropped",
+            "Load datagrams not sent or not charged, by reason",
+            m.load_peer_drops.clone(),
+        );
         m
     }
 
@@ -358,6 +422,13 @@ impl RedisMetrics {
                 .get_or_create(&DroppedLabel { reason })
                 .inc_by(n);
         }
+    }
+
+    /// Counts a load datagram dropped for `reason`.
+    pub(crate) fn load_peer_dropped(&self, reason: PeerDrop) {
+        self.load_peer_drops
+            .get_or_create(&PeerDropLabel { reason })
+            .inc();
     }
 
     /// Counts `n` writes dropped for `reason`.

@@ -36,6 +36,7 @@ use tracing::{info, warn};
 use super::conn::{to_index_error, Handle};
 use super::load::{self, Announced, LoadStream, Seen};
 use super::metrics::{Dropped, Reload};
+use super::peers::{self, Peers};
 use super::schema::parse_member;
 use super::{Local, Shared};
 use crate::blocks::BlockKey;
@@ -229,7 +230,7 @@ pub(super) fn parse_entry(map: &HashMap<String, Value>) -> Option<(u64, Change)>
 
 /// This replica's mirror: the publisher's queue, the session map, and where the reader is.
 pub(super) struct Mirror {
-    origin: u64,
+    pub(super) origin: u64,
     tx: mpsc::Sender<Publish>,
     sessions: Mutex<LruCache<u64, (PodId, u64)>>,
     /// The last stream entry applied (or the position a load started from).
@@ -255,6 +256,7 @@ impl Mirror {
     pub(super) fn start(cfg: &RedisConfig, shared: Arc<Shared>, local: Arc<Local>) -> Arc<Self> {
         let (tx, rx) = mpsc::channel(cfg.write_queue.max(1));
         let origin = rand::random();
+        let peers = cfg.mirror_load.then(|| Peers::bind(cfg, origin)).flatten();
         let mirror = Arc::new(Self {
             origin,
             tx,
@@ -270,7 +272,7 @@ impl Mirror {
             share_load: cfg.mirror_load,
             load: cfg
                 .mirror_load
-                .then(|| LoadStream::start(shared.clone(), origin)),
+                .then(|| LoadStream::start(shared.clone(), origin, peers.clone())),
             seen: Seen::new(),
         });
         let rx = Arc::new(tokio::sync::Mutex::new(rx));
@@ -287,19 +289,33 @@ impl Mirror {
                 })
             });
         }
+        if let Some(p) = peers {
+            let (sh, cfg) = (shared.clone(), Arc::new(cfg.clone()));
+            let p2 = p.clone();
+            supervise(shared.clone(), move || {
+                peers::heartbeat(sh.clone(), p2.clone(), cfg.clone())
+            });
+            let (sh, m) = (shared.clone(), mirror.clone());
+            supervise(shared.clone(), move || {
+                let (sh2, m) = (sh.clone(), m.clone());
+                peers::receive(sh.clone(), p.clone(), move |a, age| {
+                    m.charge_announced(&sh2, a, age)
+                })
+            });
+        }
         let (sh, m) = (shared.clone(), mirror.clone());
         supervise(shared, move || read(sh.clone(), m.clone(), local.clone()));
         mirror
     }
 
-    /// Charges another replica's load from the load stream, unless it is too old by now or its
-    /// record already charged it.
-    fn charge_announced(&self, shared: &Shared, a: Announced, age: Duration) {
+    /// Charges another replica's load from the load stream or its datagram, unless it is too old
+    /// by now or another copy already charged it; answers whether it did.
+    fn charge_announced(&self, shared: &Shared, a: Announced, age: Duration) -> bool {
         let Some(sink) = self.remote.get() else {
-            return;
+            return false;
         };
         if age.as_millis() as u64 > self.max_lag_ms || !self.seen.first(a.origin, a.seq) {
-            return;
+            return false;
         }
         let charge = Charge {
             uncached_tokens: a.uncached_tokens,
@@ -310,6 +326,7 @@ impl Mirror {
         sink.charge(&a.pod, charge, age);
         shared.metrics.mirror_charges.inc();
         shared.metrics.load_charges.inc();
+        true
     }
 
     /// Queues `change` for the other replicas (never waits; a full queue drops and counts).

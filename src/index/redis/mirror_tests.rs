@@ -24,7 +24,7 @@ const BT: usize = 4;
 /// by the others within it, even on a loaded 2-core test machine.
 const BOUND: Duration = Duration::from_millis(1_000);
 
-fn config(url: &str, prefix: &str, max_len: usize) -> RedisConfig {
+pub(super) fn config(url: &str, prefix: &str, max_len: usize) -> RedisConfig {
     RedisConfig {
         url: url.to_string(),
         key_prefix: prefix.to_string(),
@@ -34,7 +34,7 @@ fn config(url: &str, prefix: &str, max_len: usize) -> RedisConfig {
     }
 }
 
-fn replica(cfg: &RedisConfig) -> RedisIndex {
+pub(super) fn replica(cfg: &RedisConfig) -> RedisIndex {
     let tuning = Tuning {
         record_ttl_ms: 600_000,
         default_capacity: 1_000_000,
@@ -45,7 +45,7 @@ fn replica(cfg: &RedisConfig) -> RedisIndex {
     RedisIndex::new(cfg, local, tuning, RedisMetrics::unregistered()).unwrap()
 }
 
-fn server() -> RedisProc {
+pub(super) fn server() -> RedisProc {
     let bin = find_redis_server().unwrap_or_else(|e| panic!("{e:#}"));
     RedisProc::start(&bin).unwrap()
 }
@@ -301,7 +301,7 @@ async fn a_stream_trimmed_past_a_reader_is_a_gap() {
     assert!(!trimmed_past(shared, &mut con, ids[2_999]).await.unwrap());
 }
 
-fn registry_specs(p: &[PodId]) -> Vec<PodSpec> {
+pub(super) fn registry_specs(p: &[PodId]) -> Vec<PodSpec> {
     p.iter()
         .map(|id| PodSpec {
             id: id.clone(),

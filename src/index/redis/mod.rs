@@ -18,6 +18,9 @@ mod metrics;
 mod mirror;
 #[cfg(test)]
 mod mirror_tests;
+mod peers;
+#[cfg(test)]
+mod peers_tests;
 #[cfg(test)]
 mod prop_tests;
 #[cfg(test)]
@@ -379,6 +382,24 @@ impl RedisIndex {
     /// The metric families (tests).
     pub fn metrics(&self) -> &RedisMetrics {
         &self.shared.metrics
+    }
+
+    /// This replica's id on the streams and in `P:peers` (tests).
+    #[cfg(test)]
+    pub(crate) fn replica_id(&self) -> Option<u64> {
+        Some(self.mirror.as_ref()?.origin)
+    }
+
+    /// Where this replica receives load datagrams (tests).
+    #[cfg(test)]
+    pub(crate) fn load_peers_addr(&self) -> Option<std::net::SocketAddr> {
+        self.mirror
+            .as_ref()?
+            .load
+            .as_ref()?
+            .peers
+            .as_ref()?
+            .local_addr()
     }
 
     /// The session map shared through the same Redis.

@@ -95,6 +95,11 @@ impl Schema {
         format!("{}:load", self.prefix)
     }
 
+    /// Hash of the replicas taking load datagrams: replica id (hex) -> address, key, expiry.
+    pub(super) fn peers(&self) -> String {
+        format!("{}:peers", self.prefix)
+    }
+
     /// The pods with recorded entries.
     pub(super) fn pods(&self) -> String {
         format!("{}:pods", self.prefix)

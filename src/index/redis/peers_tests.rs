@@ -1,0 +1,133 @@
+//! Load datagrams over a real server: replicas find each other in `P:peers`, a decision's load
+//! reaches the other replica by datagram and is charged once whatever copy follows, and forged,
+//! unknown or replayed datagrams charge nothing.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::load::Announced;
+use super::mirror_tests::{config, registry_specs, replica, server};
+use super::peers::{seal, unhex, Key};
+use crate::config::RedisConfig;
+use crate::index::contract::pods;
+use crate::index::{Charge, KvIndex, RedisIndex};
+use crate::pods::PodRegistry;
+
+/// Waits (deadline 10 s) until `done` holds.
+async fn until(what: &str, done: impl Fn() -> bool) {
+    let t = Instant::now();
+    while !done() {
+        assert!(t.elapsed() < Duration::from_secs(10), "never: {what}");
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+}
+
+/// The replicas listed in `P:peers` under `prefix`: origin → signing key.
+async fn listed(url: &str, prefix: &str) -> HashMap<u64, Key> {
+    let client = redis::Client::open(url).unwrap();
+    let mut con = client.get_multiplexed_async_connection().await.unwrap();
+    let all: HashMap<String, String> = redis::cmd("HGETALL")
+        .arg(format!("{prefix}:peers"))
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    all.iter()
+        .map(|(f, e)| {
+            let key = unhex(e.split(' ').nth(1).unwrap()).unwrap();
+            (u64::from_str_radix(f, 16).unwrap(), key)
+        })
+        .collect()
+}
+
+fn dropped(index: &RedisIndex, reason: super::metrics::PeerDrop) -> u64 {
+    index
+        .metrics()
+        .load_peer_drops
+        .get_or_create(&super::metrics::PeerDropLabel { reason })
+        .get()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_load_goes_straight_to_the_other_replica_and_forged_ones_charge_nothing() {
+    use super::metrics::PeerDrop;
+    let srv = server();
+    let prefix = "peers";
+    let cfg = RedisConfig {
+        mirror_max_lag_ms: 5_000,
+        load_peers_bind: "127.0.0.1:0".into(),
+        ..config(&srv.url(), prefix, 100_000)
+    };
+    let (a, b) = (replica(&cfg), replica(&cfg));
+    let p = pods(2);
+    let registry = Arc::new(PodRegistry::default());
+    registry.update(registry_specs(&p));
+    b.attach_remote_load(Arc::new(crate::decide::RemoteDecisions {
+        load: registry.clone(),
+        conversations: Arc::new(crate::decide::Conversations::new(1_000, 300_000)),
+    }));
+    let load = |i: usize| {
+        let l = registry
+            .snapshot()
+            .get(&p[i])
+            .unwrap()
+            .load(tokio::time::Instant::now(), Duration::from_secs(30));
+        (l.inflight_requests, l.inflight_tokens)
+    };
+    until("each replica lists the other", || {
+        a.metrics().load_peers.get() == 1 && b.metrics().load_peers.get() == 1
+    })
+    .await;
+    let charge = Charge {
+        uncached_tokens: 4_000,
+        prefill_ms: 20_000,
+        mark: None,
+        announced: None,
+    };
+    a.announce(&p[0], &charge).unwrap();
+    assert_eq!(a.metrics().load_peer_sent.get(), 1);
+    // Both copies arrive (datagram and load-stream entry); the load is charged once.
+    until("the datagram and the stream entry reach B", || {
+        b.metrics().load_peer_lag.count() == 1 && b.metrics().load_lag.count() == 1
+    })
+    .await;
+    assert_eq!(load(0), (1.0, 4_000.0));
+    assert_eq!(b.metrics().load_charges.get(), 1, "counted once");
+
+    // Forged, unknown and malformed datagrams: counted, never charged.
+    let to = b.load_peers_addr().unwrap();
+    let a_origin = a.replica_id().unwrap();
+    let a_key = listed(&srv.url(), prefix).await[&a_origin];
+    let raw = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+    let load_on = |origin: u64, seq: u64| Announced {
+        origin,
+        seq,
+        pod: p[1].clone(),
+        wall_us: super::Shared::wall_now_us(),
+        uncached_tokens: 1_000,
+        prefill_ms: 1_000,
+    };
+    raw.send_to(b"not a load", to).unwrap();
+    raw.send_to(&seal(&load_on(a_origin, 1 << 40), &[0; 32]).unwrap(), to)
+        .unwrap();
+    raw.send_to(&seal(&load_on(42, 1 << 40), &a_key).unwrap(), to)
+        .unwrap();
+    until("all three refused", || {
+        dropped(&b, PeerDrop::Malformed) == 1
+            && dropped(&b, PeerDrop::BadSignature) + dropped(&b, PeerDrop::UnknownSender) == 2
+    })
+    .await;
+    assert_eq!(load(1), (0.0, 0.0));
+    // A datagram signed with a listed key counts once, however often it is replayed.
+    let before = b.metrics().load_peer_charges.get();
+    let signed = seal(&load_on(a_origin, 1 << 41), &a_key).unwrap();
+    for _ in 0..3 {
+        raw.send_to(&signed, to).unwrap();
+    }
+    until("the replays are read", || {
+        b.metrics().load_peer_lag.count() == 4
+    })
+    .await;
+    assert_eq!(load(1), (1.0, 1_000.0));
+    assert_eq!(b.metrics().load_peer_charges.get(), before + 1);
+}
