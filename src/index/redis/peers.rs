@@ -53,6 +53,8 @@ pub(super) const MAX_DATAGRAM: usize = HEAD + MAX_POD + TAG;
 const HEARTBEAT: Duration = Duration::from_secs(1);
 /// An entry not renewed for this long is no longer sent to (and is removed).
 const TTL_MS: u64 = 5_000;
+/// The soonest `P:peers` is read again after a datagram from an unknown replica.
+const REFRESH: Duration = Duration::from_millis(100);
 /// Replicas sent to at most (further entries are ignored).
 const MAX_PEERS: usize = 64;
 
@@ -70,6 +72,9 @@ pub(super) struct Peers {
     key: Key,
     socket: UdpSocket,
     known: ArcSwap<Vec<Peer>>,
+    /// A datagram came from a replica not known yet (one that just started): read `P:peers`
+    /// again before the next heartbeat.
+    refresh: tokio::sync::Notify,
 }
 
 impl Peers {
@@ -94,6 +99,7 @@ impl Peers {
                 key: rand::random(),
                 socket,
                 known: ArcSwap::from_pointee(Vec::new()),
+                refresh: tokio::sync::Notify::new(),
             })),
             Err(e) => {
                 tracing::warn!(bind = %cfg.load_peers_bind, error = %e,
@@ -167,7 +173,11 @@ pub(super) async fn heartbeat(shared: Arc<Shared>, peers: Arc<Peers>, cfg: Arc<R
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut addr = None;
     loop {
-        tick.tick().await;
+        tokio::select! {
+            _ = tick.tick() => {}
+            // At most every REFRESH, however many unknown datagrams arrive.
+            _ = peers.refresh.notified() => tokio::time::sleep(REFRESH).await,
+        }
         if addr.is_none() {
             addr = advertised(&cfg, peers.local_addr()).await;
         }
@@ -206,7 +216,12 @@ pub(super) async fn receive(
                     shared.metrics.load_peer_charges.inc();
                 }
             }
-            Err(why) => shared.metrics.load_peer_dropped(why),
+            Err(why) => {
+                if why == PeerDrop::UnknownSender {
+                    peers.refresh.notify_one();
+                }
+                shared.metrics.load_peer_dropped(why);
+            }
         }
     }
 }
