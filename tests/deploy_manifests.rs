@@ -537,6 +537,7 @@ fn every_overlay_renders_and_validates_offline() {
                 Some("/var/run/secrets/redis/password")
             );
             assert!(redis.password.is_none() && redis.password_env.is_none());
+            peers_are_declared_and_admitted(r, &redis.load_peers_bind);
         }
     }
     assert!(failures.is_empty(), "{}", failures.join("\n\n"));
@@ -619,6 +620,48 @@ fn pools_services_and_selectors_agree() {
 const SIDECAR_PREFILL_HEADER: &str = "x-prefiller-host-port";
 
 /// A container's `--flag=value` argument, and as a number.
+/// The load-datagram port (`index.redis.load_peers_bind`) is fixed, a UDP port of the router's
+/// container, and admitted by a NetworkPolicy from kv-router's own pods only.
+fn peers_are_declared_and_admitted(r: &Rendered, bind: &str) {
+    let port = bind
+        .parse::<std::net::SocketAddr>()
+        .unwrap_or_else(|e| panic!("{}: load_peers_bind {bind:?}: {e}", r.name))
+        .port() as u64;
+    assert_ne!(port, 0, "{}: a NetworkPolicy needs a fixed port", r.name);
+    let deploy = find(&r.docs, "Deployment", "kv-router").expect("kv-router Deployment");
+    let c = &seq_of(&deploy["spec"]["template"]["spec"]["containers"])[0];
+    assert!(
+        seq_of(&c["ports"])
+            .iter()
+            .any(|p| p["containerPort"].as_u64() == Some(port) && p["protocol"] == "UDP"),
+        "{}: UDP {port} is not a container port",
+        r.name
+    );
+    let router = |sel: &Value| sel["matchLabels"]["app.kubernetes.io/name"] == "kv-router";
+    let admitted = r
+        .docs
+        .iter()
+        .filter(|d| d["kind"] == "NetworkPolicy")
+        .any(|np| {
+            router(&np["spec"]["podSelector"])
+                && seq_of(&np["spec"]["ingress"]).iter().any(|rule| {
+                    let from = seq_of(&rule["from"]);
+                    !from.is_empty()
+                        && from
+                            .iter()
+                            .all(|f| router(&f["podSelector"]) && f["namespaceSelector"].is_null())
+                        && seq_of(&rule["ports"])
+                            .iter()
+                            .any(|p| p["port"].as_u64() == Some(port) && p["protocol"] == "UDP")
+                })
+        });
+    assert!(
+        admitted,
+        "{}: no NetworkPolicy admits UDP {port} from kv-router",
+        r.name
+    );
+}
+
 fn arg<'a>(c: &'a Value, flag: &str) -> Option<&'a str> {
     let mut args = c["args"].as_sequence()?.iter().filter_map(Value::as_str);
     args.find_map(|a| a.strip_prefix(flag)?.strip_prefix('='))
