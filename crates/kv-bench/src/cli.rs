@@ -207,6 +207,11 @@ pub struct CompareArgs {
     /// the others]; labelled `weighted x2` etc. when not the default.
     #[arg(long)]
     pub replicas: Option<usize>,
+    /// kv-router replicas for the strategies sharing the Redis index only (`redis`,
+    /// `redis-own-load`), overriding --replicas for them: `--redis-replicas 4` pairs four shared
+    /// replicas with one `weighted` replica in one invocation.
+    #[arg(long)]
+    pub redis_replicas: Option<usize>,
     /// Workload.
     #[arg(long, value_enum, default_value_t = WorkloadKind::Multiturn)]
     pub workload: WorkloadKind,

@@ -47,6 +47,9 @@ pub struct CompareOptions {
     /// kv-router replicas behind Envoy for every router strategy (None: each strategy's
     /// [`Strategy::default_replicas`]). Replicas without the shared index each learn alone.
     pub replicas: Option<usize>,
+    /// Replicas for the strategies that share the Redis index, overriding `replicas` for them
+    /// alone: `redis` x4 against one `weighted` replica in one invocation.
+    pub redis_replicas: Option<usize>,
     /// Where each router's final `/metrics` and its log go (`<label>-<replica>.prom`, `.log`),
     /// if anywhere.
     pub router_metrics: Option<PathBuf>,
@@ -63,6 +66,9 @@ impl CompareOptions {
     pub fn replicas(&self, strategy: Strategy) -> usize {
         match (strategy.default_replicas(), self.replicas) {
             (0, _) => 0,
+            _ if strategy.needs_redis() && self.redis_replicas.is_some() => {
+                self.redis_replicas.unwrap_or(2).max(1)
+            }
             (_, Some(n)) => n.max(1),
             (d, None) => d,
         }

@@ -120,6 +120,7 @@ fn opts(replicas: Option<usize>) -> CompareOptions {
         model: "m".into(),
         progress: false,
         replicas,
+        redis_replicas: None,
         router_metrics: None,
         repeat: 1,
         pd_prefill: 0,

@@ -328,6 +328,7 @@ pub async fn run(bins: &Binaries, args: &LoraArgs) -> Result<Vec<ArmResult>> {
         model: BASE_MODEL.into(),
         progress: false,
         replicas: None,
+        redis_replicas: None,
         router_metrics: None,
         repeat: 1,
         pd_prefill: 0,

@@ -61,6 +61,7 @@ async fn real_main(cli: Cli) -> Result<()> {
                 model: a.workload.model.clone(),
                 progress: true,
                 replicas: None,
+                redis_replicas: None,
                 router_metrics: None,
                 repeat: 1,
                 pd_prefill: 0,

@@ -56,6 +56,7 @@ pub async fn compare_section(
         model: a.args.model.clone(),
         progress: true,
         replicas: a.replicas,
+        redis_replicas: a.redis_replicas,
         router_metrics: a.router_metrics.clone(),
         repeat: a.repeat as usize,
         pd_prefill: a.pd_prefill,

@@ -340,6 +340,7 @@ pub async fn run(bins: &Binaries, opts: &SmallFleetOptions) -> Result<SmallFleet
             model: "sim-model".into(),
             progress: false,
             replicas: None,
+            redis_replicas: None,
             router_metrics: opts.router_metrics.clone(),
             repeat: 1,
             pd_prefill: 0,
