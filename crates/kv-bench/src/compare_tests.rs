@@ -163,6 +163,26 @@ fn replicas_and_labels() {
     assert_eq!(four.replicas(Strategy::Redis), 4);
     assert_eq!(four.label(Strategy::Redis), "redis x4");
     assert_eq!(opts(Some(0)).replicas(Strategy::Precise), 1);
+    // --redis-replicas: the shared-index strategies alone, whatever --replicas says.
+    let shared = CompareOptions {
+        redis_replicas: Some(4),
+        ..opts(None)
+    };
+    assert_eq!(shared.label(Strategy::Redis), "redis x4");
+    assert_eq!(shared.replicas(Strategy::RedisOwnLoad), 4);
+    assert_eq!(shared.label(Strategy::Weighted), "weighted");
+    assert_eq!(shared.replicas(Strategy::RoundRobin), 0);
+    let both = CompareOptions {
+        redis_replicas: Some(1),
+        ..opts(Some(2))
+    };
+    assert_eq!(
+        (
+            both.replicas(Strategy::Redis),
+            both.replicas(Strategy::Weighted)
+        ),
+        (1, 2)
+    );
 }
 
 #[test]
