@@ -562,11 +562,13 @@ fn network_policies_select_the_rendered_pods_and_their_ports() {
             }),
             "{overlay}: no default-deny for kv-router"
         );
-        assert_eq!(
-            router_ports,
-            BTreeSet::from([9002, 9090]),
-            "{overlay}: kv-router's admitted ports"
-        );
+        // With the shared index, also the replicas' load datagrams (UDP 9004, from kv-router).
+        let shared = of_kind(&docs, "Deployment").any(|d| d["metadata"]["name"] == "valkey");
+        let mut want = BTreeSet::from([9002, 9090]);
+        if shared {
+            want.insert(9004);
+        }
+        assert_eq!(router_ports, want, "{overlay}: kv-router's admitted ports");
         // Kubelet probes come from the node (README "NetworkPolicies"): all on the gRPC port.
         let (_, _, spec) = pods.iter().find(|p| p.0 == "kv-router").unwrap();
         let c = &seq(&spec["containers"])[0];
@@ -587,7 +589,7 @@ fn network_policies_select_the_rendered_pods_and_their_ports() {
 }
 
 /// A policy's `from` peer is the pods it means: the gateway of the overlay's path on 9002, the
-/// monitoring namespace on 9090, kv-router on Valkey's port.
+/// monitoring namespace on 9090, kv-router on Valkey's port and on the load-datagram port.
 fn check_peer(
     overlay: &str,
     policy: &str,
@@ -634,6 +636,10 @@ fn check_peer(
         [6379] => assert!(
             local("kv-router"),
             "{overlay}: {policy}: Valkey from {peer:?}"
+        ),
+        [9004] => assert!(
+            local("kv-router"),
+            "{overlay}: {policy}: load datagrams from {peer:?}"
         ),
         other => panic!("{overlay}: {policy}: unexpected ports {other:?}"),
     }
