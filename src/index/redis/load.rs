@@ -249,10 +249,11 @@ pub(super) async fn read(
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
 
-    fn announced() -> Announced {
+    /// A load as tests send it (also the datagram tests').
+    pub(in crate::index::redis) fn announced() -> Announced {
         Announced {
             origin: 0xabc,
             seq: 41,

@@ -372,18 +372,8 @@ pub(super) fn unhex(s: &str) -> Option<Key> {
 
 #[cfg(test)]
 mod tests {
+    use super::super::load::tests::announced;
     use super::*;
-
-    fn announced() -> Announced {
-        Announced {
-            origin: 0xabc,
-            seq: 41,
-            pod: PodId::new("10.0.0.1:8000"),
-            wall_us: 1_700_000_000_123_456,
-            uncached_tokens: 4_000,
-            prefill_ms: 350,
-        }
-    }
 
     #[test]
     fn a_sealed_load_opens_with_its_senders_key_only() {
