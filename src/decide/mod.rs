@@ -624,6 +624,8 @@ impl Decider {
             Some(s) => self.state.sessions().find(s, now_ms).await,
             None => None,
         };
+        // Loads the other replicas sent that have arrived count before this decision reads load.
+        self.index.catch_up_load();
         let now = Instant::now();
         let models = prefill_models(&pods, self.stages.ttft_prior());
         let pod_facts = pods

@@ -172,6 +172,10 @@ pub trait KvIndex: Send + Sync + 'static {
     fn announce(&self, _pod: &PodId, _charge: &Charge) -> Option<u64> {
         None
     }
+    /// Charges the other replicas' loads that reached this process but were not applied yet,
+    /// before a decision reads the pods' load (never waits); backends that share nothing have
+    /// nothing to apply.
+    fn catch_up_load(&self) {}
     /// Drops everything about `pod` (it left the fleet).
     async fn forget_pod(&self, pod: &PodId) -> Result<(), IndexError>;
     /// Sets how many blocks `pod` can hold (its KV-cache size); extra entries are evicted.

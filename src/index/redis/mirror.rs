@@ -329,6 +329,13 @@ impl Mirror {
         true
     }
 
+    /// Charges the load datagrams already waiting in this replica's socket (never waits).
+    pub(super) fn catch_up_load(&self, shared: &Shared) {
+        if let Some(peers) = self.load.as_ref().and_then(|l| l.peers.as_ref()) {
+            peers.drain(shared, |a, age| self.charge_announced(shared, a, age));
+        }
+    }
+
     /// Queues `change` for the other replicas (never waits; a full queue drops and counts).
     pub(super) fn publish(&self, shared: &Shared, change: Change) {
         if self.tx.try_send(Publish::Change(change)).is_err() {

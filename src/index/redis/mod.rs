@@ -605,6 +605,12 @@ impl KvIndex for RedisIndex {
         load.announce(&self.shared, pod, Shared::wall_now_us(), charge)
     }
 
+    fn catch_up_load(&self) {
+        if let Some(m) = &self.mirror {
+            m.catch_up_load(&self.shared);
+        }
+    }
+
     fn attach_remote_load(&self, sink: Arc<dyn RemoteLoad>) {
         if let Some(m) = &self.mirror {
             m.attach(sink);

@@ -131,3 +131,64 @@ async fn a_load_goes_straight_to_the_other_replica_and_forged_ones_charge_nothin
     assert_eq!(load(1), (1.0, 1_000.0));
     assert_eq!(b.metrics().load_peer_charges.get(), before + 1);
 }
+
+/// A load that reached this replica's socket counts when the next decision reads load, even
+/// though the task that receives datagrams has not run (one thread, never yielded to).
+#[tokio::test(flavor = "current_thread")]
+async fn a_load_waiting_in_the_socket_counts_before_the_next_decision_reads_load() {
+    let srv = server();
+    let cfg = RedisConfig {
+        mirror_max_lag_ms: 5_000,
+        load_peers_bind: "127.0.0.1:0".into(),
+        ..config(&srv.url(), "drain", 100_000)
+    };
+    let (a, b) = (replica(&cfg), replica(&cfg));
+    let p = pods(1);
+    let registry = Arc::new(PodRegistry::default());
+    registry.update(registry_specs(&p));
+    b.attach_remote_load(Arc::new(crate::decide::RemoteDecisions {
+        load: registry.clone(),
+        conversations: Arc::new(crate::decide::Conversations::new(1_000, 300_000)),
+    }));
+    let load = || {
+        let l = registry
+            .snapshot()
+            .get(&p[0])
+            .unwrap()
+            .load(tokio::time::Instant::now(), Duration::from_secs(30));
+        (l.inflight_requests, l.inflight_tokens)
+    };
+    until("each replica lists the other", || {
+        a.metrics().load_peers.get() == 1 && b.metrics().load_peers.get() == 1
+    })
+    .await;
+    let charge = Charge {
+        uncached_tokens: 3_000,
+        prefill_ms: 10_000,
+        mark: None,
+        announced: None,
+    };
+    a.announce(&p[0], &charge).unwrap();
+    // From here to the end nothing awaits, so no task of this runtime runs: only the catch-up
+    // can charge the load. Blocking sleeps give the kernel time to deliver the datagram.
+    assert_eq!(
+        load(),
+        (0.0, 0.0),
+        "nothing charges it while the runtime does not run"
+    );
+    let t = Instant::now();
+    while load() == (0.0, 0.0) {
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "never charged by the catch-up"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+        b.catch_up_load();
+    }
+    // (The charged tokens drain as the modelled prefill runs: compare requests.)
+    assert_eq!(load().0, 1.0);
+    assert_eq!(b.metrics().load_peer_charges.get(), 1);
+    b.catch_up_load();
+    assert_eq!(load().0, 1.0, "an empty socket changes nothing");
+    assert_eq!(b.metrics().load_peer_charges.get(), 1);
+}
