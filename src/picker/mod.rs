@@ -561,7 +561,7 @@ mod tests {
         inp.shares_prefix = true;
         // An idle holder keeps it: a one-off question on a shared document warms nothing new;
         // so does one whose last scrape still shows a request that has since ended (questions
-        // sent one after another alternated between two pods: tests/e2e.rs).
+        // sent one after another alternated between two pods: tests/integration/e2e.rs).
         assert_eq!(rank(&inp, &weighted), (0, Reason::Scored));
         inp.candidates[0].load.running = 1.0;
         inp.candidates[0].load.inflight_tokens = 2000.0;

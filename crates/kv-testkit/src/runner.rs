@@ -55,7 +55,7 @@ impl StreamOutcome {
     }
 
     /// 2xx with a complete stream.
-    #[allow(dead_code)] // the end-to-end tests' harness (tests/common mounts this file)
+    #[allow(dead_code)] // the end-to-end tests' harness (tests/integration/common mounts this file)
     pub fn ok(&self) -> bool {
         self.error.is_none() && matches!(self.status, Some(200..=299)) && self.done
     }

@@ -157,7 +157,7 @@ impl Default for EnvoyOptions {
 
 impl EnvoyProc {
     /// Renders `template` for this run and starts Envoy with default options.
-    #[allow(dead_code)] // the end-to-end tests' harness (tests/common mounts deploy/)
+    #[allow(dead_code)] // the end-to-end tests' harness (tests/integration/common mounts deploy/)
     pub async fn spawn(
         bin: &Path,
         template: &Path,

@@ -111,7 +111,7 @@ impl RouterProc {
     }
 
     /// `http://<admin>`.
-    #[allow(dead_code)] // the end-to-end tests' harness (tests/common mounts deploy/)
+    #[allow(dead_code)] // the end-to-end tests' harness (tests/integration/common mounts deploy/)
     pub fn admin_url(&self) -> String {
         format!("http://{}", self.admin)
     }

@@ -110,7 +110,7 @@ impl SimPod {
     }
 
     /// Kills the pod now (failure tests).
-    #[allow(dead_code)] // the end-to-end tests' harness (tests/common mounts deploy/)
+    #[allow(dead_code)] // the end-to-end tests' harness (tests/integration/common mounts deploy/)
     pub fn kill(&mut self) {
         self.proc.kill();
     }

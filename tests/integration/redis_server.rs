@@ -2,7 +2,7 @@
 //! wheel `make test` installs into the venv), started on a random port, answering, killed on drop.
 //! Fails, never skips, when no server can be found or started.
 
-mod common;
+use crate::common;
 
 use common::deploy::{find_redis_server, redis_command, RedisProc};
 

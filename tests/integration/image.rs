@@ -350,7 +350,7 @@ fn dockerignore_follows_buildkit_rules() {
         ("src/main.rs", false),
         ("crates/a/src/lib.rs", false),
         ("crates/a/target/x", true),
-        ("tests/e2e.rs", true),
+        ("tests/integration/e2e.rs", true),
         (".git/HEAD", true),
     ] {
         assert_eq!(excluded(&rules, path), out, "{path}");

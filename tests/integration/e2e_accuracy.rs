@@ -5,9 +5,9 @@
 //! shortfall and the correction shrinks the pod's index (`docs/config.md`, "Prediction accuracy
 //! and correction").
 //!
-//! Run: `KV_ROUTER_ENVOY=/path/to/envoy cargo test --release --test e2e_accuracy`
+//! Run: `KV_ROUTER_ENVOY=/path/to/envoy cargo test --release --test integration e2e_accuracy::`
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

@@ -275,7 +275,7 @@ impl Rig {
         let mut routers = Vec::new();
         for _ in 0..replicas {
             let mut cfg = deploy::local_router_config(&addrs).expect("router config");
-            // Sequential fast requests look like a burst to the hot-pod gate (see tests/common).
+            // Sequential fast requests look like a burst to the hot-pod gate (see tests/integration/common).
             cfg.gate.hot_abs = 16.0;
             tweak(&mut cfg);
             let r = RouterProc::spawn(&b.kv_router, &cfg)

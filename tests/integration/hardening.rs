@@ -1,7 +1,7 @@
 //! Hardening through the real processes (kv-router + vllm-sim on 127.0.0.1): what an attacker or
 //! a careless operator found on the old main, each pinned by a test that failed there.
 
-mod common;
+use crate::common;
 
 use std::time::{Duration, Instant};
 

@@ -6,9 +6,9 @@
 //! is refused at once; a client that leaves takes its request out of the queue; and with the
 //! router killed while it holds requests, Envoy fails them open.
 //!
-//! Run: `KV_ROUTER_ENVOY=/path/to/envoy cargo test --release --test e2e_flow`
+//! Run: `KV_ROUTER_ENVOY=/path/to/envoy cargo test --release --test integration e2e_flow::`
 
-mod common;
+use crate::common;
 
 use std::time::{Duration, Instant};
 

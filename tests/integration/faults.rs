@@ -19,12 +19,12 @@
 //!
 //! No Envoy: the tests fail (never skip). Every wait polls a condition with a deadline.
 //!
-//! Run: `KV_ROUTER_ENVOY=/path/to/envoy cargo test --release --test faults -- --test-threads=1`
+//! Run: `KV_ROUTER_ENVOY=/path/to/envoy cargo test --release --test integration faults:: -- --test-threads=1`
 
-mod common;
-mod faults_rig;
+use crate::common;
+use crate::faults_rig;
 #[cfg(feature = "kubernetes")]
-mod kube_stub;
+use crate::kube_stub;
 
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};

@@ -5,9 +5,9 @@
 //! prompts stay aggregated; the prefill pod that holds a prefix attracts the next prompt on it;
 //! a prefill pod that never serves the prefills sent it stops being chosen.
 //!
-//! Run: `KV_ROUTER_ENVOY=/path/to/envoy cargo test --release --test e2e_pd`
+//! Run: `KV_ROUTER_ENVOY=/path/to/envoy cargo test --release --test integration e2e_pd::`
 
-mod common;
+use crate::common;
 
 use std::net::SocketAddr;
 use std::time::Duration;

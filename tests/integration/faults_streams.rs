@@ -2,10 +2,10 @@
 //! `faults.rs`, which lists every fault and its test): clients aborting uploads and responses
 //! mid-stream, and a pod whose `/metrics` hangs.
 //!
-//! Run: `KV_ROUTER_ENVOY=/path/to/envoy cargo test --release --test faults_streams -- --test-threads=1`
+//! Run: `KV_ROUTER_ENVOY=/path/to/envoy cargo test --release --test integration faults_streams:: -- --test-threads=1`
 
-mod common;
-mod faults_rig;
+use crate::common;
+use crate::faults_rig;
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;

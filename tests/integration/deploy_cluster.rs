@@ -1,4 +1,4 @@
-//! What `deploy/` needs on a real cluster beyond rendering (tests/deploy_manifests.rs renders and
+//! What `deploy/` needs on a real cluster beyond rendering (tests/integration/deploy_manifests.rs renders and
 //! validates every overlay): the Valkey password is a Secret reference that the documented
 //! `kubectl create secret` command satisfies, on no command line; the rendered Valkey config and
 //! init script run a real Valkey that demands that password; NetworkPolicies select the rendered

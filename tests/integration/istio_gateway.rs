@@ -13,8 +13,8 @@
 //! It also checks that every metric the Grafana dashboard queries is exported by the running
 //! kv-router (or by this Envoy, for the `envoy_*` fail-open counters).
 
-mod common;
-mod istio_render;
+use crate::common;
+use crate::istio_render;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;

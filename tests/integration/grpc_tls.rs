@@ -2,7 +2,7 @@
 //! answers; with `client_ca_file` (mTLS) a client without a certificate from that CA is refused
 //! at the handshake, one with it is served. Certificates are made on the fly (rcgen).
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

@@ -2,9 +2,9 @@
 //! processes on 127.0.0.1 (random free ports). Every test builds its own deployment and drops it
 //! (killing every process) at the end. Envoy missing = panic with instructions, never a skip.
 //!
-//! Run: `KV_ROUTER_ENVOY=/path/to/envoy cargo test --release --test e2e`
+//! Run: `KV_ROUTER_ENVOY=/path/to/envoy cargo test --release --test integration e2e::`
 
-mod common;
+use crate::common;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;

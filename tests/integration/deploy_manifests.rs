@@ -162,8 +162,8 @@ fn standalone_envoy(bundled: &str) -> String {
         .find("\nadmin:")
         .expect("bundled config has a top-level admin block");
     let mut t = format!(
-        "# GENERATED from {BUNDLED} by tests/deploy_manifests.rs — do not edit; edit the bundled file\n\
-         # and run `KV_ROUTER_BLESS=1 cargo test --test deploy_manifests`. kv_router and vllm_pool are\n\
+        "# GENERATED from {BUNDLED} by tests/integration/deploy_manifests.rs — do not edit; edit the bundled file\n\
+         # and run `KV_ROUTER_BLESS=1 cargo test --test integration deploy_manifests::`. kv_router and vllm_pool are\n\
          # strict-DNS clusters on the headless Services kv-router and vllm, and listener `stats` serves\n\
          # GET /stats/prometheus of the loopback-only admin on :{STATS_PORT} (nothing else of the admin).\n{}",
         &bundled[body_start + 1..]
@@ -223,7 +223,7 @@ fn standalone_envoy_config_is_generated_from_the_bundled_one() {
     let have = fs::read_to_string(&path).unwrap_or_default();
     assert!(
         have == want,
-        "{GENERATED} is not what {BUNDLED} generates; run `KV_ROUTER_BLESS=1 cargo test --test deploy_manifests`"
+        "{GENERATED} is not what {BUNDLED} generates; run `KV_ROUTER_BLESS=1 cargo test --test integration deploy_manifests::`"
     );
     // Structurally: the bundled config with only those two clusters changed, plus the stats
     // listener and its admin cluster (which route exactly GET /stats/prometheus to the admin).
@@ -505,7 +505,7 @@ fn every_overlay_renders_and_validates_offline() {
             assert_eq!(k.pool.as_ref().map(|p| p.name.as_str()), Some("vllm-pool"));
         }
         // The redis layer shares the index (and sessions) through the bundled Valkey, with the
-        // password from the mounted Secret only (tests/deploy_cluster.rs follows the Secret).
+        // password from the mounted Secret only (tests/integration/deploy_cluster.rs follows the Secret).
         let shared = cfg.index.backend == kv_router::config::IndexBackend::Redis;
         assert_eq!(
             shared,

@@ -6,9 +6,9 @@
 //! Assertions poll `POST /debug/explain` (a dry run: it records nothing) and `/metrics` with
 //! deadlines; there are no fixed long sleeps.
 //!
-//! Run: `KV_ROUTER_ENVOY=/path/to/envoy cargo test --release --test e2e_precise`
+//! Run: `KV_ROUTER_ENVOY=/path/to/envoy cargo test --release --test integration e2e_precise::`
 
-mod common;
+use crate::common;
 
 use std::net::SocketAddr;
 use std::process::{Child, Command, Stdio};

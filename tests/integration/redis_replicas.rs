@@ -7,9 +7,9 @@
 //! different replicas; every test checks from each replica's own `/metrics` that both decided.
 //! No Redis server, no Envoy: the tests fail, they never skip.
 //!
-//! Run: `KV_ROUTER_ENVOY=/path/to/envoy cargo test --release --test redis_replicas`
+//! Run: `KV_ROUTER_ENVOY=/path/to/envoy cargo test --release --test integration redis_replicas::`
 
-mod common;
+use crate::common;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
@@ -177,7 +177,7 @@ impl Replicas {
             cfg.index.redis.url = redis.url();
             cfg.index.redis.key_prefix = "replicas-test".into();
             // Sequential requests of fast pods look like a burst to the hot-pod gate (see
-            // tests/common): keep it out of the affinity under test.
+            // tests/integration/common): keep it out of the affinity under test.
             cfg.gate.hot_abs = 16.0;
             if precise {
                 cfg.kv_events.enabled = true;

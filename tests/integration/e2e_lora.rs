@@ -2,9 +2,9 @@
 //! `--enable-lora` on 127.0.0.1. A request for an adapter reaches only pods that list it in
 //! `/v1/models`, and among pods listing it, the one that has it running (`docs/lora.md`).
 //!
-//! Run: `KV_ROUTER_ENVOY=/path/to/envoy cargo test --release --test e2e_lora`
+//! Run: `KV_ROUTER_ENVOY=/path/to/envoy cargo test --release --test integration e2e_lora::`
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeSet;
 use std::net::SocketAddr;
