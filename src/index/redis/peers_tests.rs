@@ -12,7 +12,7 @@ use super::peers::{seal, unhex, Key};
 use crate::config::RedisConfig;
 use crate::index::contract::pods;
 use crate::index::{Charge, KvIndex, RedisIndex};
-use crate::pods::PodRegistry;
+use crate::pods::{PodId, PodRegistry};
 
 /// Waits (deadline 10 s) until `done` holds.
 async fn until(what: &str, done: impl Fn() -> bool) {
@@ -48,36 +48,64 @@ fn dropped(index: &RedisIndex, reason: super::metrics::PeerDrop) -> u64 {
         .get()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_load_goes_straight_to_the_other_replica_and_forged_ones_charge_nothing() {
-    use super::metrics::PeerDrop;
-    let srv = server();
-    let prefix = "peers";
-    let cfg = RedisConfig {
-        mirror_max_lag_ms: 5_000,
-        load_peers_bind: "127.0.0.1:0".into(),
-        ..config(&srv.url(), prefix, 100_000)
-    };
-    let (a, b) = (replica(&cfg), replica(&cfg));
-    let p = pods(2);
-    let registry = Arc::new(PodRegistry::default());
-    registry.update(registry_specs(&p));
-    b.attach_remote_load(Arc::new(crate::decide::RemoteDecisions {
-        load: registry.clone(),
-        conversations: Arc::new(crate::decide::Conversations::new(1_000, 300_000)),
-    }));
-    let load = |i: usize| {
-        let l = registry
+/// Two replicas under `prefix` that list each other; B applies the loads it receives to
+/// `registry`'s `pods` (A's decisions are B's remote load).
+struct Pair {
+    srv: kv_testkit::deploy::RedisProc,
+    a: RedisIndex,
+    b: RedisIndex,
+    pods: Vec<PodId>,
+    registry: Arc<PodRegistry>,
+}
+
+impl Pair {
+    async fn new(prefix: &str, n_pods: usize) -> Self {
+        let srv = server();
+        let cfg = RedisConfig {
+            mirror_max_lag_ms: 5_000,
+            load_peers_bind: "127.0.0.1:0".into(),
+            ..config(&srv.url(), prefix, 100_000)
+        };
+        let (a, b) = (replica(&cfg), replica(&cfg));
+        let pods = pods(n_pods);
+        let registry = Arc::new(PodRegistry::default());
+        registry.update(registry_specs(&pods));
+        b.attach_remote_load(Arc::new(crate::decide::RemoteDecisions {
+            load: registry.clone(),
+            conversations: Arc::new(crate::decide::Conversations::new(1_000, 300_000)),
+        }));
+        until("each replica lists the other", || {
+            a.metrics().load_peers.get() == 1 && b.metrics().load_peers.get() == 1
+        })
+        .await;
+        Pair {
+            srv,
+            a,
+            b,
+            pods,
+            registry,
+        }
+    }
+
+    /// Pod `i`'s load as B sees it: (in-flight requests, in-flight tokens).
+    fn load(&self, i: usize) -> (f64, f64) {
+        let l = self
+            .registry
             .snapshot()
-            .get(&p[i])
+            .get(&self.pods[i])
             .unwrap()
             .load(tokio::time::Instant::now(), Duration::from_secs(30));
         (l.inflight_requests, l.inflight_tokens)
-    };
-    until("each replica lists the other", || {
-        a.metrics().load_peers.get() == 1 && b.metrics().load_peers.get() == 1
-    })
-    .await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_load_goes_straight_to_the_other_replica_and_forged_ones_charge_nothing() {
+    use super::metrics::PeerDrop;
+    let prefix = "peers";
+    let pair = Pair::new(prefix, 2).await;
+    let (a, b, p, srv) = (&pair.a, &pair.b, &pair.pods, &pair.srv);
+    let load = |i: usize| pair.load(i);
     let charge = Charge {
         uncached_tokens: 4_000,
         prefill_ms: 20_000,
@@ -113,8 +141,8 @@ async fn a_load_goes_straight_to_the_other_replica_and_forged_ones_charge_nothin
     raw.send_to(&seal(&load_on(42, 1 << 40), &a_key).unwrap(), to)
         .unwrap();
     until("all three refused", || {
-        dropped(&b, PeerDrop::Malformed) == 1
-            && dropped(&b, PeerDrop::BadSignature) + dropped(&b, PeerDrop::UnknownSender) == 2
+        dropped(b, PeerDrop::Malformed) == 1
+            && dropped(b, PeerDrop::BadSignature) + dropped(b, PeerDrop::UnknownSender) == 2
     })
     .await;
     assert_eq!(load(1), (0.0, 0.0));
@@ -136,39 +164,16 @@ async fn a_load_goes_straight_to_the_other_replica_and_forged_ones_charge_nothin
 /// though the task that receives datagrams has not run (one thread, never yielded to).
 #[tokio::test(flavor = "current_thread")]
 async fn a_load_waiting_in_the_socket_counts_before_the_next_decision_reads_load() {
-    let srv = server();
-    let cfg = RedisConfig {
-        mirror_max_lag_ms: 5_000,
-        load_peers_bind: "127.0.0.1:0".into(),
-        ..config(&srv.url(), "drain", 100_000)
-    };
-    let (a, b) = (replica(&cfg), replica(&cfg));
-    let p = pods(1);
-    let registry = Arc::new(PodRegistry::default());
-    registry.update(registry_specs(&p));
-    b.attach_remote_load(Arc::new(crate::decide::RemoteDecisions {
-        load: registry.clone(),
-        conversations: Arc::new(crate::decide::Conversations::new(1_000, 300_000)),
-    }));
-    let load = || {
-        let l = registry
-            .snapshot()
-            .get(&p[0])
-            .unwrap()
-            .load(tokio::time::Instant::now(), Duration::from_secs(30));
-        (l.inflight_requests, l.inflight_tokens)
-    };
-    until("each replica lists the other", || {
-        a.metrics().load_peers.get() == 1 && b.metrics().load_peers.get() == 1
-    })
-    .await;
+    let pair = Pair::new("drain", 1).await;
+    let (a, b) = (&pair.a, &pair.b);
+    let load = || pair.load(0);
     let charge = Charge {
         uncached_tokens: 3_000,
         prefill_ms: 10_000,
         mark: None,
         announced: None,
     };
-    a.announce(&p[0], &charge).unwrap();
+    a.announce(&pair.pods[0], &charge).unwrap();
     // From here to the end nothing awaits, so no task of this runtime runs: only the catch-up
     // can charge the load. Blocking sleeps give the kernel time to deliver the datagram.
     assert_eq!(
