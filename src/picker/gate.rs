@@ -81,8 +81,10 @@ pub(crate) fn judge(
 pub fn has_room(g: &GateConfig, loads: &[&PodLoad]) -> bool {
     let hot = hot(g, loads);
     loads.iter().zip(hot).any(|(l, hot)| {
+        // Whatever of the pod's requests it is not running: the running slots may be other
+        // replicas' (`others`), which leave this router's own requests unstarted.
         let unstarted = PodLoad {
-            waiting: l.waiting.max(l.inflight_requests - l.running),
+            waiting: l.requests() - l.running,
             ..**l
         };
         !unusable(g, l) && !hot && !queued_full(g, &unstarted)
@@ -188,22 +190,40 @@ mod tests {
         }
     }
 
+    #[test]
+    fn unstarted_requests_count_when_other_replicas_hold_the_running_slots() {
+        // Five requests run, all another replica's; this router's eight are not started yet.
+        let g = GateConfig::default();
+        let l = PodLoad {
+            inflight_requests: g.max_waiting,
+            others: 5.0,
+            ..load(0.0, 5.0, 0.1, true)
+        };
+        assert!(!has_room(&g, &[&l]), "eight unstarted fill the queue");
+        let mine = PodLoad { others: 0.0, ..l };
+        assert!(
+            has_room(&g, &[&mine]),
+            "the five running are three of those eight"
+        );
+    }
+
     proptest! {
         // Flow control's test must never release into a fleet the gate finds all saturated, and
         // must not hold while the gate finds room unless the scrape lags the router's requests.
         #[test]
         fn has_room_is_not_all_saturated(
-            pods in prop::collection::vec((0u8..12, 0u8..12, 0u8..=100, any::<bool>(), 0u8..4, 0u8..16), 1..6),
+            pods in prop::collection::vec((0u8..12, 0u8..12, 0u8..=100, any::<bool>(), 0u8..4, 0u8..16, 0u8..8), 1..6),
         ) {
             let g = GateConfig::default();
             let candidates: Vec<Candidate> = pods
                 .iter()
                 .enumerate()
-                .map(|(i, &(w, r, kv, fresh, m, inflight))| Candidate {
+                .map(|(i, &(w, r, kv, fresh, m, inflight, others))| Candidate {
                     pod: crate::pods::PodId::new(format!("10.0.0.{i}:8000")),
                     matched_blocks: f64::from(m),
                     load: PodLoad {
                         inflight_requests: f64::from(inflight),
+                        others: f64::from(others.min(w + r)),
                         ..load(f64::from(w), f64::from(r), f64::from(kv) / 100.0, fresh)
                     },
                     session_pod: false,
@@ -222,7 +242,7 @@ mod tests {
             let predictions = input.predictions();
             let verdict = judge(&g, &input, &predictions, 1.0);
             let loads: Vec<&PodLoad> = input.candidates.iter().map(|c| &c.load).collect();
-            let lagless = loads.iter().all(|l| l.inflight_requests <= l.running);
+            let lagless = loads.iter().all(|l| l.requests() == l.waiting + l.running);
             // Room implies the gate routes to a pod with room; without lag they agree exactly.
             prop_assert!(!has_room(&g, &loads) || !verdict.all_saturated);
             if lagless {
