@@ -1,16 +1,16 @@
-//! What `deploy/` needs on a real cluster beyond rendering (tests/integration/deploy_manifests.rs renders and
+//! What `deploy/` needs on a real cluster beyond rendering (tests/integration/deploy_manifests/ renders and
 //! validates every overlay): the Valkey password is a Secret reference that the documented
 //! `kubectl create secret` command satisfies, on no command line; the rendered Valkey config and
 //! init script run a real Valkey that demands that password; NetworkPolicies select the rendered
-//! pods and ports; every metric and label the PrometheusRule and the dashboards use is one a
-//! running kv-router (Redis backend) or the standalone Envoy's stats port exports.
+//! pods and ports; and (`metrics`) every metric and label the PrometheusRule and the dashboards
+//! use is one a running kv-router (Redis backend) or the standalone Envoy's stats port exports.
 //! Tools come from `.venv` (`make deploy-tools`, `make redis-server`); a missing one fails.
 #![cfg(feature = "kubernetes")]
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs;
 use std::net::{SocketAddr, TcpListener};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 

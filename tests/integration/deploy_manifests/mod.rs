@@ -6,8 +6,9 @@
 //!   --strict`, custom resources pass their vendored CRD schemas (`deploy/schemas/`), Envoy
 //!   configs in ConfigMaps pass `envoy --mode validate`, kv-router's config layers parse, and the
 //!   Role grants exactly what the discovery code calls;
-//! - `deploy/kind/demo.sh` passes shellcheck; the Dockerfile passes hadolint and copies only
-//!   paths that exist and that `.dockerignore` keeps.
+//! - (`pd`) the P/D overlays' pods carry the roles, ports and flags the router and sidecar read;
+//! - (`scripts`) `deploy/kind/demo.sh` passes shellcheck; the Dockerfile passes hadolint and
+//!   copies only paths that exist and that `.dockerignore` keeps.
 #![cfg(feature = "kubernetes")]
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -165,7 +166,7 @@ fn standalone_envoy(bundled: &str) -> String {
         .find("\nadmin:")
         .expect("bundled config has a top-level admin block");
     let mut t = format!(
-        "# GENERATED from {BUNDLED} by tests/integration/deploy_manifests.rs — do not edit; edit the bundled file\n\
+        "# GENERATED from {BUNDLED} by tests/integration/deploy_manifests/ — do not edit; edit the bundled file\n\
          # and run `KV_ROUTER_BLESS=1 cargo test --test integration deploy_manifests::`. kv_router and vllm_pool are\n\
          # strict-DNS clusters on the headless Services kv-router and vllm, and listener `stats` serves\n\
          # GET /stats/prometheus of the loopback-only admin on :{STATS_PORT} (nothing else of the admin).\n{}",

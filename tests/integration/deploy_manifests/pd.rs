@@ -1,10 +1,12 @@
 //! P/D (prefill/decode): the pods of the P/D overlays carry the roles the router reads, the
 //! llm-d sidecar owns the decode pod's HTTP port, and it reads the router's prefill header.
 
-use kv_router::config::Config;
+use std::collections::BTreeSet;
+use std::fs;
+
 use serde_yaml::Value;
 
-use super::{render, root, router_config, seq_of, Rendered};
+use super::{render, root, router_config, seq_of, OVERLAYS};
 
 /// The header llm-d's disagg sidecar reads the prefill pod from (llm-d-router
 /// `pkg/common/routing`: `PrefillEndpointHeader`); the sidecar has no flag to change it.
