@@ -318,11 +318,12 @@ fn the_image_build_stage_compiles_from_its_own_context() {
 
     // Compile what cargo must load to build them: every member's library, binaries and benches
     // (the targets a manifest declares; tests are discovered, and the context has none). Checked
-    // with the feature set of `make lint`, whose dependencies are then already compiled.
+    // with the profile and feature set of `make lint`, whose dependencies are then already compiled.
     let out = cargo(
         &workdir,
         &[
             "check",
+            "--release",
             "--locked",
             "--offline",
             "--workspace",
