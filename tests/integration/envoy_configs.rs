@@ -12,6 +12,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
+use crate::common::repo_root;
 use serde_yaml::Value;
 
 const BUNDLED: [&str; 4] = [
@@ -20,10 +21,6 @@ const BUNDLED: [&str; 4] = [
     "override-host-buffered.yaml",
     "round-robin.yaml",
 ];
-
-fn repo_root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
 
 fn is_executable_file(p: &Path) -> bool {
     match fs::metadata(p) {

@@ -4,13 +4,10 @@
 //!   locked and offline, so a manifest target or workspace member the image lacks fails here;
 //! - the binaries report their version and revision.
 
+use crate::common::repo_root as root;
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::process::Command;
-
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
 
 // ---- .dockerignore, as BuildKit reads it ----
 

@@ -9,25 +9,8 @@ use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+use crate::common::{repo_root as root, venv_tool as tool};
 use serde_yaml::Value;
-
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
-
-/// A tool from the project's venv (or `$KV_ROUTER_VENV/bin`); panics with the install hint.
-fn tool(name: &str) -> PathBuf {
-    let venv = std::env::var_os("KV_ROUTER_VENV")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| root().join(".venv"));
-    let p = venv.join("bin").join(name);
-    assert!(
-        p.is_file(),
-        "{} is missing: run `make deploy-tools` (pip-installs the deploy tools into .venv)",
-        p.display()
-    );
-    p
-}
 
 /// The Istio version demo.sh pins (`ISTIO_VERSION="${ISTIO_VERSION:-X.Y.Z}"`).
 fn istio_pin() -> String {

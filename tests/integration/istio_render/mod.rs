@@ -7,8 +7,9 @@
 
 use std::collections::BTreeSet;
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
+pub use crate::common::repo_root as root;
 use serde_yaml::Value;
 
 pub const FILTER: &str = "deploy/components/istio-envoyfilter/envoyfilter.yaml";
@@ -20,10 +21,6 @@ pub const POD_PORT: u64 = 8080;
 /// The oldest Istio the component supports and the Envoy its proxy is built on.
 pub const MIN_ISTIO: &str = "1.28";
 pub const MIN_ENVOY: &str = "1.36";
-
-pub fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
 
 pub fn docs(path: &str) -> Vec<Value> {
     let text = std::fs::read_to_string(root().join(path)).unwrap();
