@@ -1,7 +1,8 @@
 //! Cluster mode on a local three-master Redis Cluster: prompts spread over the shards by root,
-//! a second replica sees the first one's records and events, a forgotten pod leaves nothing, and
-//! a master killed mid-run costs fallbacks (each within the budget), not errors, until the
-//! cluster is whole again and lookups return to Redis by themselves.
+//! a second replica sees the first one's records and events, a pod's capacity evicts on every
+//! shard, a forgotten pod leaves nothing, and a master killed mid-run costs fallbacks (each
+//! within the budget), not errors, until the cluster is whole again and lookups return to Redis
+//! by themselves.
 
 use std::time::{Duration, Instant};
 
@@ -91,6 +92,25 @@ async fn replicas_share_a_cluster_and_survive_a_dead_master() {
         pb.lookup(&doc_keys(77, 5, BT), &p, 1).await.unwrap(),
         vec![5.0, 0.0]
     );
+
+    // A pod past its capacity loses its oldest entries on every shard they were spread over
+    // (the evictions' deletes are grouped by shard).
+    let q = pods(3);
+    for keys in &docs[..6] {
+        a.record(&q[2], keys, 0).await.unwrap();
+    }
+    a.set_capacity(&q[2], 6).await.unwrap();
+    a.flush().await.unwrap();
+    let held = |d: usize| {
+        let (b, q, keys) = (&b, &q, &docs[d]);
+        async move { b.lookup(keys, q, 1_000).await.unwrap()[2] }
+    };
+    assert_eq!(held(5).await, 6.0, "the newest prompt stays");
+    for d in 0..5 {
+        assert_eq!(held(d).await, 0.0, "doc {d} was evicted from its shard");
+    }
+    assert_eq!(b.metrics().lookups(RedisSource::Redis), 24 + 6);
+    a.forget_pod(&q[2]).await.unwrap();
 
     // A forgotten pod leaves nothing behind on any shard.
     a.forget_pod(&p[0]).await.unwrap();

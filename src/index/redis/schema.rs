@@ -52,6 +52,12 @@ impl Schema {
         }
     }
 
+    /// Whether block keys carry their root as hash tag (cluster mode): keys under different
+    /// roots may then live on different shards, so one script may not name them together.
+    pub(super) fn tags_roots(&self) -> bool {
+        self.tag_roots
+    }
+
     /// Recorded entries of `key` (a prefix rooted at `root`).
     pub(super) fn recorded(&self, root: u64, key: BlockKey) -> String {
         self.block(root, 'k', key)
@@ -185,15 +191,24 @@ return out
 "#;
 
 /// Records entries of one pod under one root. KEYS: recorded keys. ARGV: pod, expiry (unix ms).
-/// A key's TTL only grows: `GT` first (one call for a key that already has a TTL, the common
-/// case of a conversation re-recording its history), `NX` only when that did nothing.
+/// A key's TTL only grows. Which flag goes first follows `HSET`: a field it updated has a key
+/// with a TTL (`GT`: a conversation re-recording its history), a new field most often a new key
+/// (`NX`: a new prompt), so the second call is only for the rarer case.
 pub(super) const RECORD: &str = r#"
 for _, k in ipairs(KEYS) do
-  redis.call('HSET', k, ARGV[1], ARGV[2])
-  if redis.call('PEXPIREAT', k, ARGV[2], 'GT') == 0 then
-    redis.call('PEXPIREAT', k, ARGV[2], 'NX')
+  local first, second = 'GT', 'NX'
+  if redis.call('HSET', k, ARGV[1], ARGV[2]) == 1 then first, second = 'NX', 'GT' end
+  if redis.call('PEXPIREAT', k, ARGV[2], first) == 0 then
+    redis.call('PEXPIREAT', k, ARGV[2], second)
   end
 end
+return #KEYS
+"#;
+
+/// Deletes one pod's field from each key (all on one shard). KEYS: entry keys. ARGV: pod.
+/// One script for a chunk of evicted or forgotten entries, not one `HDEL` round trip each.
+pub(super) const UNSET: &str = r#"
+for _, k in ipairs(KEYS) do redis.call('HDEL', k, ARGV[1]) end
 return #KEYS
 "#;
 
@@ -254,6 +269,7 @@ pub(super) struct Scripts {
     pub(super) touch: Script,
     pub(super) capacity: Script,
     pub(super) events: Script,
+    pub(super) unset: Script,
 }
 
 impl Scripts {
@@ -264,6 +280,7 @@ impl Scripts {
             touch: Script::new(TOUCH),
             capacity: Script::new(CAPACITY),
             events: Script::new(EVENTS),
+            unset: Script::new(UNSET),
         }
     }
 }

@@ -2,8 +2,8 @@
 //! batches. Within a batch, records and event changes are sent concurrently on one multiplexed
 //! connection (pipelined, in queue order); capacity changes, forgets and flushes are barriers.
 
-use std::collections::HashSet;
-use std::sync::atomic::Ordering;
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -92,8 +92,10 @@ pub(super) async fn run(shared: Arc<Shared>, rx: Arc<Mutex<mpsc::Receiver<WriteO
     }
 }
 
-/// Runs `f` on a write connection within the write budget; counts `n` writes as done or dropped.
-async fn budgeted<F, Fut>(shared: &Shared, n: u64, budget: Duration, f: F)
+/// Runs `f` on a write connection within the write budget; counts `n` writes as done or
+/// dropped. Where `f` counts in `done` the writes Redis already answered, a batch that fails or
+/// runs past its budget drops only the rest (Redis may still apply those; nobody waits to see).
+async fn budgeted<F, Fut>(shared: &Shared, n: u64, budget: Duration, done: &AtomicU64, f: F)
 where
     F: FnOnce(Handle) -> Fut,
     Fut: std::future::Future<Output = Result<(), IndexError>>,
@@ -111,23 +113,23 @@ where
             return;
         }
     };
-    match tokio::time::timeout(budget, f(con)).await {
+    let failed = match tokio::time::timeout(budget, f(con)).await {
         Ok(Ok(())) => {
             shared.metrics.writes.inc_by(n);
             shared.writes_ok.store(true, Ordering::Release);
+            return;
         }
         Ok(Err(e)) => {
             debug!(error = %e, "redis write failed");
-            shared.metrics.dropped(Dropped::Error, n);
-            shared.lost_writes.store(true, Ordering::Release);
-            shared.writes_ok.store(false, Ordering::Release);
+            Dropped::Error
         }
-        Err(_) => {
-            shared.metrics.dropped(Dropped::Timeout, n);
-            shared.lost_writes.store(true, Ordering::Release);
-            shared.writes_ok.store(false, Ordering::Release);
-        }
-    }
+        Err(_) => Dropped::Timeout,
+    };
+    let written = done.load(Ordering::Acquire).min(n);
+    shared.metrics.writes.inc_by(written);
+    shared.metrics.dropped(failed, n - written);
+    shared.lost_writes.store(true, Ordering::Release);
+    shared.writes_ok.store(false, Ordering::Release);
 }
 
 /// Records and event changes, sent together; evictions they cause are deleted afterwards,
@@ -135,11 +137,13 @@ where
 async fn concurrent(shared: &Shared, ops: Vec<WriteOp>) {
     let n = ops.len() as u64;
     let budget = shared.write_budget_for(ops.iter().map(WriteOp::blocks).sum());
-    budgeted(shared, n, budget, |con| async move {
+    let done = AtomicU64::new(0);
+    let answered = &done;
+    budgeted(shared, n, budget, &done, |con| async move {
         let sends = ops.iter().enumerate().map(|(i, op)| {
             let con = con.clone();
             async move {
-                match op {
+                let r = match op {
                     WriteOp::Record {
                         pod,
                         root,
@@ -164,7 +168,11 @@ async fn concurrent(shared: &Shared, ops: Vec<WriteOp>) {
                             .map(|()| (i, Vec::new()))
                     }
                     _ => Ok((i, Vec::new())),
+                };
+                if r.is_ok() {
+                    answered.fetch_add(1, Ordering::Release);
                 }
+                r
             }
         });
         let mut evicted = Vec::new();
@@ -195,28 +203,34 @@ async fn single(shared: &Shared, op: WriteOp) {
             let _ = done.send(());
         }
         WriteOp::Capacity { pod, blocks } => {
-            budgeted(shared, 1, shared.write_budget, |mut con| async move {
-                let popped: Vec<Vec<u8>> = shared
-                    .scripts
-                    .capacity
-                    .key(shared.schema.lru(&pod))
-                    .key(shared.schema.meta(&pod))
-                    .arg(blocks)
-                    .invoke_async(&mut con)
-                    .await
-                    .map_err(|e| to_index_error(&e))?;
-                let evicted: Vec<_> = popped
-                    .iter()
-                    .filter_map(|m| parse_member(m))
-                    .map(|(r, k)| (pod.clone(), r, k))
-                    .collect();
-                delete_recorded(shared, &con, &evicted).await
-            })
+            budgeted(
+                shared,
+                1,
+                shared.write_budget,
+                &AtomicU64::new(0),
+                |mut con| async move {
+                    let popped: Vec<Vec<u8>> = shared
+                        .scripts
+                        .capacity
+                        .key(shared.schema.lru(&pod))
+                        .key(shared.schema.meta(&pod))
+                        .arg(blocks)
+                        .invoke_async(&mut con)
+                        .await
+                        .map_err(|e| to_index_error(&e))?;
+                    let evicted: Vec<_> = popped
+                        .iter()
+                        .filter_map(|m| parse_member(m))
+                        .map(|(r, k)| (pod.clone(), r, k))
+                        .collect();
+                    delete_recorded(shared, &con, &evicted).await
+                },
+            )
             .await;
         }
         WriteOp::Resync { pod, held } => {
             let budget = shared.write_budget * 20;
-            budgeted(shared, 1, budget, |con| async move {
+            budgeted(shared, 1, budget, &AtomicU64::new(0), |con| async move {
                 resync(shared, con, &pod, &held).await
             })
             .await;
@@ -225,7 +239,7 @@ async fn single(shared: &Shared, op: WriteOp) {
             // Chunked, so a pod with millions of entries never makes one huge reply; each chunk
             // gets the write budget.
             let budget = shared.write_budget * 20;
-            budgeted(shared, 1, budget, |con| async move {
+            budgeted(shared, 1, budget, &AtomicU64::new(0), |con| async move {
                 forget(shared, con, &pod, recorded_only).await
             })
             .await;
@@ -385,7 +399,7 @@ async fn resync(
     events(shared, con, pod, &changes, false).await
 }
 
-/// Deletes `pod`'s recorded entries of (root, key)s.
+/// Deletes the recorded entries of (pod, root, key)s.
 async fn delete_recorded(
     shared: &Shared,
     con: &Handle,
@@ -395,29 +409,40 @@ async fn delete_recorded(
     for (_, _, key) in entries {
         shared.wrote(*key);
     }
-    delete_fields(
-        con,
-        entries
-            .iter()
-            .map(|(p, r, k)| (shared.schema.recorded(*r, *k), p)),
-    )
-    .await
+    let mut by_pod: HashMap<&PodId, Vec<(u64, String)>> = HashMap::new();
+    for (pod, root, key) in entries {
+        let named = (*root, shared.schema.recorded(*root, *key));
+        by_pod.entry(pod).or_default().push(named);
+    }
+    let sends = by_pod
+        .into_iter()
+        .map(|(pod, keys)| delete_fields(shared, con, pod, keys));
+    join_all(sends).await.into_iter().collect()
 }
 
-/// `HDEL key pod` for each pair, concurrently.
-async fn delete_fields<'a>(
+/// Deletes `pod`'s field from each of `keys` (named with their roots), in scripts of at most
+/// [`RECORD_CHUNK`] keys of one shard (one root when keys are tagged), sent concurrently.
+async fn delete_fields(
+    shared: &Shared,
     con: &Handle,
-    pairs: impl Iterator<Item = (String, &'a PodId)>,
+    pod: &PodId,
+    mut keys: Vec<(u64, String)>,
 ) -> Result<(), IndexError> {
-    let sends = pairs.map(|(key, pod)| {
-        let mut con = con.clone();
-        async move {
-            redis::cmd("HDEL")
-                .arg(key)
-                .arg(pod.as_str())
-                .query_async::<i64>(&mut con)
-                .await
+    let tagged = shared.schema.tags_roots();
+    if tagged {
+        keys.sort_unstable_by_key(|(root, _)| *root);
+    }
+    let chunks = keys
+        .chunk_by(|a, b| !tagged || a.0 == b.0)
+        .flat_map(|shard| shard.chunks(RECORD_CHUNK));
+    let sends = chunks.map(|chunk| {
+        let mut inv = shared.scripts.unset.prepare_invoke();
+        for (_, key) in chunk {
+            inv.key(key);
         }
+        inv.arg(pod.as_str());
+        let mut con = con.clone();
+        async move { inv.invoke_async::<i64>(&mut con).await }
     });
     for r in join_all(sends).await {
         r.map_err(|e| to_index_error(&e))?;
@@ -449,8 +474,9 @@ async fn forget(
             .iter()
             .step_by(2)
             .filter_map(|m| parse_member(m))
-            .map(|(r, k)| (shared.schema.recorded(r, k), pod));
-        delete_fields(&con, keys).await?;
+            .map(|(r, k)| (r, shared.schema.recorded(r, k)))
+            .collect();
+        delete_fields(shared, &con, pod, keys).await?;
     }
     if recorded_only {
         return Ok(());
@@ -468,8 +494,9 @@ async fn forget(
         let keys = popped
             .iter()
             .filter_map(|m| parse_member(m))
-            .map(|(r, k)| (shared.schema.evented(r, k), pod));
-        delete_fields(&con, keys).await?;
+            .map(|(r, k)| (r, shared.schema.evented(r, k)))
+            .collect();
+        delete_fields(shared, &con, pod, keys).await?;
     }
     redis::cmd("DEL")
         .arg(shared.schema.meta(pod))
@@ -483,4 +510,50 @@ async fn forget(
         .await
         .map_err(|e| to_index_error(&e))?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::RedisConfig;
+    use crate::index::{Local, MemoryIndex, RedisIndex, RedisMetrics, Tuning};
+    use kv_testkit::deploy::{find_redis_server, RedisProc};
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_batch_past_its_budget_drops_only_the_writes_redis_had_not_answered() {
+        let bin = find_redis_server().unwrap_or_else(|e| panic!("{e:#}"));
+        let server = RedisProc::start(&bin).unwrap();
+        let cfg = RedisConfig {
+            url: server.url(),
+            key_prefix: "w".into(),
+            ..RedisConfig::default()
+        };
+        let tuning = Tuning {
+            record_ttl_ms: 60_000,
+            default_capacity: 100,
+            gpu_weight: 1.0,
+            cpu_weight: 0.8,
+        };
+        let local = Local::Memory(MemoryIndex::new(60_000, 100));
+        let index = RedisIndex::new(&cfg, local, tuning, RedisMetrics::unregistered()).unwrap();
+        let shared = &index.shared;
+        let done = AtomicU64::new(0);
+        // Three of five writes answered, then the batch hangs past its 20 ms budget.
+        budgeted(shared, 5, Duration::from_millis(20), &done, |_con| async {
+            done.fetch_add(3, Ordering::Release);
+            std::future::pending::<()>().await;
+            Ok(())
+        })
+        .await;
+        assert_eq!(
+            shared.metrics.writes.get(),
+            3,
+            "answered writes are written"
+        );
+        assert_eq!(
+            shared.metrics.writes_dropped_total(),
+            2,
+            "only the rest dropped"
+        );
+    }
 }
