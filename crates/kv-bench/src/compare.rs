@@ -405,6 +405,7 @@ pub async fn compare(
             _ => Some(pd_report::scrape(&roles).await?),
         };
         let w = workload();
+        let cpu_before = stack.as_ref().and_then(Stack::cpu_seconds);
         if opts.progress {
             eprintln!(
                 "kv-bench: {label} ({} requests) through {}",
@@ -422,6 +423,10 @@ pub async fn compare(
             },
         )
         .await?;
+        let cpu = match (cpu_before, stack.as_ref().and_then(Stack::cpu_seconds)) {
+            (Some(a), Some(b)) => Some(b - a),
+            _ => None,
+        };
         let counters = match &stack {
             Some(s) => s.redis_counters().await,
             None => Vec::new(),
@@ -442,6 +447,9 @@ pub async fn compare(
         let fleet = Some((opts.pods, opts.gpu_blocks));
         let mut finished = StrategyRun::finished(label, run, fleet);
         finished.pod_work = pod_work;
+        if let Some(s) = finished.summary.as_mut() {
+            s.cpu_s = cpu;
+        }
         finished.replica_counters = counters;
         out.runs.push(finished);
     }
@@ -524,6 +532,13 @@ impl Stack {
     /// The URL of its Envoy.
     pub(crate) fn envoy_url(&self) -> String {
         self.envoy.url()
+    }
+
+    /// CPU seconds its routers and Redis have used so far (None if one cannot say).
+    fn cpu_seconds(&self) -> Option<f64> {
+        let routers = self.routers.iter().map(RouterProc::cpu_seconds);
+        let redis = self.redis.iter().map(RedisProc::cpu_seconds);
+        routers.chain(redis).sum()
     }
 
     /// Writes each replica's `/metrics` to `dir/<label>-<replica>.prom`.

@@ -52,6 +52,9 @@ pub struct Summary {
     pub throughput_rps: f64,
     /// The oracles of the same request sequence, when computed.
     pub oracles: Option<Oracles>,
+    /// CPU seconds the router replicas and their Redis used during the run (`compare` of
+    /// strategies it starts; None for Envoy's round robin and external endpoints).
+    pub cpu_s: Option<f64>,
     /// Every successful request's TTFT, ms, sorted: repeated runs pool them for a tail that
     /// rests on more than one run's few slowest requests.
     #[serde(skip)]
@@ -122,6 +125,7 @@ impl Summary {
                 0.0
             },
             oracles: None,
+            cpu_s: None,
         }
     }
 
@@ -285,6 +289,7 @@ pub fn spread_table(runs: &[Summary], style: Style) -> Option<String> {
         "TTFT p99",
         "TTFT p99, runs pooled",
         "errors",
+        "CPU: routers + Redis",
     ]);
     for name in order {
         let of: Vec<&Summary> = runs
@@ -307,6 +312,9 @@ pub fn spread_table(runs: &[Summary], style: Style) -> Option<String> {
                 99.0,
             )),
             of.iter().map(|s| s.errors).sum::<usize>().to_string(),
+            spread(col(&|s| s.cpu_s.unwrap_or(f64::NAN)), &|x| {
+                format!("{x:.1} s")
+            }),
         ]);
     }
     Some(t.render(style))
@@ -387,6 +395,7 @@ mod tests {
             };
             let mut s = Summary::of(&r, Some(2));
             s.label = label.into();
+            s.cpu_s = Some(ttft / 10.0);
             s
         };
         let once = [run("weighted", 10.0), run("precise", 20.0)];
@@ -419,6 +428,8 @@ mod tests {
             "p99 of the three runs' requests\n{t}"
         );
         assert_eq!(pooled(rows[1]), "60.0 ms", "{t}");
+        let cpu = |row: &str| row.split('|').map(str::trim).nth(9).unwrap().to_string();
+        assert_eq!(cpu(rows[0]), "2.0 s (1.0 s–3.0 s)", "{t}");
         let even = spread_table(&runs[..4], Style::Markdown).unwrap();
         assert!(
             even.contains("30.0 ms (20.0 ms–40.0 ms)"),

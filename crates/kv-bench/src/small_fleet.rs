@@ -486,6 +486,7 @@ mod tests {
             duration_s: 1.0,
             throughput_rps: 1.0,
             ttfts_ms: vec![p50, p99],
+            cpu_s: None,
             oracles: Some(Oracles {
                 infinite: HitTokens {
                     hit_tokens: 900,

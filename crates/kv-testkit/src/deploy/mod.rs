@@ -160,6 +160,18 @@ fn free_addr() -> Result<SocketAddr> {
     Ok(SocketAddr::from(([127, 0, 0, 1], free_port()?)))
 }
 
+/// CPU seconds (user + system) process `pid` has used, from `/proc/<pid>/stat`: fields 14 and
+/// 15 count clock ticks, which Linux reports in `USER_HZ`, 100 on every architecture it runs.
+pub fn cpu_seconds(pid: u32) -> Option<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name (field 2) may hold spaces and parentheses: count from its last `)`.
+    let rest = &stat[stat.rfind(')')? + 1..];
+    let mut fields = rest.split_whitespace().skip(11);
+    let utime: u64 = fields.next()?.parse().ok()?;
+    let stime: u64 = fields.next()?.parse().ok()?;
+    Some((utime + stime) as f64 / 100.0)
+}
+
 /// A child process killed on drop, with its output in a private temporary directory.
 #[derive(Debug)]
 pub struct ChildProc {
@@ -208,6 +220,12 @@ impl ChildProc {
     /// OS process id (None once killed).
     pub fn pid(&self) -> Option<u32> {
         self.child.as_ref().map(|c| c.id())
+    }
+
+    /// CPU time the process has used so far, user and system (None once killed, or where
+    /// `/proc` does not say).
+    pub fn cpu_seconds(&self) -> Option<f64> {
+        cpu_seconds(self.pid()?)
     }
 
     /// The directory holding `stderr.log`, `stdout.log` and any rendered config.
@@ -282,4 +300,24 @@ fn http() -> reqwest::Client {
         .timeout(Duration::from_secs(5))
         .build()
         .expect("reqwest client")
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::{Duration, Instant};
+
+    #[test]
+    fn cpu_seconds_grow_with_the_work_a_process_does() {
+        let pid = std::process::id();
+        let start = super::cpu_seconds(pid).expect("/proc/self/stat parses");
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let mut x = 0u64;
+        // Busy until a tenth of a second of CPU shows (ticks are 10 ms).
+        while super::cpu_seconds(pid).unwrap() < start + 0.1 {
+            for i in 0..100_000u64 {
+                x = std::hint::black_box(x.wrapping_mul(31).wrapping_add(i));
+            }
+            assert!(Instant::now() < deadline, "no CPU time ever counted");
+        }
+    }
 }

@@ -104,6 +104,11 @@ impl RedisProc {
         }
     }
 
+    /// CPU seconds the server has used so far (None once it is gone).
+    pub fn cpu_seconds(&self) -> Option<f64> {
+        self.proc.cpu_seconds()
+    }
+
     /// `redis://` URL of the server.
     pub fn url(&self) -> String {
         format!("redis://{}", self.addr)

@@ -42,6 +42,11 @@ pub struct RouterProc {
 }
 
 impl RouterProc {
+    /// CPU seconds the router process has used so far (None once it is gone).
+    pub fn cpu_seconds(&self) -> Option<f64> {
+        self.proc.cpu_seconds()
+    }
+
     /// Writes `config` to a temporary `router.yaml`, runs `kv-router serve --config …` and waits
     /// until `GET /readyz` answers 200. If a listen port turns out to be taken, retries with
     /// fresh ports.
