@@ -24,6 +24,7 @@ pub mod results;
 pub mod simulate;
 pub mod small_fleet;
 pub mod soak;
+pub mod stack;
 pub mod strategy;
 pub mod table;
 
