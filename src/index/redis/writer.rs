@@ -515,27 +515,12 @@ async fn forget(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::RedisConfig;
-    use crate::index::{Local, MemoryIndex, RedisIndex, RedisMetrics, Tuning};
-    use kv_testkit::deploy::{find_redis_server, RedisProc};
+    use crate::index::redis::mirror_tests::{config, replica, server};
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_batch_past_its_budget_drops_only_the_writes_redis_had_not_answered() {
-        let bin = find_redis_server().unwrap_or_else(|e| panic!("{e:#}"));
-        let server = RedisProc::start(&bin).unwrap();
-        let cfg = RedisConfig {
-            url: server.url(),
-            key_prefix: "w".into(),
-            ..RedisConfig::default()
-        };
-        let tuning = Tuning {
-            record_ttl_ms: 60_000,
-            default_capacity: 100,
-            gpu_weight: 1.0,
-            cpu_weight: 0.8,
-        };
-        let local = Local::Memory(MemoryIndex::new(60_000, 100));
-        let index = RedisIndex::new(&cfg, local, tuning, RedisMetrics::unregistered()).unwrap();
+        let server = server();
+        let index = replica(&config(&server.url(), "w", 1_000));
         let shared = &index.shared;
         let done = AtomicU64::new(0);
         // Three of five writes answered, then the batch hangs past its 20 ms budget.
