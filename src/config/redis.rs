@@ -85,6 +85,11 @@ pub struct RedisConfig {
     /// A mirror whose newest applied change is older than this while more are waiting reports
     /// itself not ready.
     pub mirror_max_lag_ms: u64,
+    /// With `lookups: mirror` in approximate mode, a decision does not rewrite in Redis an entry
+    /// (block, pod) that any replica recorded less than this before (at most a quarter of the
+    /// TTL; 0 rewrites all): lookups read the mirror, so Redis's copy only seeds a starting
+    /// replica, whose entries may then expire or be evicted up to this much early.
+    pub record_refresh_ms: u64,
     /// Shared sessions the mirror keeps at most (least recently set go first).
     pub mirror_sessions: usize,
     /// Each replica also counts the others' requests (from the stream) as in-flight load on
@@ -126,6 +131,7 @@ impl Default for RedisConfig {
             lookups: RedisLookups::Mirror,
             stream_max_len: 20_000,
             mirror_max_lag_ms: 1_000,
+            record_refresh_ms: 5_000,
             mirror_sessions: 100_000,
             mirror_load: true,
             load_peers_bind: "0.0.0.0:0".into(),
@@ -166,6 +172,7 @@ impl std::fmt::Debug for RedisConfig {
             .field("lookups", &self.lookups)
             .field("stream_max_len", &self.stream_max_len)
             .field("mirror_max_lag_ms", &self.mirror_max_lag_ms)
+            .field("record_refresh_ms", &self.record_refresh_ms)
             .field("mirror_sessions", &self.mirror_sessions)
             .field("mirror_load", &self.mirror_load)
             .field("load_peers_bind", &self.load_peers_bind)
@@ -260,6 +267,9 @@ impl RedisConfig {
         }
         if !(10..=600_000).contains(&self.mirror_max_lag_ms) {
             p.push(("mirror_max_lag_ms", "must be in 10..=600000"));
+        }
+        if self.record_refresh_ms > 600_000 {
+            p.push(("record_refresh_ms", "must be at most 600000"));
         }
         if !(1..=10_000_000).contains(&self.mirror_sessions) {
             p.push(("mirror_sessions", "must be in 1..=10000000"));

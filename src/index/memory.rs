@@ -56,6 +56,63 @@ impl MemoryIndex {
     }
 }
 
+impl MemoryIndex {
+    /// Records like `record` and says, per key of `keys`, whether the pod's entry of it had been
+    /// refreshed less than `within_ms` before `now_ms` (by any decision this index applied): a
+    /// writer of the shared index may leave such an entry as that decision wrote it.
+    pub fn record_noting_fresh(
+        &self,
+        pod: &PodId,
+        keys: &[BlockKey],
+        now_ms: u64,
+        within_ms: u64,
+    ) -> Vec<bool> {
+        let expiry = now_ms.saturating_add(self.ttl_ms);
+        let mut fresh = vec![false; keys.len()];
+        self.record_each(pod, keys, expiry, |i, prev| {
+            fresh[i] = prev.saturating_add(within_ms) > expiry;
+        });
+        fresh
+    }
+
+    /// Records `keys` on `pod` until `expiry`, calling `refreshed(i, previous expiry)` for each
+    /// key already held. Keys go in reverse so the prompt's first blocks are the most recently
+    /// used: under pressure a pod keeps the shared head of its prompts, as a real prefix cache
+    /// does. The lock is taken per chunk, so a lookup never waits for a whole long prompt (a
+    /// 400 KB prompt's 4096 keys took ~160 us); one caught between two chunks sees the prompt's
+    /// tail without its head, which its prefix walk cannot match yet.
+    fn record_each(
+        &self,
+        pod: &PodId,
+        keys: &[BlockKey],
+        expiry: u64,
+        mut refreshed: impl FnMut(usize, u64),
+    ) {
+        let mut end = keys.len();
+        while end > 0 {
+            let start = end.saturating_sub(RECORD_CHUNK);
+            let mut inner = self.inner.write();
+            let Table { pods, holders } = &mut *inner;
+            let slot = pods.get_or_insert_with(pod, || self.new_pod());
+            let lru = pods.state_mut(slot);
+            for i in (start..end).rev() {
+                let key = keys[i];
+                if let Some(e) = lru.get_mut(&key) {
+                    refreshed(i, *e);
+                    *e = expiry;
+                    holders.update(&key, slot, |h| h.expiry = expiry);
+                    continue;
+                }
+                if let Some((old, _)) = lru.push(key, expiry) {
+                    holders.remove(&old, slot);
+                }
+                holders.insert(key, Entry { slot, expiry });
+            }
+            end = start;
+        }
+    }
+}
+
 fn cap(n: usize) -> std::num::NonZeroUsize {
     std::num::NonZeroUsize::new(n.max(1)).expect("max(1)")
 }
@@ -77,29 +134,7 @@ impl KvIndex for MemoryIndex {
     }
 
     async fn record(&self, pod: &PodId, keys: &[BlockKey], now_ms: u64) -> Result<(), IndexError> {
-        let expiry = now_ms.saturating_add(self.ttl_ms);
-        // Insert in reverse so the prompt's first blocks are the most recently used: under
-        // pressure a pod keeps the shared head of its prompts, as a real prefix cache does. The
-        // lock is taken per chunk, so a lookup never waits for a whole long prompt (a 400 KB
-        // prompt's 4096 keys took ~160 us); one caught between two chunks sees the prompt's
-        // tail without its head, which its prefix walk cannot match yet.
-        for chunk in keys.rchunks(RECORD_CHUNK) {
-            let mut inner = self.inner.write();
-            let Table { pods, holders } = &mut *inner;
-            let slot = pods.get_or_insert_with(pod, || self.new_pod());
-            let lru = pods.state_mut(slot);
-            for &key in chunk.iter().rev() {
-                if let Some(e) = lru.get_mut(&key) {
-                    *e = expiry;
-                    holders.update(&key, slot, |h| h.expiry = expiry);
-                    continue;
-                }
-                if let Some((old, _)) = lru.push(key, expiry) {
-                    holders.remove(&old, slot);
-                }
-                holders.insert(key, Entry { slot, expiry });
-            }
-        }
+        self.record_each(pod, keys, now_ms.saturating_add(self.ttl_ms), |_, _| {});
         Ok(())
     }
 
@@ -175,6 +210,34 @@ mod tests {
         (0..n)
             .map(|i| PodId::new(format!("10.0.0.{i}:8000")))
             .collect()
+    }
+
+    #[test]
+    fn a_refresh_is_fresh_only_within_the_window_since_the_last_one() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        let idx = MemoryIndex::new(1_000, 100);
+        // (pod, keys, now, fresh within 200 ms), in order.
+        let steps: [(usize, &[u64], u64, &[bool]); 5] = [
+            (0, &[1, 2], 0, &[false, false]),
+            (0, &[2, 3], 100, &[true, false]),
+            // Key 2 was last refreshed at 100: 300 ms before 400 is past the window.
+            (0, &[2, 1], 400, &[false, false]),
+            // A key repeated in one prompt is written once.
+            (0, &[7, 7], 400, &[true, false]),
+            // Another pod's entry of the same key is its own.
+            (1, &[2], 450, &[false]),
+        ];
+        for (pod, keys, now, want) in steps {
+            let got = idx.record_noting_fresh(&pods(2)[pod], &k(keys), now, 200);
+            assert_eq!(got, want, "{keys:?} at {now}");
+        }
+        // Recording this way is recording: lookups see it.
+        let got = rt
+            .block_on(idx.lookup(&k(&[2, 1, 3]), &pods(2), 500))
+            .unwrap();
+        assert_eq!(got, vec![3.0, 1.0]);
     }
 
     // The shared behaviour (prefix, TTL, capacity, forget, slot reuse) is checked by the

@@ -68,6 +68,7 @@ impl Stack {
                         || l.starts_with("kv_router_redis_mirror_reloads_total")
                         || l.starts_with("kv_router_redis_mirror_publish_dropped_total")
                         || l.starts_with("kv_router_redis_mirror_applied_total")
+                        || l.starts_with("kv_router_redis_record_skipped_total")
                         || l.starts_with("kv_router_redis_load_charges_total")
                         || l.starts_with("kv_router_redis_load_dropped_total")
                         || l.starts_with("kv_router_redis_load_peer_charges_total")

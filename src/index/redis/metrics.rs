@@ -201,6 +201,7 @@ pub struct RedisMetrics {
     pub(crate) lookup_seconds: Histogram,
     pub(crate) write_queue: Gauge,
     pub(crate) writes: Counter,
+    pub(crate) record_skipped: Counter,
     pub(crate) writes_dropped: Family<DroppedLabel, Counter>,
     pub(crate) writer_restarts: Counter,
     pub(crate) mirror_lag: Histogram,
@@ -235,6 +236,7 @@ impl RedisMetrics {
             lookup_seconds: Histogram::new(exponential_buckets(25e-6, 2.0, 16)),
             write_queue: Gauge::default(),
             writes: Counter::default(),
+            record_skipped: Counter::default(),
             writes_dropped: Family::default(),
             writer_restarts: Counter::default(),
             // 50 µs .. ~6.5 s
@@ -291,6 +293,11 @@ impl RedisMetrics {
             m.write_queue.clone(),
         );
         registry.register("redis_writes", "Writes applied to Redis", m.writes.clone());
+        registry.register(
+            "redis_record_skipped",
+            "Recorded entries not rewritten in Redis: written less than record_refresh_ms before",
+            m.record_skipped.clone(),
+        );
         registry.register(
             "redis_writes_dropped",
             "Writes that did not reach Redis, by reason",

@@ -3,13 +3,12 @@
 //!
 //! - A replica publishes each decision's record and each session pin on the stream `P:log`
 //!   (one `XADD`, `MAXLEN ~ stream_max_len`), off the request path, beside the writes to the
-//!   hashes that stay the shared truth.
+//!   snapshot that stays the shared truth (`snapshot.rs`).
 //! - A reader task follows the stream with blocking `XREAD`s on a connection of its own and
 //!   applies the other replicas' entries to the in-process index and session map.
 //! - At start, after a connection error, and when entries it had not read were trimmed (it
-//!   fell behind by more than the stream keeps), it loads the shared index from the pods' recency
-//!   sets and entry hashes (no `SCAN`), then reads on from the stream position taken before
-//!   the load. Loading merges: it never clears what the replica knows.
+//!   fell behind by more than the stream keeps), it loads the shared index from the pods'
+//!   snapshot sets (no `SCAN`), then reads on from the stream position taken before the load. Loading merges: it never clears what the replica knows.
 //!
 //! Precise mode: every replica subscribes to every pod's KV events itself, so only the
 //! speculative records travel on the stream.
@@ -37,7 +36,7 @@ use super::conn::{to_index_error, Handle};
 use super::load::{self, Announced, LoadStream, Seen};
 use super::metrics::{Dropped, Reload};
 use super::peers::{self, Peers};
-use super::schema::parse_member;
+use super::snapshot;
 use super::{Local, Shared};
 use crate::blocks::BlockKey;
 use crate::config::RedisConfig;
@@ -57,19 +56,15 @@ pub(super) const MAX_POD: usize = 512;
 pub(super) const MAX_CHARGE_TOKENS: u64 = 1 << 24;
 /// Longest prefill one entry may charge, in ms (the in-flight accounting's own cap).
 pub(super) const MAX_CHARGE_MS: u64 = crate::pods::MAX_PREFILL.as_millis() as u64;
-/// Recency-set members loaded per round trip.
-const LOAD_CHUNK: isize = 5_000;
 /// Changes published per batch.
 const PUBLISH_BATCH: usize = 256;
-/// How much of the stream before a load's position is read again after it.
-const LOAD_REWIND: Duration = Duration::from_secs(5);
 /// A replica that cannot load the shared index at start routes on its own after this (fail
 /// open: Redis down must never keep every replica unready).
 const LOAD_GRACE: Duration = Duration::from_secs(10);
 
 /// A stream entry id, ordered as Redis orders them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Default)]
-pub(super) struct EntryId(u64, u64);
+pub(super) struct EntryId(pub(super) u64, pub(super) u64);
 
 impl EntryId {
     pub(super) fn parse(s: &str) -> Option<Self> {
@@ -493,7 +488,7 @@ async fn send(shared: &Shared, mirror: &Mirror, changes: Vec<Change>) {
 }
 
 /// The id of stream `key`'s newest entry (`0-0` when there is none).
-async fn newest(con: &mut Handle, key: &str) -> Result<EntryId, IndexError> {
+pub(super) async fn newest(con: &mut Handle, key: &str) -> Result<EntryId, IndexError> {
     let r: StreamRangeReply = redis::cmd("XREVRANGE")
         .arg(key)
         .arg("+")
@@ -622,81 +617,6 @@ async fn apply(shared: &Shared, mirror: &Mirror, local: &Local, origin: u64, cha
     }
 }
 
-/// Loads every pod's recorded entries from Redis into `local`, oldest first, and answers the
-/// stream position taken before the load (entries after it are read from the stream) and the
-/// entries loaded.
-async fn load(shared: &Shared, local: &Local) -> Result<(EntryId, u64), IndexError> {
-    let mut con = shared.conn.write().await?;
-    // Rewound: an entry is published before its hashes are written, so the last seconds of the
-    // stream are read again (applying an entry twice only refreshes it).
-    let newest = newest(&mut con, &shared.schema.stream()).await?;
-    let rewind = (shared.write_budget * 2).max(LOAD_REWIND).as_millis() as u64;
-    let from = match newest {
-        EntryId(0, 0) => newest,
-        EntryId(ms, _) => EntryId(ms.saturating_sub(rewind), 0),
-    };
-    let pods: Vec<Vec<u8>> = redis::cmd("SMEMBERS")
-        .arg(shared.schema.pods())
-        .query_async(&mut con)
-        .await
-        .map_err(|e| to_index_error(&e))?;
-    let (wall_now, ttl) = (shared.wall_now(), shared.tuning.record_ttl_ms);
-    let mut loaded = 0u64;
-    for pod in pods {
-        let Some(pod) = std::str::from_utf8(&pod)
-            .ok()
-            .filter(|p| !p.is_empty() && p.len() <= MAX_POD)
-            .map(PodId::new)
-        else {
-            continue;
-        };
-        let lru = shared.schema.lru(&pod);
-        let mut start = 0isize;
-        loop {
-            let members: Vec<Vec<u8>> = redis::cmd("ZRANGE")
-                .arg(&lru)
-                .arg(start)
-                .arg(start + LOAD_CHUNK - 1)
-                .query_async(&mut con)
-                .await
-                .map_err(|e| to_index_error(&e))?;
-            let entries: Vec<(u64, BlockKey)> =
-                members.iter().filter_map(|m| parse_member(m)).collect();
-            let expiries = join_all(entries.iter().map(|&(root, key)| {
-                let mut con = con.clone();
-                let k = shared.schema.recorded(root, key);
-                let pod = pod.clone();
-                async move {
-                    redis::cmd("HGET")
-                        .arg(k)
-                        .arg(pod.as_str())
-                        .query_async::<Option<u64>>(&mut con)
-                        .await
-                }
-            }))
-            .await;
-            for ((_, key), expiry) in entries.iter().zip(expiries) {
-                let expiry = expiry.map_err(|e| to_index_error(&e))?;
-                if let Some(expiry) = expiry.filter(|&e| e > wall_now) {
-                    let at = shared.mono(expiry.saturating_sub(ttl));
-                    match local {
-                        Local::Memory(m) => m.record(&pod, &[*key], at).await?,
-                        Local::Events(ev) => {
-                            ev.record_past(&pod, &[*key], ev.held_prefix(&pod, &[*key]), at);
-                        }
-                    }
-                    loaded += 1;
-                }
-            }
-            if (members.len() as isize) < LOAD_CHUNK {
-                break;
-            }
-            start += LOAD_CHUNK;
-        }
-    }
-    Ok((from, loaded))
-}
-
 /// Follows the stream, applying the other replicas' changes; loads from Redis at start, after
 /// a connection error and after a gap.
 async fn read(shared: Arc<Shared>, mirror: Arc<Mirror>, local: Arc<Local>) {
@@ -711,7 +631,7 @@ async fn read(shared: Arc<Shared>, mirror: Arc<Mirror>, local: Arc<Local>) {
     let key = shared.schema.stream();
     loop {
         let Some(from) = pos else {
-            match load(&shared, &local).await {
+            match snapshot::load(&shared, &local).await {
                 Ok((from, n)) => {
                     shared.metrics.reloaded(reason, n);
                     info!(entries = n, reason = ?reason, "redis mirror loaded the shared index");

@@ -497,3 +497,110 @@ async fn a_decisions_load_reaches_the_others_ahead_of_its_record_and_counts_once
     assert_eq!(a.metrics().load_published.get(), 1);
     assert_eq!(b.metrics().load_charges.get(), 1);
 }
+
+/// What Redis holds for `pod`'s recorded entry of each of `keys`: the expiry its last writer set,
+/// as the score of its member in the pod's snapshot set (no per-block hash is written).
+async fn stored(index: &RedisIndex, keys: &[BlockKey], pod: &PodId) -> Vec<Option<u64>> {
+    let schema = &index.shared.schema;
+    let mut con = index.shared.conn.write().await.unwrap();
+    let mut out = Vec::new();
+    for &k in keys {
+        let v: Option<f64> = redis::cmd("ZSCORE")
+            .arg(schema.snapshot(pod))
+            .arg(schema.member(keys[0].0, k))
+            .query_async(&mut con)
+            .await
+            .unwrap();
+        let hashes: i64 = redis::cmd("EXISTS")
+            .arg(schema.recorded(keys[0].0, k))
+            .query_async(&mut con)
+            .await
+            .unwrap();
+        assert_eq!(hashes, 0, "no per-block hash in approximate mirror mode");
+        out.push(v.map(|v| v as u64));
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_entry_any_replica_recorded_within_the_refresh_window_is_not_rewritten() {
+    let srv = server();
+    let cfg = RedisConfig {
+        record_refresh_ms: 60_000,
+        ..config(&srv.url(), "mirror-refresh", 100_000)
+    };
+    let (a, b) = (replica(&cfg), replica(&cfg));
+    let p = pods(2);
+    let keys = doc_keys(1, 8, BT);
+    a.record(&p[0], &keys, now_ms(&a)).await.unwrap();
+    a.flush().await.unwrap();
+    b.flush().await.unwrap();
+    assert!(sees(&b, &keys, &p, 0).await);
+    let first = stored(&a, &keys, &p[0]).await;
+    assert!(first.iter().all(Option::is_some), "{first:?}");
+    // B sends the same prompt to the same pod moments after A: its mirror has every entry.
+    b.record(&p[0], &keys, now_ms(&b)).await.unwrap();
+    b.flush().await.unwrap();
+    assert_eq!(b.metrics().record_skipped.get(), 8);
+    assert_eq!(stored(&a, &keys, &p[0]).await, first, "nothing rewritten");
+    // Another pod's entries, a longer prompt's new blocks, and entries past the window are written.
+    let longer = doc_keys(1, 12, BT);
+    b.record(&p[1], &keys, now_ms(&b)).await.unwrap();
+    b.record(&p[0], &longer, now_ms(&b)).await.unwrap();
+    b.flush().await.unwrap();
+    assert_eq!(b.metrics().record_skipped.get(), 16);
+    assert!(stored(&b, &keys, &p[1]).await.iter().all(Option::is_some));
+    assert!(stored(&b, &longer[8..], &p[0])
+        .await
+        .iter()
+        .all(Option::is_some));
+    b.record(&p[0], &keys, now_ms(&b) + 60_001).await.unwrap();
+    b.flush().await.unwrap();
+    assert_eq!(b.metrics().record_skipped.get(), 16);
+    let later = stored(&a, &keys, &p[0]).await;
+    assert!(
+        later.iter().zip(&first).all(|(l, f)| l > f),
+        "{later:?} vs {first:?}"
+    );
+    // What was skipped is still in the snapshot a late replica loads.
+    let c = replica(&cfg);
+    c.flush().await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while c.unready().is_some() {
+        assert!(Instant::now() < deadline, "{:?}", c.unready());
+        tokio::task::yield_now().await;
+    }
+    assert_eq!(c.lookup(&longer, &p, 2).await.unwrap(), vec![12.0, 8.0]);
+    // Off (0), every record is rewritten.
+    let off = replica(&RedisConfig {
+        record_refresh_ms: 0,
+        ..cfg.clone()
+    });
+    off.flush().await.unwrap();
+    off.record(&p[1], &keys, now_ms(&off)).await.unwrap();
+    off.flush().await.unwrap();
+    assert_eq!(off.metrics().record_skipped.get(), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_snapshot_set_keeps_a_pods_capacity_of_prompt_heads_and_goes_with_the_pod() {
+    let srv = server();
+    let a = replica(&config(&srv.url(), "mirror-snap", 100_000));
+    let p = pods(1);
+    let keys = doc_keys(3, 8, BT);
+    a.set_capacity(&p[0], 4).await.unwrap();
+    a.record(&p[0], &keys, now_ms(&a)).await.unwrap();
+    a.flush().await.unwrap();
+    let held = stored(&a, &keys, &p[0]).await;
+    assert!(held[..4].iter().all(Option::is_some), "{held:?}");
+    assert!(held[4..].iter().all(Option::is_none), "{held:?}");
+    a.forget_pod(&p[0]).await.unwrap();
+    a.flush().await.unwrap();
+    let mut con = a.shared.conn.write().await.unwrap();
+    let left: i64 = redis::cmd("EXISTS")
+        .arg(a.shared.schema.snapshot(&p[0]))
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    assert_eq!(left, 0, "forgotten");
+}

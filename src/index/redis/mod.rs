@@ -27,6 +27,7 @@ mod prop_tests;
 mod recovery_tests;
 mod schema;
 mod sessions;
+mod snapshot;
 #[cfg(test)]
 mod tls_tests;
 mod writer;
@@ -122,6 +123,9 @@ pub(crate) struct Shared {
     schema: Schema,
     scripts: Scripts,
     precise: bool,
+    /// Recorded entries are kept only as each pod's snapshot set (approximate mode answered by
+    /// the mirror: nothing reads the per-block hashes).
+    snapshot: bool,
     tuning: Tuning,
     default_capacity: usize,
     lookup_budget: Duration,
@@ -313,6 +317,9 @@ pub struct RedisIndex {
     tx: mpsc::Sender<WriteOp>,
     /// `lookups: mirror`: the stream publisher and reader keeping `local` current.
     mirror: Option<Arc<Mirror>>,
+    /// With the mirror, a decision leaves in Redis the entries recorded less than this ago (0:
+    /// rewrites all): lookups read the mirror, so the hashes only seed a starting replica.
+    refresh_ms: u64,
 }
 
 impl RedisIndex {
@@ -333,6 +340,7 @@ impl RedisIndex {
             schema: Schema::new(&cfg.key_prefix, cfg.mode == RedisMode::Cluster),
             scripts: Scripts::new(),
             precise,
+            snapshot: !precise && cfg.lookups == RedisLookups::Mirror,
             tuning,
             default_capacity: tuning.default_capacity.max(1),
             lookup_budget: Duration::from_millis(cfg.lookup_budget_ms),
@@ -371,11 +379,17 @@ impl RedisIndex {
         let local = Arc::new(local);
         let mirror = (cfg.lookups == RedisLookups::Mirror)
             .then(|| Mirror::start(cfg, shared.clone(), local.clone()));
+        // Bounded by a quarter of the TTL, so a skipped entry's key still outlives most of it.
+        let refresh_ms = match mirror {
+            Some(_) => cfg.record_refresh_ms.min(tuning.record_ttl_ms / 4),
+            None => 0,
+        };
         Ok(Self {
             shared,
             local,
             tx,
             mirror,
+            refresh_ms,
         })
     }
 
@@ -474,7 +488,8 @@ impl RedisIndex {
                 m.publish(&self.shared, change);
             }
         };
-        match &*self.local {
+        // The entries to write to Redis.
+        let stale: Vec<BlockKey> = match &*self.local {
             // A request that computes nothing gets no guess (`EventIndex::record_past`); its
             // load still counts on every replica.
             Local::Events(ev) => {
@@ -484,17 +499,33 @@ impl RedisIndex {
                     }
                     return Ok(());
                 }
+                keys.to_vec()
             }
-            Local::Memory(m) => m.record(pod, keys, now_ms).await?,
-        }
+            Local::Memory(m) if self.refresh_ms > 0 => {
+                let fresh = m.record_noting_fresh(pod, keys, now_ms, self.refresh_ms);
+                keys.iter()
+                    .zip(fresh)
+                    .filter_map(|(&k, f)| (!f).then_some(k))
+                    .collect()
+            }
+            Local::Memory(m) => {
+                m.record(pod, keys, now_ms).await?;
+                keys.to_vec()
+            }
+        };
         for &k in keys {
             self.shared.wrote(k);
         }
         publish(keys);
+        let skipped = keys.len() - stale.len();
+        self.shared.metrics.record_skipped.inc_by(skipped as u64);
+        if stale.is_empty() {
+            return Ok(());
+        }
         self.enqueue(WriteOp::Record {
             pod: pod.clone(),
             root,
-            keys: keys.to_vec(),
+            keys: stale,
             expiry: wall.saturating_add(self.shared.tuning.record_ttl_ms),
         });
         Ok(())

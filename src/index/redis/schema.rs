@@ -11,6 +11,8 @@
 //!   say it holds. No TTL: the events remove them.
 //! - `P:pod:{T}:lru` sorted set, `RK` (root ‖ key, hex) → recency sequence: the pod's recorded
 //!   entries; the lowest go first once the pod is over its capacity.
+//! - `P:pod:{T}:snap` sorted set, `RK` → expiry (unix ms): the pod's recorded entries when the
+//!   mirrors answer lookups in approximate mode, which then writes no `P:{R}:k:K` and no `lru`.
 //! - `P:pod:{T}:meta` hash: `seq` (the recency counter), `cap` (capacity from `set_capacity`).
 //! - `P:pod:{T}:ev` set of `RK`: the pod's event-fed entries, for cleanup.
 //! - `P:s:S` string: the pod a session (by the xxh3-64 of its id) was last sent to, expiring
@@ -77,6 +79,12 @@ impl Schema {
     /// The pod's recency-ordered recorded entries.
     pub(super) fn lru(&self, pod: &PodId) -> String {
         format!("{}:pod:{{{}}}:lru", self.prefix, pod_tag(pod))
+    }
+
+    /// The pod's recorded entries scored by expiry: the snapshot a starting replica loads when
+    /// the mirrors answer lookups (approximate mode), in place of the per-block hashes.
+    pub(super) fn snapshot(&self, pod: &PodId) -> String {
+        format!("{}:pod:{{{}}}:snap", self.prefix, pod_tag(pod))
     }
 
     /// The pod's counters (`seq`, `cap`).
@@ -231,6 +239,20 @@ for i = 1, #popped, 2 do out[#out + 1] = popped[i] end
 return out
 "#;
 
+/// Records entries of one pod in its snapshot set: one `ZADD GT` (a score only grows), expired
+/// members dropped, the lowest scores (the least recent) evicted past its capacity.
+/// KEYS: snap, meta. ARGV: default capacity, now (unix ms), then score and member pairs.
+/// Returns how many it recorded.
+pub(super) const SNAPSHOT: &str = r#"
+local n = (#ARGV - 2) / 2
+if n > 0 then redis.call('ZADD', KEYS[1], 'GT', unpack(ARGV, 3)) end
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[2])
+local cap = tonumber(redis.call('HGET', KEYS[2], 'cap') or ARGV[1])
+local over = redis.call('ZCARD', KEYS[1]) - cap
+if over > 0 then redis.call('ZPOPMIN', KEYS[1], over) end
+return n
+"#;
+
 /// Sets a pod's capacity and evicts past it. KEYS: lru, meta. ARGV: capacity.
 /// Returns the evicted members.
 pub(super) const CAPACITY: &str = r#"
@@ -270,6 +292,7 @@ pub(super) struct Scripts {
     pub(super) capacity: Script,
     pub(super) events: Script,
     pub(super) unset: Script,
+    pub(super) snapshot: Script,
 }
 
 impl Scripts {
@@ -281,6 +304,7 @@ impl Scripts {
             capacity: Script::new(CAPACITY),
             events: Script::new(EVENTS),
             unset: Script::new(UNSET),
+            snapshot: Script::new(SNAPSHOT),
         }
     }
 }

@@ -25,7 +25,7 @@ const BATCH: usize = 256;
 const FORGET_CHUNK: usize = 1_000;
 /// Blocks per script when a record is written: Redis runs one script at a time, so a 4096-block
 /// prompt written in one script held every other replica's lookup back for ~15 ms.
-const RECORD_CHUNK: usize = 512;
+pub(super) const RECORD_CHUNK: usize = 512;
 
 /// What a pod's events say about one (root, key): held on GPU, offloaded only, or not; and
 /// whether a decision's guess of it ended with the decision's hits (dropped even if not held).
@@ -149,6 +149,16 @@ async fn concurrent(shared: &Shared, ops: Vec<WriteOp>) {
                         root,
                         keys,
                         expiry,
+                    } if shared.snapshot => {
+                        super::snapshot::record(shared, con, pod, *root, keys, *expiry)
+                            .await
+                            .map(|()| (i, Vec::new()))
+                    }
+                    WriteOp::Record {
+                        pod,
+                        root,
+                        keys,
+                        expiry,
                     } => record(shared, con, pod, *root, keys, *expiry)
                         .await
                         .map(|ev| (i, ev)),
@@ -209,10 +219,15 @@ async fn single(shared: &Shared, op: WriteOp) {
                 shared.write_budget,
                 &AtomicU64::new(0),
                 |mut con| async move {
+                    // The snapshot set's evicted members name no hash: nothing more to delete.
+                    let set = match shared.snapshot {
+                        true => shared.schema.snapshot(&pod),
+                        false => shared.schema.lru(&pod),
+                    };
                     let popped: Vec<Vec<u8>> = shared
                         .scripts
                         .capacity
-                        .key(shared.schema.lru(&pod))
+                        .key(set)
                         .key(shared.schema.meta(&pod))
                         .arg(blocks)
                         .invoke_async(&mut con)
@@ -220,6 +235,7 @@ async fn single(shared: &Shared, op: WriteOp) {
                         .map_err(|e| to_index_error(&e))?;
                     let evicted: Vec<_> = popped
                         .iter()
+                        .filter(|_| !shared.snapshot)
                         .filter_map(|m| parse_member(m))
                         .map(|(r, k)| (pod.clone(), r, k))
                         .collect();
@@ -458,6 +474,11 @@ async fn forget(
     recorded_only: bool,
 ) -> Result<(), IndexError> {
     shared.wrote_everywhere();
+    redis::cmd("DEL")
+        .arg(shared.schema.snapshot(pod))
+        .query_async::<i64>(&mut con)
+        .await
+        .map_err(|e| to_index_error(&e))?;
     let (lru, set) = (shared.schema.lru(pod), shared.schema.events(pod));
     loop {
         let popped: Vec<Vec<u8>> = redis::cmd("ZPOPMIN")
