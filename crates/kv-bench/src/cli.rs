@@ -154,8 +154,13 @@ pub struct RedisIndexArgs {
     /// Timed lookups per candidate-set size.
     #[arg(long, default_value_t = 2_000)]
     pub lookups: usize,
-    /// Index modes (comma-separated): precise (KV events), approximate (recorded decisions).
-    #[arg(long, value_delimiter = ',', default_value = "precise,approximate")]
+    /// Index modes (comma-separated): precise (KV events), approximate (recorded decisions,
+    /// `lookups: redis`), mirrored (recorded decisions, `lookups: mirror`: the default).
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "precise,approximate,mirrored"
+    )]
     pub modes: Vec<String>,
     /// A local 3-master Redis Cluster instead of one server.
     #[arg(long)]

@@ -266,13 +266,13 @@ async fn redis_index(a: &cli::RedisIndexArgs) -> Result<()> {
         Some(p) => p.clone(),
         None => kv_testkit::deploy::find_redis_server()?,
     };
-    let precise = a
+    let modes = a
         .modes
         .iter()
-        .map(|m| match m.as_str() {
-            "precise" => Ok(true),
-            "approximate" => Ok(false),
-            other => anyhow::bail!("--modes: unknown mode {other:?} (precise, approximate)"),
+        .map(|m| {
+            bench::redis_index::Mode::parse(m).ok_or_else(|| {
+                anyhow::anyhow!("--modes: unknown mode {m:?} (precise, approximate, mirrored)")
+            })
         })
         .collect::<Result<Vec<_>>>()?;
     let opts = bench::redis_index::RedisIndexOptions {
@@ -280,7 +280,7 @@ async fn redis_index(a: &cli::RedisIndexArgs) -> Result<()> {
         entries: a.entries,
         pods: a.pods.clone(),
         lookups: a.lookups,
-        precise,
+        modes,
         cluster: a.cluster,
         seed: a.seed,
     };

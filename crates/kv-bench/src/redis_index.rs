@@ -1,7 +1,9 @@
 //! `kv-bench redis-index`: what the shared Redis index costs on its own, without Envoy or pods.
 //! Fills a fresh Redis (or a local 3-master cluster) with about a million (pod, block) entries
 //! through the real backend's write path, then times single lookups of 256-block prompts over
-//! 16 and 64 candidate pods and counts the server round trips they took.
+//! 16 and 64 candidate pods and counts the server round trips they took. `mirrored` writes as a
+//! replica with the mirror does (snapshot sets, and the stream) and times no lookup; a fresh
+//! mirrored replica loads what it wrote.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -40,17 +42,48 @@ pub struct RedisIndexOptions {
     /// Timed lookups per candidate-set size.
     pub lookups: usize,
     /// Index modes to measure.
-    pub precise: Vec<bool>,
+    pub modes: Vec<Mode>,
     /// A local 3-master Redis Cluster instead of one server.
     pub cluster: bool,
     /// Seeds which pods hold which prompts and which prompts are looked up.
     pub seed: u64,
 }
 
+/// How the index under test is fed and read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// KV events, lookups through Redis.
+    Precise,
+    /// Recorded decisions, lookups through Redis (`lookups: redis`): the per-block hashes.
+    Approximate,
+    /// Recorded decisions with the mirror (the default `lookups: mirror`): the per-pod snapshot
+    /// sets. Lookups are in-process, so none is timed; a fresh replica loads what was written.
+    Mirrored,
+}
+
+impl Mode {
+    /// The name `--modes` takes and the table shows.
+    pub fn name(self) -> &'static str {
+        match self {
+            Mode::Precise => "precise",
+            Mode::Approximate => "approximate",
+            Mode::Mirrored => "mirrored",
+        }
+    }
+
+    /// The mode `name` names.
+    pub fn parse(name: &str) -> Option<Self> {
+        [Mode::Precise, Mode::Approximate, Mode::Mirrored]
+            .into_iter()
+            .find(|m| m.name() == name)
+    }
+}
+
 /// Figures for one index mode.
 #[derive(Debug, Clone, Serialize)]
 pub struct ModeResult {
-    /// `precise` (KV events) or `approximate` (recorded decisions).
+    /// `precise` (KV events), `approximate` (recorded decisions) or `mirrored` (recorded
+    /// decisions, snapshot sets).
     pub mode: &'static str,
     /// "standalone" or "cluster (3 masters)".
     pub topology: &'static str,
@@ -65,7 +98,7 @@ pub struct ModeResult {
     /// Redis `used_memory` growth (all masters), bytes.
     pub memory_bytes: u64,
     /// This process's RSS growth while a fresh mirrored replica loaded the entries, per entry
-    /// (approximate mode; the mirror's in-process copy).
+    /// (mirrored mode; the mirror's in-process copy).
     pub mirror_bytes_per_entry: Option<f64>,
     /// Keys in Redis (all masters).
     pub redis_keys: u64,
@@ -213,14 +246,15 @@ fn stored_event(doc: u64, tokens: Vec<u32>) -> KvEventBatch {
 pub async fn run(opts: &RedisIndexOptions) -> Result<Vec<ModeResult>> {
     ensure!(!opts.pods.is_empty(), "--pods needs at least one size");
     let mut out = Vec::new();
-    for &precise in &opts.precise {
+    for &mode in &opts.modes {
         let server = Server::start(opts)?;
-        out.push(measure(opts, &server, precise).await?);
+        out.push(measure(opts, &server, mode).await?);
     }
     Ok(out)
 }
 
-async fn measure(opts: &RedisIndexOptions, server: &Server, precise: bool) -> Result<ModeResult> {
+async fn measure(opts: &RedisIndexOptions, server: &Server, mode: Mode) -> Result<ModeResult> {
+    let precise = mode == Mode::Precise;
     let fleet = *opts.pods.iter().max().expect("checked non-empty");
     let pods: Vec<PodId> = (0..fleet)
         .map(|i| PodId::new(format!("10.1.{}.{}:8000", i / 250, i % 250)))
@@ -237,7 +271,10 @@ async fn measure(opts: &RedisIndexOptions, server: &Server, precise: bool) -> Re
     cfg.index.redis.lookup_budget_ms = 2_000;
     cfg.index.redis.write_budget_ms = 10_000;
     cfg.index.redis.match_cache_ms = 0;
-    cfg.index.redis.lookups = RedisLookups::Redis;
+    cfg.index.redis.lookups = match mode {
+        Mode::Mirrored => RedisLookups::Mirror,
+        _ => RedisLookups::Redis,
+    };
     cfg.kv_events.enabled = precise;
     cfg.index.ttl_ms = 3_600_000;
     cfg.kv_events.speculative_ttl_ms = 3_600_000;
@@ -294,14 +331,19 @@ async fn measure(opts: &RedisIndexOptions, server: &Server, precise: bool) -> Re
         .await?
         .saturating_sub(memory_before);
     let redis_keys = server.info_sum("keyspace", "db0").await.unwrap_or(0);
-    let mirror_bytes_per_entry = if precise {
-        None
-    } else {
-        Some(mirror_memory(&cfg, entries).await?)
+    let mirror_bytes_per_entry = match mode {
+        Mode::Mirrored => Some(mirror_memory(&cfg, entries).await?),
+        _ => None,
     };
 
     let mut lookups = Vec::new();
-    for &n in &opts.pods {
+    // A mirrored replica answers lookups in-process: nothing of Redis to time.
+    let timed = if mode == Mode::Mirrored {
+        &[][..]
+    } else {
+        &opts.pods[..]
+    };
+    for &n in timed {
         let candidates = &pods[..n];
         // Prompts some candidate holds whole: the walk covers all 256 blocks (the worst case).
         let held: Vec<usize> = (0..holders.len())
@@ -346,7 +388,7 @@ async fn measure(opts: &RedisIndexOptions, server: &Server, precise: bool) -> Re
         });
     }
     Ok(ModeResult {
-        mode: if precise { "precise" } else { "approximate" },
+        mode: mode.name(),
         topology: server.topology(),
         entries,
         keys: holders.len() * PROMPT_BLOCKS,
@@ -406,15 +448,18 @@ pub fn table(results: &[ModeResult], style: Style) -> String {
         "in Redis",
     ]);
     for r in results {
+        let written = vec![
+            r.mode.to_string(),
+            r.topology.to_string(),
+            r.entries.to_string(),
+            format!("{:.0}", r.write_blocks_per_s),
+            format!("{:.0}", r.memory_bytes as f64 / r.entries.max(1) as f64),
+            r.mirror_bytes_per_entry
+                .map_or("-".into(), |b| format!("{b:.0}")),
+        ];
         for l in &r.lookups {
-            t.row(vec![
-                r.mode.to_string(),
-                r.topology.to_string(),
-                r.entries.to_string(),
-                format!("{:.0}", r.write_blocks_per_s),
-                format!("{:.0}", r.memory_bytes as f64 / r.entries.max(1) as f64),
-                r.mirror_bytes_per_entry
-                    .map_or("-".into(), |b| format!("{b:.0}")),
+            let mut row = written.clone();
+            row.extend([
                 l.pods.to_string(),
                 format!("{:.0} µs", l.p50_us),
                 format!("{:.0} µs", l.p99_us),
@@ -422,6 +467,12 @@ pub fn table(results: &[ModeResult], style: Style) -> String {
                 format!("{:.2}", l.round_trips),
                 format!("{:.0} µs", l.server_us),
             ]);
+            t.row(row);
+        }
+        if r.lookups.is_empty() {
+            let mut row = written;
+            row.extend(std::iter::repeat_n("-".to_string(), 6));
+            t.row(row);
         }
     }
     t.render(style)
