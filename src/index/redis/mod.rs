@@ -318,7 +318,7 @@ pub struct RedisIndex {
     /// `lookups: mirror`: the stream publisher and reader keeping `local` current.
     mirror: Option<Arc<Mirror>>,
     /// With the mirror, a decision leaves in Redis the entries recorded less than this ago (0:
-    /// rewrites all): lookups read the mirror, so the hashes only seed a starting replica.
+    /// rewrites all): lookups read the mirror, so Redis's copy only seeds a starting replica.
     refresh_ms: u64,
 }
 

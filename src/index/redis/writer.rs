@@ -149,16 +149,6 @@ async fn concurrent(shared: &Shared, ops: Vec<WriteOp>) {
                         root,
                         keys,
                         expiry,
-                    } if shared.snapshot => {
-                        super::snapshot::record(shared, con, pod, *root, keys, *expiry)
-                            .await
-                            .map(|()| (i, Vec::new()))
-                    }
-                    WriteOp::Record {
-                        pod,
-                        root,
-                        keys,
-                        expiry,
                     } => record(shared, con, pod, *root, keys, *expiry)
                         .await
                         .map(|ev| (i, ev)),
@@ -269,7 +259,8 @@ async fn single(shared: &Shared, op: WriteOp) {
 /// Writes one record: the entries (on the prefix's shard) and the pod's recency (on the pod's),
 /// in scripts of at most [`RECORD_CHUNK`] blocks so other clients' lookups run in between.
 /// Recency is written tail chunk first, so the prompt's head ends up most recent. Returns what
-/// the pod's capacity evicted.
+/// the pod's capacity evicted. With the snapshot set, the record goes there instead and its
+/// evictions name no hash to delete.
 async fn record(
     shared: &Shared,
     con: Handle,
@@ -278,6 +269,10 @@ async fn record(
     keys: &[BlockKey],
     expiry: u64,
 ) -> Result<Vec<(u64, BlockKey)>, IndexError> {
+    if shared.snapshot {
+        super::snapshot::record(shared, con, pod, root, keys, expiry).await?;
+        return Ok(Vec::new());
+    }
     let entries = keys.chunks(RECORD_CHUNK).map(|chunk| {
         let mut con = con.clone();
         let mut inv = shared.scripts.record.prepare_invoke();
