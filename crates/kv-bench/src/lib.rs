@@ -16,6 +16,7 @@ pub mod lora;
 pub mod noop_extproc;
 pub mod oracle;
 pub mod overhead;
+pub mod paired;
 pub mod pd_report;
 pub mod pipeline;
 pub mod redis_index;

@@ -85,6 +85,13 @@ pub fn comparison_section(
         body.push_str("\nMedian (min–max) of each strategy's runs:\n\n");
         body.push_str(&spread);
     }
+    if let Some(paired) = crate::paired::paired_table(&summaries, Style::Markdown) {
+        body.push_str(
+            "\nEach strategy against the baseline run in the same round (95 % intervals from \
+             Student's t over the rounds; an interval that holds 0 does not rank the two):\n\n",
+        );
+        body.push_str(&paired);
+    }
     let note = cmp.skipped_note();
     if !note.is_empty() {
         body.push('\n');

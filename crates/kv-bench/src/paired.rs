@@ -1,0 +1,232 @@
+//! Paired differences over `compare --repeat` rounds: each strategy against a baseline run in
+//! the same round, as a mean with its 95 % interval, so a verdict like "within 1 point of
+//! weighted" says how sure the runs make it (a median of five cannot: one strategy's own runs
+//! span 5–12 points on a shared 2-core machine).
+
+use std::collections::BTreeMap;
+
+use super::report::Summary;
+use super::table::{Style, Table};
+
+/// Student's t, two-sided 95 %, by degrees of freedom 1–30; past 30 the next listed row
+/// below is used (a slightly wider interval, never a narrower one).
+const T95: [f64; 30] = [
+    12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160,
+    2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056,
+    2.052, 2.048, 2.045, 2.042,
+];
+
+/// Student's t quantile for a two-sided 95 % interval with `df` degrees of freedom (≥ 1).
+fn t95(df: usize) -> f64 {
+    match df {
+        0 => f64::NAN,
+        1..=30 => T95[df - 1],
+        31..=40 => 2.042,
+        41..=60 => 2.021,
+        61..=120 => 2.000,
+        _ => 1.980,
+    }
+}
+
+/// Mean of `d` and the half-width of its 95 % interval (NaN with fewer than two values).
+pub fn mean_interval(d: &[f64]) -> (f64, f64) {
+    let n = d.len();
+    if n == 0 {
+        return (f64::NAN, f64::NAN);
+    }
+    let mean = d.iter().sum::<f64>() / n as f64;
+    if n < 2 {
+        return (mean, f64::NAN);
+    }
+    let var = d.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (n - 1) as f64;
+    (mean, t95(n - 1) * (var / n as f64).sqrt())
+}
+
+/// A run's strategy and round from its label (`redis #3` → (`redis`, 3)).
+fn strategy_round(label: &str) -> Option<(&str, usize)> {
+    let (s, r) = label.rsplit_once(" #")?;
+    Some((s, r.parse().ok()?))
+}
+
+/// The baseline the others are paired with: the first strategy named `weighted…`, else the
+/// first one run.
+fn baseline<'a>(order: &[&'a str]) -> Option<&'a str> {
+    order
+        .iter()
+        .find(|s| s.starts_with("weighted"))
+        .or(order.first())
+        .copied()
+}
+
+/// Per strategy other than the baseline, over the rounds both ran: the hit ratio's difference
+/// (points of pooled) and the TTFT p99's ratio (geometric mean, from the mean of log ratios),
+/// each with its 95 % interval, and in how many rounds it had more hits. None without rounds or
+/// with one strategy.
+pub fn paired_table(runs: &[Summary], style: Style) -> Option<String> {
+    let mut order: Vec<&str> = Vec::new();
+    let mut by: BTreeMap<(&str, usize), &Summary> = BTreeMap::new();
+    for s in runs {
+        let Some((name, round)) = strategy_round(&s.label) else {
+            continue;
+        };
+        if !order.contains(&name) {
+            order.push(name);
+        }
+        by.insert((name, round), s);
+    }
+    let base = baseline(&order)?;
+    if order.len() < 2 {
+        return None;
+    }
+    let mut t = Table::new([
+        "strategy − baseline",
+        "rounds",
+        "hit / pooled: mean difference (95 % interval)",
+        "rounds with more hits",
+        "TTFT p99: mean ratio (95 % interval)",
+    ]);
+    for &name in order.iter().filter(|&&n| n != base) {
+        let pairs: Vec<(&Summary, &Summary)> = by
+            .iter()
+            .filter(|((n, _), _)| *n == name)
+            .filter_map(|(&(_, r), &s)| by.get(&(base, r)).map(|&b| (s, b)))
+            .collect();
+        let hits: Vec<f64> = pairs
+            .iter()
+            .map(|(s, b)| (s.vs_pooled() - b.vs_pooled()) * 100.0)
+            .filter(|d| d.is_finite())
+            .collect();
+        let p99: Vec<f64> = pairs
+            .iter()
+            .map(|(s, b)| (s.ttft_p99_ms / b.ttft_p99_ms).ln())
+            .filter(|d| d.is_finite())
+            .collect();
+        let (hm, hw) = mean_interval(&hits);
+        let (pm, pw) = mean_interval(&p99);
+        let interval = |lo: String, hi: String, w: f64| match w.is_finite() {
+            true => format!(" ({lo} to {hi})"),
+            false => String::new(),
+        };
+        let points = |x: f64| format!("{x:+.1}");
+        let ratio = |x: f64| format!("{:.2}×", x.exp());
+        t.row(vec![
+            format!("{name} − {base}"),
+            pairs.len().to_string(),
+            match hm.is_finite() {
+                true => format!(
+                    "{} points{}",
+                    points(hm),
+                    interval(points(hm - hw), points(hm + hw), hw)
+                ),
+                false => "-".into(),
+            },
+            format!(
+                "{} of {}",
+                hits.iter().filter(|&&d| d > 0.0).count(),
+                hits.len()
+            ),
+            match pm.is_finite() {
+                true => format!(
+                    "{}{}",
+                    ratio(pm),
+                    interval(ratio(pm - pw), ratio(pm + pw), pw)
+                ),
+                false => "-".into(),
+            },
+        ]);
+    }
+    Some(t.render(style))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::oracle::{HitTokens, Oracles};
+    use kv_testkit::runner::RunResult;
+
+    /// A run labelled `label` whose hit ratio is `pooled` of the pooled oracle's and whose
+    /// every request took `p99` ms to its first token.
+    fn run(label: &str, pooled: f64, p99: f64) -> Summary {
+        let r = RunResult {
+            label: label.into(),
+            workload: "w".into(),
+            description: String::new(),
+            target: String::new(),
+            duration_s: 1.0,
+            sent: Vec::new(),
+            records: Vec::new(),
+        };
+        let mut s = Summary::of(&r, Some(2));
+        s.hit_rate = pooled / 2.0;
+        s.ttft_p99_ms = p99;
+        let half = HitTokens {
+            hit_tokens: 1,
+            prompt_tokens: 2,
+        };
+        s.oracles = Some(Oracles {
+            infinite: half,
+            pooled: half,
+            pooled_blocks: 1,
+        });
+        s
+    }
+
+    #[test]
+    fn the_interval_is_students_t_on_the_differences() {
+        let (m, w) = mean_interval(&[1.0, 2.0, 3.0]);
+        assert!((m - 2.0).abs() < 1e-9);
+        // sd 1, n 3: 4.303 / √3.
+        assert!((w - 4.303 / 3f64.sqrt()).abs() < 1e-9, "{w}");
+        let (m, w) = mean_interval(&[5.0]);
+        assert_eq!(m, 5.0);
+        assert!(w.is_nan(), "one pair has no interval");
+        assert!(mean_interval(&[]).0.is_nan());
+        assert_eq!(t95(5), 2.571);
+        assert!(t95(35) > t95(45) && t95(45) > 1.96);
+    }
+
+    #[test]
+    fn strategies_pair_with_weighted_by_round() {
+        // Round 3 of redis has no weighted partner; round 9 of weighted has no redis one.
+        let runs = [
+            run("redis #1", 0.90, 110.0),
+            run("weighted #1", 0.92, 100.0),
+            run("weighted #2", 0.95, 100.0),
+            run("redis #2", 0.94, 110.0),
+            run("redis #3", 0.10, 900.0),
+            run("weighted #9", 0.10, 1.0),
+        ];
+        let t = paired_table(&runs, Style::Markdown).unwrap();
+        let row = t.lines().find(|l| l.starts_with("| redis")).unwrap();
+        let cells: Vec<&str> = row.split('|').map(str::trim).collect();
+        assert_eq!(cells[1], "redis − weighted", "{t}");
+        assert_eq!(cells[2], "2", "{t}");
+        // Differences −2 and −1 points: mean −1.5, sd √0.5, t(1) 12.706.
+        let w = 12.706 * (0.5f64 / 2.0).sqrt();
+        let want = format!("-1.5 points ({:+.1} to {:+.1})", -1.5 - w, -1.5 + w);
+        assert_eq!(cells[3], want, "{t}");
+        assert_eq!(cells[4], "0 of 2", "{t}");
+        assert!(cells[5].starts_with("1.10× ("), "{t}");
+    }
+
+    #[test]
+    fn no_table_without_rounds_or_a_second_strategy() {
+        let once = [run("redis", 0.9, 1.0), run("weighted", 0.9, 1.0)];
+        assert!(paired_table(&once, Style::Markdown).is_none());
+        let alone = [run("weighted #1", 0.9, 1.0), run("weighted #2", 0.9, 1.0)];
+        assert!(paired_table(&alone, Style::Markdown).is_none());
+    }
+
+    #[test]
+    fn without_weighted_the_first_strategy_run_is_the_baseline() {
+        let runs = [
+            run("precise #1", 0.9, 1.0),
+            run("redis #1", 0.8, 1.0),
+            run("precise #2", 0.9, 1.0),
+            run("redis #2", 0.8, 1.0),
+        ];
+        let t = paired_table(&runs, Style::Markdown).unwrap();
+        assert!(t.contains("redis − precise"), "{t}");
+        assert!(t.contains("-10.0 points (-10.0 to -10.0)"), "{t}");
+    }
+}
