@@ -775,6 +775,13 @@ pub fn log_decision(plan: &Plan) {
     ) else {
         return;
     };
+    // The fleet's queue in this router's view (replicas sharing the load should see one router's).
+    let mean_queue_ms = plan
+        .ranked
+        .iter()
+        .map(|r| r.predicted.queue_ms)
+        .sum::<f64>()
+        / plan.ranked.len() as f64;
     debug!(
         reason = plan.reason.as_str(),
         blocks = plan.total_blocks,
@@ -786,6 +793,8 @@ pub fn log_decision(plan: &Plan) {
         holder_matched = holder.matched_blocks,
         holder_saturated = holder.saturated,
         holder_ttft_ms = holder.predicted.ttft_ms,
+        holder_queue_ms = holder.predicted.queue_ms,
+        mean_queue_ms,
         "decision"
     );
 }
