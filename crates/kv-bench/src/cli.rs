@@ -810,6 +810,11 @@ pub struct SimulateArgs {
     /// (`index.correction.enabled`).
     #[arg(long)]
     pub correction: bool,
+    /// Until when a request's uncached tokens count on its pod: `prefill` (everyone for the
+    /// predicted prefill), `live` (its router until the first token, the other replicas for the
+    /// predicted prefill, as the live router), `first-token` (everyone until the first token).
+    #[arg(long, value_enum, default_value_t = crate::simulate::TokenRelease::Prefill)]
+    pub token_release: crate::simulate::TokenRelease,
     /// Replicas also apply each other's conversation marks (a decision's best match and whether
     /// it started a conversation) with its record; the live mirror sends them with
     /// `mirror_load`'s charge, i.e. with `--shared-load`.
@@ -886,6 +891,7 @@ impl SimulateArgs {
             propagation_ms: self.propagation_ms.clone(),
             charge_propagation_ms: self.charge_propagation_ms,
             shared_load: self.shared_load,
+            token_release: self.token_release,
             correction: self.correction,
             shared_conversations: self.shared_conversations,
             spread_clumps: self.spread_clumps,

@@ -92,6 +92,8 @@ pub(super) struct Fleet<'a> {
     pub(super) makespan_us: u64,
     /// Requests finished since the run loop last looked (their router releases them).
     pub(super) finished: Vec<usize>,
+    /// Requests whose first token came since the run loop last looked, and when.
+    pub(super) started: Vec<(usize, u64)>,
 }
 
 impl Fleet<'_> {
@@ -102,6 +104,7 @@ impl Fleet<'_> {
                 Output::Token { id, index: 0, at } => {
                     let i = id as usize;
                     self.ttft_us[i] = at - self.prep.at_us[i];
+                    self.started.push((i, at));
                 }
                 Output::Token { .. } => {}
                 Output::Finished { id, usage, at } => {
@@ -219,6 +222,7 @@ pub(super) fn simulate_replicas(
         one_index,
         opts.shared_load,
         opts.shared_conversations,
+        opts.token_release,
     );
     // One tie-break stream per seed and fleet, whatever the strategy: two strategies are
     // compared on common random numbers, not on two streams' luck.
@@ -262,6 +266,7 @@ pub(super) fn simulate_replicas(
         done: 0,
         makespan_us: 0,
         finished: Vec::new(),
+        started: Vec::new(),
     };
     let mut per_pod = vec![0usize; pods];
     let mut all_saturated = 0usize;
@@ -272,6 +277,9 @@ pub(super) fn simulate_replicas(
     let mut routed_to: Vec<Option<usize>> = vec![None; n];
 
     loop {
+        for (i, at) in fleet.started.drain(..) {
+            router.first_token(i, at);
+        }
         for i in fleet.finished.drain(..) {
             if let Some(p) = routed_to[i] {
                 router.finished(i, p);

@@ -56,8 +56,8 @@ use prepare::Prepared;
 pub use capacity::CapacityPlan;
 pub use convergence::ScaleTrack;
 pub use options::{
-    CapacityOptions, Divergence, Replication, SimulateError, SimulateOptions, BLOCK_TOKENS,
-    DEFAULT_TTFT_TARGET_MS,
+    CapacityOptions, Divergence, Replication, SimulateError, SimulateOptions, TokenRelease,
+    BLOCK_TOKENS, DEFAULT_TTFT_TARGET_MS,
 };
 pub use outcome::StrategyResult;
 pub use replicas::Writes;

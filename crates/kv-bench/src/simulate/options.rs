@@ -136,6 +136,8 @@ pub struct SimulateOptions {
     pub correction: bool,
     /// Replicas apply each other's conversation marks with the records.
     pub shared_conversations: bool,
+    /// Until when a routed request's uncached tokens count as queued work on its pod.
+    pub token_release: TokenRelease,
     /// Requests sharing one trace timestamp arrive evenly spread until the next one.
     pub spread_clumps: bool,
     /// `gate.replicate_to_idle` (on by default): off measures what the rule changes.
@@ -223,6 +225,7 @@ impl Default for SimulateOptions {
             propagation_ms: vec![0.0],
             charge_propagation_ms: None,
             shared_load: false,
+            token_release: TokenRelease::Prefill,
             correction: false,
             shared_conversations: false,
             spread_clumps: false,
@@ -318,4 +321,21 @@ impl SimulateOptions {
         }
         Ok(())
     }
+}
+
+/// Until when a routed request's uncached tokens count as queued work on its pod, for the
+/// router that decided it and for the others that share its load (`--shared-load`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum TokenRelease {
+    /// As the live router: its own until the request's first token (`InflightGuard` releases
+    /// them when the response starts), the others' for the predicted prefill alone
+    /// (`Charge::prefill_ms`).
+    Live,
+    /// Everyone for the predicted prefill alone: the model the simulator's tables and tests
+    /// were measured with (`live` moves precise below weighted on the synthetic window).
+    #[default]
+    Prefill,
+    /// Everyone until the first token: the others are told when it came, a charge's
+    /// propagation delay later.
+    FirstToken,
 }

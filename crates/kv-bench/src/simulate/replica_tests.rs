@@ -176,32 +176,11 @@ fn replication_options_are_checked_and_deduplicated() {
 
 #[test]
 fn shared_conversation_marks_reach_the_other_replica_with_the_record() {
-    use kv_router::blocks::BlockKey;
-    use kv_router::config::Config;
-    use kv_router::keys::Keys;
-    use kv_router::pods::PodId;
     use rand::SeedableRng;
 
-    use super::options::MODEL;
-    use super::replicas::Replicas;
-    use super::router::SimRouter;
-
-    let ids: Vec<PodId> = (0..2).map(|i| PodId::new(format!("pod-{i}"))).collect();
-    let cfg = Strategy::Weighted.router_config(&Config::default(), MODEL);
-    let keys = Keys {
-        keys: (1..=8).map(BlockKey).collect(),
-        tokens_per_block: 16,
-        prompt_tokens: 128,
-        ..Keys::default()
-    };
     let seen_by_second = |shared: bool| {
-        let routers = (0..2)
-            .map(|_| {
-                let index = kv_router::index::build_index(&cfg, None).unwrap().index;
-                SimRouter::new(&cfg, Some(index), ids.clone())
-            })
-            .collect();
-        let mut r = Replicas::new(routers, replicas(2, 10.0), false, false, shared);
+        let (mut r, keys, _) =
+            two_replicas(replicas(2, 10.0), false, shared, TokenRelease::Prefill);
         let mut rng = rand::rngs::StdRng::seed_from_u64(1);
         r.decide(0, 1_000, keys.clone(), &mut rng);
         let before = r.routers[1].state.conversations().continues(&keys.keys, 8);
@@ -222,35 +201,16 @@ fn shared_conversation_marks_reach_the_other_replica_with_the_record() {
 
 #[test]
 fn a_load_sent_apart_reaches_the_other_replica_before_its_record() {
-    use kv_router::blocks::BlockKey;
-    use kv_router::config::Config;
-    use kv_router::keys::Keys;
-    use kv_router::pods::PodId;
     use rand::SeedableRng;
 
-    use super::options::MODEL;
     use super::replicas::Replicas;
-    use super::router::{SimRouter, SimTime};
+    use super::router::SimTime;
 
-    let ids: Vec<PodId> = (0..2).map(|i| PodId::new(format!("pod-{i}"))).collect();
-    let cfg = Strategy::Weighted.router_config(&Config::default(), MODEL);
-    let keys = Keys {
-        keys: (1..=8).map(BlockKey).collect(),
-        tokens_per_block: 16,
-        prompt_tokens: 128,
-        ..Keys::default()
-    };
-    let routers = (0..2)
-        .map(|_| {
-            let index = kv_router::index::build_index(&cfg, None).unwrap().index;
-            SimRouter::new(&cfg, Some(index), ids.clone())
-        })
-        .collect();
     let how = Replication {
         charge_ms: Some(1.0),
         ..replicas(2, 10.0)
     };
-    let mut r = Replicas::new(routers, how, false, true, false);
+    let (mut r, keys, ids) = two_replicas(how, true, false, TokenRelease::Prefill);
     let mut rng = rand::rngs::StdRng::seed_from_u64(1);
     let plan = r.decide(0, 1_000, keys.clone(), &mut rng);
     let stale = std::time::Duration::from_secs(60);
@@ -284,4 +244,104 @@ fn a_load_sent_apart_reaches_the_other_replica_before_its_record() {
         "the keys arrive with the record"
     );
     assert_eq!(r.next_due(), None);
+}
+
+/// How long each replica counts a request's tokens, per `TokenRelease`: the live router counts
+/// its own until the first token and the others' for the predicted prefill alone; with a release
+/// message every replica counts them until the first token. The simulator used to count all of
+/// them for the predicted prefill, and so found replicas at parity where the live ones lost
+/// 6 points of pooled on the conversation window (docs/results.md, "Paired rounds").
+#[test]
+fn each_replica_counts_a_requests_tokens_until_its_token_release() {
+    use rand::SeedableRng;
+
+    use super::replicas::Replicas;
+    use super::router::SimTime;
+
+    let stale = std::time::Duration::from_secs(600);
+    // (decider's tokens, the other's tokens) long after the predicted prefill, then after the
+    // first token and its release have arrived.
+    let run = |release: TokenRelease| {
+        let how = Replication {
+            charge_ms: Some(1.0),
+            ..replicas(2, 10.0)
+        };
+        let (mut r, keys, _) = two_replicas(how, true, false, release);
+        let mut rng = rand::rngs::StdRng::seed_from_u64(1);
+        let plan = r.decide(0, 1_000, keys.clone(), &mut rng);
+        let tokens = |r: &mut Replicas, replica: usize, at: u64| {
+            r.routers[replica].views[plan.primary]
+                .load(SimTime(at), stale)
+                .inflight_tokens
+        };
+        r.deliver_next();
+        // A minute on: far past any predicted prefill of 128 tokens.
+        let late = 60_000_000;
+        let before = (tokens(&mut r, 0, late), tokens(&mut r, 1, late));
+        r.first_token(0, late);
+        while r.next_due().is_some() {
+            r.deliver_next();
+        }
+        let after = (
+            tokens(&mut r, 0, late + 2_000),
+            tokens(&mut r, 1, late + 2_000),
+        );
+        (plan.uncached_tokens as f64, before, after)
+    };
+    let (t, before, after) = run(TokenRelease::Live);
+    assert!(t > 0.0);
+    assert_eq!(
+        before,
+        (t, 0.0),
+        "live: the decider waits for the first token"
+    );
+    assert_eq!(after, (0.0, 0.0));
+    let (t, before, after) = run(TokenRelease::FirstToken);
+    assert_eq!(before, (t, t), "with a release message both wait for it");
+    assert_eq!(after, (0.0, 0.0), "and both let go once it came");
+    let (_, before, after) = run(TokenRelease::Prefill);
+    assert_eq!(before, (0.0, 0.0), "both for the predicted prefill alone");
+    assert_eq!(after, (0.0, 0.0));
+}
+
+/// Two weighted replicas over pods `pod-0` and `pod-1`, each on an index of its own, sharing as
+/// the flags say, and an 8-block prompt to route.
+fn two_replicas(
+    how: Replication,
+    shared_load: bool,
+    shared_conversations: bool,
+    release: TokenRelease,
+) -> (
+    super::replicas::Replicas,
+    kv_router::keys::Keys,
+    Vec<kv_router::pods::PodId>,
+) {
+    use kv_router::blocks::BlockKey;
+    use kv_router::config::Config;
+    use kv_router::keys::Keys;
+    use kv_router::pods::PodId;
+
+    let ids: Vec<PodId> = (0..2).map(|i| PodId::new(format!("pod-{i}"))).collect();
+    let cfg = Strategy::Weighted.router_config(&Config::default(), super::options::MODEL);
+    let keys = Keys {
+        keys: (1..=8).map(BlockKey).collect(),
+        tokens_per_block: 16,
+        prompt_tokens: 128,
+        ..Keys::default()
+    };
+    let routers = (0..2)
+        .map(|_| {
+            let index = kv_router::index::build_index(&cfg, None).unwrap().index;
+            super::router::SimRouter::new(&cfg, Some(index), ids.clone())
+        })
+        .collect();
+    let r = super::replicas::Replicas::new(
+        routers,
+        how,
+        false,
+        shared_load,
+        shared_conversations,
+        release,
+    );
+    (r, keys, ids)
 }

@@ -8,7 +8,7 @@
 //! With a `charge_ms` of its own the load travels apart from the record, ahead of it (the
 //! live mirror's load stream).
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
 use kv_router::blocks::BlockKey;
@@ -23,7 +23,7 @@ use serde::Serialize;
 use vllm_sim::engine::Engine;
 
 use super::fleet::ready;
-use super::options::{Replication, MODEL};
+use super::options::{Replication, TokenRelease, MODEL};
 use super::router::{SimRouter, SimTime};
 
 /// A routed request's load as the deciding replica charged it: when, uncached tokens, prefill.
@@ -47,7 +47,11 @@ pub struct Writes {
 struct InFlight {
     due_us: u64,
     from: usize,
+    /// The request it is about.
+    req: usize,
     pod: usize,
+    /// The request's first token came (`TokenRelease::FirstToken`): its tokens stop counting.
+    started: bool,
     /// `None` when the replicas hold one index object (nothing to copy).
     keys: Option<Arc<[BlockKey]>>,
     charge: Option<Charge>,
@@ -74,6 +78,11 @@ pub(super) struct Replicas {
     /// Charges older than this on arrival are not applied (`index.redis.mirror_max_lag_ms`).
     max_charge_age_us: u64,
     pub(super) writes: Writes,
+    token_release: TokenRelease,
+    /// Per request whose first token has not come: what its replica charged, (pod, tokens).
+    own: HashMap<usize, Vec<(usize, u64)>>,
+    /// Per (replica, request of another replica): the tokens it counts until that first token.
+    remote: HashMap<(usize, usize), (usize, u64)>,
 }
 
 impl Replicas {
@@ -85,7 +94,12 @@ impl Replicas {
         one_index: bool,
         shared_load: bool,
         shared_conversations: bool,
+        token_release: TokenRelease,
     ) -> Self {
+        let mut routers = routers;
+        for r in &mut routers {
+            r.own_until_first_token = token_release != TokenRelease::Prefill;
+        }
         Self {
             routers,
             pending: VecDeque::new(),
@@ -100,6 +114,9 @@ impl Replicas {
             shared_conversations,
             max_charge_age_us: RedisConfig::default().mirror_max_lag_ms * 1000,
             writes: Writes::default(),
+            token_release,
+            own: HashMap::new(),
+            remote: HashMap::new(),
         }
     }
 
@@ -152,10 +169,22 @@ impl Replicas {
                     .conversations()
                     .record_mark(keys, pod, *mark, now_ms);
             }
+            if rec.started {
+                if let Some((p, tokens)) = self.remote.remove(&(r, rec.req)) {
+                    router.views[p].first_token(tokens);
+                }
+            }
             if let Some(c) = rec.charge {
                 if SimTime(rec.due_us).since(c.at).as_micros() as u64 <= self.max_charge_age_us {
-                    let until = c.at.after(c.prefill);
-                    router.views[rec.pod].settling.push(c.at, c.tokens, until);
+                    let view = &mut router.views[rec.pod];
+                    if self.token_release == TokenRelease::FirstToken {
+                        view.settling.push(c.at, 0, c.at);
+                        view.prefilling += c.tokens;
+                        self.remote.insert((r, rec.req), (rec.pod, c.tokens));
+                    } else {
+                        let until = c.at.after(c.prefill);
+                        view.settling.push(c.at, c.tokens, until);
+                    }
                 }
             }
         }
@@ -170,6 +199,9 @@ impl Replicas {
         let published = (router.index.is_some() && !keys.keys.is_empty())
             .then(|| Arc::<[BlockKey]>::from(keys.keys.as_slice()));
         let plan = router.decide(t, keys, None, rng);
+        if self.token_release != TokenRelease::Prefill && !router.charged.is_empty() {
+            self.own.insert(i, std::mem::take(&mut router.charged));
+        }
         if let Some(keys) = published {
             self.writes.records += 1;
             self.writes.blocks += keys.len() as u64;
@@ -191,7 +223,9 @@ impl Replicas {
                 self.charges.push_back(InFlight {
                     due_us: t + d,
                     from: r,
+                    req: i,
                     pod: plan.primary,
+                    started: false,
                     keys: None,
                     charge: Some(c),
                     conv: None,
@@ -202,7 +236,9 @@ impl Replicas {
                 self.pending.push_back(InFlight {
                     due_us: t + self.delay_us,
                     from: r,
+                    req: i,
                     pod: plan.primary,
+                    started: false,
                     keys,
                     charge,
                     conv,
@@ -210,6 +246,38 @@ impl Replicas {
             }
         }
         plan
+    }
+
+    /// Request `i`'s first token came at `t`: its replica stops counting its tokens, and with
+    /// `TokenRelease::FirstToken` the others do once they hear of it (a charge's delay later).
+    pub(super) fn first_token(&mut self, i: usize, t: u64) {
+        let Some(charged) = self.own.remove(&i) else {
+            return;
+        };
+        let r = i % self.routers.len();
+        for &(p, tokens) in &charged {
+            self.routers[r].views[p].first_token(tokens);
+        }
+        if self.token_release != TokenRelease::FirstToken || self.routers.len() < 2 {
+            return;
+        }
+        let Some(&(pod, _)) = charged.first() else {
+            return;
+        };
+        let release = |due_us| InFlight {
+            due_us,
+            from: r,
+            req: i,
+            pod,
+            started: true,
+            keys: None,
+            charge: None,
+            conv: None,
+        };
+        match self.charge_delay_us {
+            Some(d) => self.charges.push_back(release(t + d)),
+            None => self.pending.push_back(release(t + self.delay_us)),
+        }
     }
 
     /// Request `i`, routed to pod `p` by its replica, finished.

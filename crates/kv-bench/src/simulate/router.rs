@@ -46,8 +46,11 @@ pub(super) struct PodView {
     pub(super) sample: Option<(SimTime, LoadSample)>,
     /// This router's requests on the pod that have not finished (their streams are open).
     pub(super) live: u64,
-    /// Other replicas' requests (counted until a later scrape) and every request's tokens.
+    /// Other replicas' requests (counted until a later scrape) and the tokens counted for their
+    /// predicted prefill.
     pub(super) settling: Settling<SimTime>,
+    /// Tokens counted until their request's first token (`TokenRelease`).
+    pub(super) prefilling: u64,
     /// The prefill model learned from the engine's timing counters, as `Pod` learns it.
     pub(super) ttft: TtftLearner,
     /// Predicted against reported prefix-cache hits, as `Pod` keeps them.
@@ -61,7 +64,7 @@ impl PodView {
         PodLoad::at(
             now,
             self.sample,
-            (requests + self.live, tokens),
+            (requests + self.live, tokens + self.prefilling),
             stale_after,
         )
     }
@@ -88,11 +91,28 @@ impl PodView {
         }));
     }
 
-    /// A request was routed here at `now` with `tokens` estimated uncached prompt tokens.
-    pub(super) fn routed(&mut self, now: SimTime, tokens: u64, prefill_tokens_per_sec: f64) {
-        let until = now.after(prefill_time(tokens, prefill_tokens_per_sec));
+    /// A request was routed here at `now` with `tokens` estimated uncached prompt tokens,
+    /// counted until its first token when `until_first_token` (the live guard), else for their
+    /// predicted prefill.
+    pub(super) fn routed(
+        &mut self,
+        now: SimTime,
+        tokens: u64,
+        prefill_tokens_per_sec: f64,
+        until_first_token: bool,
+    ) {
         self.live += 1;
-        self.settling.push_tokens(tokens, until);
+        if until_first_token {
+            self.prefilling += tokens;
+        } else {
+            let until = now.after(prefill_time(tokens, prefill_tokens_per_sec));
+            self.settling.push_tokens(tokens, until);
+        }
+    }
+
+    /// `tokens` counted until a first token: it came.
+    pub(super) fn first_token(&mut self, tokens: u64) {
+        self.prefilling = self.prefilling.saturating_sub(tokens);
     }
 
     /// A request this router routed here finished: Envoy resets its stream, the guard goes.
@@ -119,6 +139,10 @@ pub(super) struct SimRouter {
     applied: Vec<usize>,
     /// KV events feed the index (a restart arrives as `AllBlocksCleared`).
     precise: bool,
+    /// Its own requests' tokens count until their first token (the live guard).
+    pub(super) own_until_first_token: bool,
+    /// What the last decision charged: (pod, tokens) per pod.
+    pub(super) charged: Vec<(usize, u64)>,
 }
 
 impl SimRouter {
@@ -136,6 +160,8 @@ impl SimRouter {
             correction: cfg.index.correction.for_index(cfg.kv_events.enabled),
             capacity: None,
             precise: cfg.kv_events.enabled,
+            own_until_first_token: false,
+            charged: Vec::new(),
         }
     }
 
@@ -246,11 +272,14 @@ impl SimRouter {
             .plan;
         // The live router's per-decision debug line (`RUST_LOG=kv_router=debug`).
         log_decision(&plan);
-        let views = &mut self.views;
+        let (views, charged) = (&mut self.views, &mut self.charged);
+        let until_first_token = self.own_until_first_token;
+        charged.clear();
         ready(
             self.state
                 .commit(&plan, self.index.as_deref(), now_ms, |p, tokens, rate| {
-                    views[p].routed(SimTime(t), tokens, rate)
+                    charged.push((p, tokens));
+                    views[p].routed(SimTime(t), tokens, rate, until_first_token)
                 }),
         );
         let hits = predicted_hit_tokens(plan.ranked[0].matched_blocks, per_block, prompt);
