@@ -39,10 +39,13 @@ const SIMS: [(&str, &str); 4] = [
 ];
 const LOCAL_PORT: u16 = 18080;
 
-/// Logs one call per line: the tool's name and its arguments, tab-separated.
+/// Logs one call per line: the tool's name and its arguments, tab-separated, in one write
+/// (stand-ins run concurrently).
 const LOG: &str = r#"#!/usr/bin/env bash
 set -u
-{ printf '%s' "$(basename "$0")"; printf '\t%s' "$@"; printf '\n'; } >>"$DEMO_LOG"
+line="$(basename "$0")"
+for a in "$@"; do line+=$'\t'"$a"; done
+printf '%s\n' "$line" >>"$DEMO_LOG"
 "#;
 
 const DOCKER: &str = r#"
@@ -313,6 +316,47 @@ fn assert_ok(r: &Run) {
 }
 
 const NAME: &str = "kv-router-demo";
+
+/// The stand-ins run concurrently (a background `kubectl port-forward` beside `curl`), so each
+/// call's line must reach the log in one write: three `printf`s once interleaved into
+/// `kubectlcurl --context …` and failed a CI run.
+#[test]
+fn concurrent_stand_ins_log_whole_lines() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (tool, log) = (tmp.path().join("tool"), tmp.path().join("calls.log"));
+    fs::write(&tool, format!("{LOG}exit 0\n")).unwrap();
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        fs::set_permissions(&tool, fs::Permissions::from_mode(0o755)).unwrap();
+    }
+    let arg = "x".repeat(200);
+    let (rounds, width) = (10, 40);
+    for _ in 0..rounds {
+        let children: Vec<_> = (0..width)
+            .map(|i| {
+                Command::new(&tool)
+                    .args(["--context", &arg, &i.to_string()])
+                    .env("DEMO_LOG", &log)
+                    .spawn()
+                    .unwrap()
+            })
+            .collect();
+        for mut c in children {
+            assert!(c.wait().unwrap().success());
+        }
+    }
+    let text = fs::read_to_string(&log).unwrap();
+    let lines: Vec<&str> = text.lines().collect();
+    assert_eq!(lines.len(), rounds * width, "{text}");
+    for l in lines {
+        let f: Vec<&str> = l.split('\t').collect();
+        assert!(
+            f.len() == 4 && f[0] == "tool" && f[1] == "--context" && f[2] == arg,
+            "a torn line: {l:?}"
+        );
+    }
+}
 
 #[test]
 fn builds_everything_before_the_cluster_and_deletes_only_the_cluster_it_created() {
