@@ -284,8 +284,18 @@ pub struct RemoteDecisions {
 }
 
 impl crate::index::RemoteLoad for RemoteDecisions {
-    fn charge(&self, pod: &PodId, charge: crate::index::Charge, age: std::time::Duration) {
-        self.load.charge(pod, charge, age);
+    fn charge(
+        &self,
+        pod: &PodId,
+        charge: crate::index::Charge,
+        age: std::time::Duration,
+        hold: Option<crate::index::Hold>,
+    ) {
+        self.load.charge(pod, charge, age, hold);
+    }
+
+    fn release(&self, pod: &PodId, hold: crate::index::Hold, how: crate::index::Release) {
+        self.load.release(pod, hold, how);
     }
 
     fn mark(

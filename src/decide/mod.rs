@@ -441,7 +441,7 @@ impl Decider {
     fn commit(&self, p: Prepared) -> (Decision, Option<PendingRecord>) {
         let pods = &p.pods;
         let now = p.now;
-        let guard = self.state.commit_now(&p.plan, p.now_ms, |i, tokens, rate| {
+        let mut guard = self.state.commit_now(&p.plan, p.now_ms, |i, tokens, rate| {
             pods[i].begin_request(tokens, now, rate)
         });
         // Checked against the pod's own hit counters (`pods::HitAccuracy`).
@@ -475,6 +475,11 @@ impl Decider {
             };
             // The other replicas count it now, not once its record (after the reply) reaches them.
             charge.announced = self.index.announce(&pod, &charge);
+            // ... and count its tokens until this replica sees the response start.
+            if let Some(seq) = charge.announced {
+                let (index, pod) = (self.index.clone(), pod.clone());
+                guard.on_release(move |how| index.release(&pod, seq, how));
+            }
             PendingRecord {
                 pod,
                 prefill: p.plan.prefill_pod().cloned(),

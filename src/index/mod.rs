@@ -53,6 +53,26 @@ pub struct Charge {
     pub announced: Option<u64>,
 }
 
+/// Another replica's announced load that it will release itself: its tokens count until the
+/// deciding replica says the pod's response started, not only for their predicted prefill (which
+/// leaves out the wait in the pod's queue).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Hold {
+    /// The deciding replica.
+    pub origin: u64,
+    /// The load's number on its load stream.
+    pub seq: u64,
+}
+
+/// How a held load ends ([`KvIndex::release`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Release {
+    /// The pod's response started: its prefill is over, the tokens no longer count.
+    Started,
+    /// The request ended unobserved: the tokens count until their predicted prefill ends.
+    Settled,
+}
+
 /// A decision as conversation memory records it, besides its keys and pod.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct ConversationMark {
@@ -66,8 +86,11 @@ pub struct ConversationMark {
 /// them as in-flight load between scrapes (the pods' in-flight accounting implements it), and
 /// records them in its conversation memory.
 pub trait RemoteLoad: Send + Sync {
-    /// Another replica sent a request to `pod` `age` ago.
-    fn charge(&self, pod: &PodId, charge: Charge, age: std::time::Duration);
+    /// Another replica sent a request to `pod` `age` ago; with `hold`, its tokens count until
+    /// that replica releases them ([`Self::release`]), within a bound.
+    fn charge(&self, pod: &PodId, charge: Charge, age: std::time::Duration, hold: Option<Hold>);
+    /// The replica that sent a held load on `pod` released it.
+    fn release(&self, _pod: &PodId, _hold: Hold, _how: Release) {}
     /// Another replica sent `keys` to `pod` at `now_ms` (this router's clock), marked `mark`.
     fn mark(&self, _pod: &PodId, _keys: &[BlockKey], _mark: ConversationMark, _now_ms: u64) {}
 }
@@ -172,6 +195,9 @@ pub trait KvIndex: Send + Sync + 'static {
     fn announce(&self, _pod: &PodId, _charge: &Charge) -> Option<u64> {
         None
     }
+    /// Tells the other replicas how the load announced as `seq` on `pod` ended (never waits):
+    /// they count its tokens until then.
+    fn release(&self, _pod: &PodId, _seq: u64, _how: Release) {}
     /// Charges the other replicas' loads that reached this process but were not applied yet,
     /// before a decision reads the pods' load (never waits); backends that share nothing have
     /// nothing to apply.

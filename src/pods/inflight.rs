@@ -8,7 +8,7 @@
 //! the router's monotonic clock, `kv-bench simulate` on virtual time.
 
 use std::cmp::Reverse;
-use std::collections::{BinaryHeap, VecDeque};
+use std::collections::{BinaryHeap, HashMap, VecDeque};
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -17,7 +17,7 @@ use parking_lot::Mutex;
 use tokio::time::Instant;
 
 use super::{Pod, PodId, PodRegistry};
-use crate::index::{Charge, RemoteLoad};
+use crate::index::{Charge, Hold, Release, RemoteLoad};
 
 /// A point in time on some monotonic clock: the router's, or a simulation's virtual one.
 pub trait Timestamp: Copy + Ord {
@@ -62,14 +62,17 @@ const MAX_SETTLING: usize = 65_536;
 ///
 /// Every decision counts every candidate's queue, so counting pops what no longer counts instead
 /// of scanning what does: releases come in time order (a queue), prefill ends in any order (a
-/// min-heap beside a running sum).
+/// min-heap beside a running sum). Another replica's held tokens ([`Hold`]) sit in the heap at
+/// their bound and in `held`; released early, they leave `held` and their heap entry is skipped.
 #[derive(Debug)]
 pub struct Settling<T> {
     /// Release times of the requests still counted, oldest first.
     requests: VecDeque<T>,
-    /// (end of prefill, tokens) of the tokens still counted, soonest end on top.
-    tokens: BinaryHeap<Reverse<(T, u64)>>,
+    /// (end, tokens, hold) of the tokens still counted, soonest end on top.
+    tokens: BinaryHeap<Reverse<(T, u64, Option<Hold>)>>,
     tokens_sum: u64,
+    /// Held tokens not released yet: (tokens, predicted end of their prefill).
+    held: HashMap<Hold, (u64, T)>,
     /// Start of the latest successful scrape: a request released before it is in its numbers.
     seen: Option<T>,
 }
@@ -80,6 +83,7 @@ impl<T> Default for Settling<T> {
             requests: VecDeque::new(),
             tokens: BinaryHeap::new(),
             tokens_sum: 0,
+            held: HashMap::new(),
             seen: None,
         }
     }
@@ -90,6 +94,34 @@ impl<T: Timestamp> Settling<T> {
     /// Another replica's request arrives late: released before the latest scrape, it is already
     /// in the pod's numbers, and only its tokens count.
     pub fn push(&mut self, released_at: T, tokens: u64, tokens_until: T) {
+        self.push_request(released_at);
+        self.push_tokens(tokens, tokens_until);
+    }
+
+    /// [`Self::push`] for another replica's request whose tokens count until that replica
+    /// releases them ([`Self::release`]), until `bound` at most (a release lost, or its replica
+    /// gone); `prefill_end` is when they would stop counting unheld.
+    pub fn push_held(&mut self, at: T, tokens: u64, prefill_end: T, bound: T, hold: Hold) {
+        self.push_request(at);
+        if tokens > 0 && !self.held.contains_key(&hold) {
+            self.push_entry(tokens, bound.max(prefill_end), Some(hold));
+            self.held.insert(hold, (tokens, prefill_end));
+        }
+    }
+
+    /// The replica holding `hold` released it at `now`: its tokens stop counting now (the
+    /// response started), or at their predicted prefill end (the request settled).
+    pub fn release(&mut self, hold: Hold, how: Release, now: T) {
+        let Some((tokens, prefill_end)) = self.held.remove(&hold) else {
+            return;
+        };
+        self.tokens_sum -= tokens;
+        if how == Release::Settled && prefill_end > now {
+            self.push_tokens(tokens, prefill_end);
+        }
+    }
+
+    fn push_request(&mut self, released_at: T) {
         if self.seen.is_none_or(|seen| released_at >= seen) {
             if self.requests.len() >= MAX_SETTLING {
                 self.requests.pop_front();
@@ -101,18 +133,21 @@ impl<T: Timestamp> Settling<T> {
                 .map_or(released_at, |&b| b.max(released_at));
             self.requests.push_back(released_at);
         }
-        self.push_tokens(tokens, tokens_until);
     }
 
     /// `tokens` still prefilling until `until`, for a request counted elsewhere.
     pub fn push_tokens(&mut self, tokens: u64, until: T) {
         if tokens > 0 {
-            if self.tokens.len() >= MAX_SETTLING {
-                self.pop_tokens();
-            }
-            self.tokens.push(Reverse((until, tokens)));
-            self.tokens_sum += tokens;
+            self.push_entry(tokens, until, None);
         }
+    }
+
+    fn push_entry(&mut self, tokens: u64, until: T, hold: Option<Hold>) {
+        if self.tokens.len() >= MAX_SETTLING {
+            self.pop_tokens();
+        }
+        self.tokens.push(Reverse((until, tokens, hold)));
+        self.tokens_sum += tokens;
     }
 
     /// Requests and tokens still counted at `now`; forgets entries that no longer count.
@@ -142,15 +177,18 @@ impl<T: Timestamp> Settling<T> {
         while self
             .tokens
             .peek()
-            .is_some_and(|Reverse((until, _))| *until <= at)
+            .is_some_and(|Reverse((until, _, _))| *until <= at)
         {
             self.pop_tokens();
         }
     }
 
+    /// Pops the soonest entry; a held one released already was taken off the sum then.
     fn pop_tokens(&mut self) {
-        if let Some(Reverse((_, n))) = self.tokens.pop() {
-            self.tokens_sum -= n;
+        if let Some(Reverse((_, n, hold))) = self.tokens.pop() {
+            if hold.is_none_or(|h| self.held.remove(&h).is_some()) {
+                self.tokens_sum -= n;
+            }
         }
     }
 }
@@ -185,27 +223,59 @@ impl Inflight {
     }
 }
 
+/// Longest another replica's held tokens count past their predicted prefill when its release
+/// never comes (lost twice, or the replica gone): longer than a pod's queue under any sane load.
+pub const MAX_HOLD: Duration = Duration::from_secs(30);
+
 impl Pod {
     /// Counts a request another router replica sent here `at`: like a guard released at once,
     /// it counts until a scrape that started after `at` (or `stale_after`), and its uncached
-    /// tokens until `prefill` after `at`.
-    pub fn charge_remote(&self, at: Instant, uncached_tokens: u64, prefill: Duration) {
+    /// tokens until `prefill` after `at`, or with `hold` until that replica releases them
+    /// (at most [`MAX_HOLD`] past the prefill).
+    pub fn charge_remote(
+        &self,
+        at: Instant,
+        uncached_tokens: u64,
+        prefill: Duration,
+        hold: Option<Hold>,
+    ) {
         let prefill = prefill.min(MAX_PREFILL);
+        let mut s = self.inflight.settling.lock();
+        match hold {
+            Some(h) => s.push_held(
+                at,
+                uncached_tokens,
+                at + prefill,
+                at + prefill + MAX_HOLD,
+                h,
+            ),
+            None => s.push(at, uncached_tokens, at + prefill),
+        }
+    }
+
+    /// The replica that charged `hold` here released it.
+    pub fn release_remote(&self, hold: Hold, how: Release) {
         self.inflight
             .settling
             .lock()
-            .push(at, uncached_tokens, at + prefill);
+            .release(hold, how, Instant::now());
     }
 }
 
 /// The other replicas' decisions (through a shared index's mirror) charge the pods here.
 impl RemoteLoad for PodRegistry {
-    fn charge(&self, pod: &PodId, charge: Charge, age: Duration) {
+    fn charge(&self, pod: &PodId, charge: Charge, age: Duration, hold: Option<Hold>) {
         if let Some(p) = self.snapshot().get(pod) {
             let now = Instant::now();
             let at = now.checked_sub(age).unwrap_or(now);
             let prefill = Duration::from_millis(charge.prefill_ms);
-            p.charge_remote(at, charge.uncached_tokens, prefill);
+            p.charge_remote(at, charge.uncached_tokens, prefill, hold);
+        }
+    }
+
+    fn release(&self, pod: &PodId, hold: Hold, how: Release) {
+        if let Some(p) = self.snapshot().get(pod) {
+            p.release_remote(hold, how);
         }
     }
 }
@@ -220,6 +290,16 @@ pub struct InflightGuard {
     prefill_done: bool,
     completed: bool,
     drop_completes: bool,
+    on_release: Option<OnRelease>,
+}
+
+/// Told once how the guard's tokens stopped counting here (the other replicas hold them until).
+pub struct OnRelease(Box<dyn FnOnce(Release) + Send + Sync>);
+
+impl std::fmt::Debug for OnRelease {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("OnRelease")
+    }
 }
 
 impl InflightGuard {
@@ -240,7 +320,14 @@ impl InflightGuard {
             prefill_done: false,
             completed: false,
             drop_completes: false,
+            on_release: None,
         }
+    }
+
+    /// Calls `f` once, when this request's tokens stop counting here: at the response's start
+    /// or end ([`Release::Started`]), or when the stream ends unobserved ([`Release::Settled`]).
+    pub fn on_release(&mut self, f: impl FnOnce(Release) + Send + Sync + 'static) {
+        self.on_release = Some(OnRelease(Box::new(f)));
     }
 
     /// Dropping the guard from now on means the request is over: Envoy ends an ext_proc stream
@@ -258,12 +345,19 @@ impl InflightGuard {
     }
     /// The pod's response has started: its prefill is over.
     pub fn prefill_done(&mut self) {
+        self.release_tokens(Release::Started);
+    }
+
+    fn release_tokens(&mut self, how: Release) {
         if !self.prefill_done {
             self.prefill_done = true;
             self.pod
                 .inflight
                 .tokens
                 .fetch_sub(self.tokens as i64, Ordering::Relaxed);
+        }
+        if let Some(OnRelease(f)) = self.on_release.take() {
+            f(how);
         }
     }
 
@@ -294,7 +388,7 @@ impl Drop for InflightGuard {
             return;
         }
         let pending_tokens = if self.prefill_done { 0 } else { self.tokens };
-        self.prefill_done();
+        self.release_tokens(Release::Settled);
         self.pod.inflight.requests.fetch_sub(1, Ordering::Relaxed);
         // Drop cannot take the time as an argument: the live clock is read here.
         self.pod
@@ -403,14 +497,14 @@ mod tests {
         let decided = Instant::now();
         tokio::time::advance(Duration::from_millis(40)).await;
         // Heard of 40 ms after the other replica decided; unknown pods are ignored.
-        reg.charge(&id, charge, Duration::from_millis(40));
-        reg.charge(&PodId::new("gone:1"), charge, Duration::ZERO);
+        reg.charge(&id, charge, Duration::from_millis(40), None);
+        reg.charge(&PodId::new("gone:1"), charge, Duration::ZERO, None);
         assert_eq!(p.inflight.current(Instant::now(), stale), (1, 800));
         p.inflight
             .observed_scrape(decided + Duration::from_millis(1));
         assert_eq!(p.inflight.current(Instant::now(), stale), (0, 800));
         // Heard of after a scrape that started after it: already in the pod's numbers.
-        reg.charge(&id, charge, Duration::from_millis(40));
+        reg.charge(&id, charge, Duration::from_millis(40), None);
         assert_eq!(p.inflight.current(Instant::now(), stale), (0, 1_600));
         // Its prefill estimate runs from the decision, not from when it was heard of.
         tokio::time::advance(Duration::from_millis(961)).await;
@@ -444,6 +538,17 @@ mod tests {
         Count { dt: u64 },
         /// A scrape that started `back` ms ago succeeded.
         Scrape { back: u64 },
+        /// Like `Push`, another replica's request held until released or `bound` ms after its
+        /// prefill.
+        Hold {
+            dt: u64,
+            late: u64,
+            tokens: u64,
+            prefill: u64,
+            bound: u64,
+        },
+        /// The `pick`th push (modulo) is released, `started` or settled.
+        Release { pick: usize, started: bool },
     }
 
     fn op() -> impl proptest::strategy::Strategy<Value = Op> {
@@ -458,6 +563,11 @@ mod tests {
                 .prop_map(|(dt, late, tokens, prefill)| Op::Push { dt, late, tokens, prefill }),
             2 => (0u64..400).prop_map(|dt| Op::Count { dt }),
             1 => (0u64..300).prop_map(|back| Op::Scrape { back }),
+            2 => (0u64..50, 0u64..300, 1u64..1000, 0u64..3000, 0u64..3000).prop_map(
+                |(dt, late, tokens, prefill, bound)| Op::Hold { dt, late, tokens, prefill, bound }
+            ),
+            2 => (0usize..64, proptest::bool::ANY)
+                .prop_map(|(pick, started)| Op::Release { pick, started }),
         ]
     }
 
@@ -469,21 +579,48 @@ mod tests {
         ) {
             let stale = Duration::from_millis(2000);
             let mut s = Settling::<Ms>::default();
-            // (released_at, request still pending, tokens, tokens_until)
-            let mut all: Vec<(u64, bool, u64, u64)> = Vec::new();
+            // (released_at, request still pending, tokens, tokens_until, held: prefill end)
+            let mut all: Vec<Entry> = Vec::new();
             let (mut now, mut seen, mut last) = (0u64, None::<u64>, 0u64);
+            type Entry = (u64, bool, u64, u64, Option<u64>);
+            let request = |all: &mut Vec<Entry>, seen: Option<u64>, last: &mut u64, at: u64, e: (u64, u64, Option<u64>)| {
+                // Counted from the latest release so far, unless a scrape saw it.
+                let pending = seen.is_none_or(|seen| at >= seen);
+                if pending {
+                    *last = (*last).max(at);
+                }
+                all.push((*last, pending, e.0, e.1, e.2));
+            };
             for op in ops {
                 match op {
                     Op::Push { dt, late, tokens, prefill } => {
                         now += dt;
                         let at = now.saturating_sub(late);
                         s.push(Ms(at), tokens, Ms(at + prefill));
-                        // Counted from the latest release so far, unless a scrape saw it.
-                        let pending = seen.is_none_or(|seen| at >= seen);
-                        if pending {
-                            last = last.max(at);
+                        request(&mut all, seen, &mut last, at, (tokens, at + prefill, None));
+                    }
+                    Op::Hold { dt, late, tokens, prefill, bound } => {
+                        now += dt;
+                        let at = now.saturating_sub(late);
+                        let hold = Hold { origin: 1, seq: all.len() as u64 };
+                        let (end, bound) = (at + prefill, at + prefill + bound);
+                        s.push_held(Ms(at), tokens, Ms(end), Ms(bound), hold);
+                        request(&mut all, seen, &mut last, at, (tokens, bound, Some(end)));
+                    }
+                    Op::Release { pick, started } => {
+                        if all.is_empty() {
+                            continue;
                         }
-                        all.push((last, pending, tokens, at + prefill));
+                        let i = pick % all.len();
+                        let how = if started { Release::Started } else { Release::Settled };
+                        s.release(Hold { origin: 1, seq: i as u64 }, how, Ms(now));
+                        let e = &mut all[i];
+                        if let Some(end) = e.4.take() {
+                            e.3 = match how {
+                                Release::Settled if end > now => end,
+                                _ => e.3.min(now),
+                            };
+                        }
                     }
                     Op::Count { dt } => {
                         now += dt;
@@ -505,6 +642,59 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_guard_tells_once_how_its_tokens_stopped_counting() {
+        let p = pod();
+        let told = Arc::new(Mutex::new(Vec::new()));
+        let guard = |told: &Arc<Mutex<Vec<Release>>>| {
+            let mut g = p.begin_request(100, Instant::now(), 1000.0);
+            let t = told.clone();
+            g.on_release(move |how| t.lock().push(how));
+            g
+        };
+        // The response started, then ended: told once, at the start.
+        let mut g = guard(&told);
+        g.prefill_done();
+        g.prefill_done();
+        g.complete();
+        // Ended unobserved: settled. Ended by its stream's end (a reset): started.
+        guard(&told).settle();
+        drop(guard(&told).ends_with_drop());
+        assert_eq!(
+            *told.lock(),
+            [Release::Started, Release::Settled, Release::Started]
+        );
+    }
+
+    #[test]
+    fn another_replicas_held_tokens_stop_at_their_release_or_bound() {
+        let stale = Duration::from_secs(60);
+        let mut s = Settling::<Ms>::default();
+        let h = |seq| Hold { origin: 9, seq };
+        // Predicted to prefill by 100 ms, held until 30 s after that at most.
+        s.push_held(Ms(0), 500, Ms(100), Ms(30_100), h(1));
+        s.push_held(Ms(0), 300, Ms(100), Ms(30_100), h(2));
+        s.push_held(Ms(0), 200, Ms(5_000), Ms(35_000), h(3));
+        assert_eq!(
+            s.count(Ms(1_000), stale),
+            (3, 1_000),
+            "past the prefill, still held"
+        );
+        s.release(h(1), Release::Started, Ms(1_000));
+        s.release(h(1), Release::Started, Ms(1_000));
+        s.release(h(3), Release::Settled, Ms(1_000));
+        assert_eq!(
+            s.count(Ms(1_000), stale),
+            (3, 500),
+            "one gone, one until its prefill"
+        );
+        assert_eq!(s.count(Ms(5_000), stale), (3, 300));
+        // Its release never came.
+        assert_eq!(s.count(Ms(30_100), stale), (3, 0));
+        s.release(h(2), Release::Settled, Ms(30_200));
+        assert_eq!(s.count(Ms(30_200), stale), (3, 0));
     }
 
     #[tokio::test(start_paused = true)]

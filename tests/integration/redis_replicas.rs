@@ -366,6 +366,34 @@ async fn a_conversation_stays_on_one_pod_whichever_replica_decides() {
         );
     }
     d.assert_both_decided_through("mirror").await;
+    // Each decision's tokens counted on the other replica until its response started: every
+    // load one replica published (with its release) was released on the other.
+    for (i, j) in [(0, 1), (1, 0)] {
+        let deadline = Instant::now() + POLL;
+        loop {
+            let published = metric(
+                &d.metrics(i).await,
+                "kv_router_redis_load_published_total",
+                &[],
+            );
+            let released = metric(
+                &d.metrics(j).await,
+                "kv_router_redis_load_releases_total",
+                &[],
+            );
+            if released > 0.0 && 2.0 * released == published {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "replica {j} released {released} of replica {i}'s loads ({published} loads and \
+                 releases published)\n{}{}",
+                redis_lines(&d.metrics(j).await),
+                d.diag()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
 }
 
 #[tokio::test]

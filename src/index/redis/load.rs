@@ -33,7 +33,7 @@ use super::metrics::Dropped;
 use super::mirror::{read_after, supervise, EntryId, MAX_CHARGE_MS, MAX_CHARGE_TOKENS, MAX_POD};
 use super::peers::Peers;
 use super::Shared;
-use crate::index::{Charge, IndexError};
+use crate::index::{Charge, IndexError, Release};
 use crate::pods::PodId;
 
 /// Entries the stream keeps (`MAXLEN ~`): far more than the loads of `mirror_max_lag_ms`.
@@ -46,21 +46,57 @@ const PUBLISH_BATCH: usize = 256;
 /// 16 s of them: far past `mirror_max_lag_ms`).
 const SEEN: usize = 16_384;
 
-/// One decision's load, as the load stream carries it.
+/// What a load message says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Kind {
+    /// A load counted for its predicted prefill (older replicas send only these).
+    Load,
+    /// A load whose tokens count until its replica releases them.
+    Held,
+    /// The release of a held load: [`Release::Started`] or [`Release::Settled`].
+    Released(Release),
+}
+
+impl Kind {
+    pub(super) fn code(self) -> u8 {
+        match self {
+            Kind::Load => 0,
+            Kind::Held => 1,
+            Kind::Released(Release::Started) => 2,
+            Kind::Released(Release::Settled) => 3,
+        }
+    }
+
+    pub(super) fn from_code(c: u8) -> Option<Self> {
+        Some(match c {
+            0 => Kind::Load,
+            1 => Kind::Held,
+            2 => Kind::Released(Release::Started),
+            3 => Kind::Released(Release::Settled),
+            _ => return None,
+        })
+    }
+}
+
+/// One decision's load, or its release, as the load stream carries it. A release names the
+/// load's pod and number, at its own time, with no tokens: an older replica takes it for a
+/// second copy of the load and skips it.
 #[derive(Debug, Clone, PartialEq)]
 pub(super) struct Announced {
     pub(super) origin: u64,
     pub(super) seq: u64,
     pub(super) pod: PodId,
-    /// When it was committed, unix microseconds.
+    /// When it was committed (a release: sent), unix microseconds.
     pub(super) wall_us: u64,
     pub(super) uncached_tokens: u64,
     pub(super) prefill_ms: u64,
+    pub(super) kind: Kind,
 }
 
 impl Announced {
-    fn fields(&self) -> [(&'static str, Vec<u8>); 6] {
+    fn fields(&self) -> [(&'static str, Vec<u8>); 7] {
         [
+            ("k", self.kind.code().to_string().into_bytes()),
             ("o", format!("{:016x}", self.origin).into_bytes()),
             ("q", self.seq.to_string().into_bytes()),
             ("p", self.pod.as_str().as_bytes().to_vec()),
@@ -86,13 +122,18 @@ impl Announced {
             wall_us: number("m")?,
             uncached_tokens: number("u").filter(|&u| u <= MAX_CHARGE_TOKENS)?,
             prefill_ms: number("d").filter(|&d| d <= MAX_CHARGE_MS)?,
+            kind: match map.contains_key("k") {
+                true => Kind::from_code(u8::try_from(number("k")?).ok()?)?,
+                false => Kind::Load,
+            },
         })
     }
 }
 
-/// The loads this replica charged, by origin and sequence number: the first of a load's two
-/// copies (load entry, record) to arrive is charged, the other is not.
-pub(super) struct Seen(Mutex<LruCache<(u64, u64), ()>>);
+/// The loads this replica charged, by origin and sequence number: the first of a load's copies
+/// (datagram, load entry, record) to arrive is charged, the others are not; and whether it was
+/// released (a release that came first leaves its load uncharged).
+pub(super) struct Seen(Mutex<LruCache<(u64, u64), bool>>);
 
 impl Seen {
     pub(super) fn new() -> Self {
@@ -103,7 +144,25 @@ impl Seen {
 
     /// Whether this is the load's first copy here (and from now on, it is not).
     pub(super) fn first(&self, origin: u64, seq: u64) -> bool {
-        self.0.lock().put((origin, seq), ()).is_none()
+        let mut seen = self.0.lock();
+        if seen.get(&(origin, seq)).is_some() {
+            return false;
+        }
+        seen.put((origin, seq), false);
+        true
+    }
+
+    /// Whether the load is charged here and this is its release's first copy (from now on, a
+    /// copy of the load or of its release changes nothing).
+    pub(super) fn release(&self, origin: u64, seq: u64) -> bool {
+        let mut seen = self.0.lock();
+        match seen.get_mut(&(origin, seq)) {
+            Some(released) => !std::mem::replace(released, true),
+            None => {
+                seen.put((origin, seq), true);
+                false
+            }
+        }
     }
 }
 
@@ -149,15 +208,43 @@ impl LoadStream {
             wall_us,
             uncached_tokens: charge.uncached_tokens.min(MAX_CHARGE_TOKENS),
             prefill_ms: charge.prefill_ms.min(MAX_CHARGE_MS),
+            kind: Kind::Held,
         };
+        self.send(shared, a).then_some(seq)
+    }
+
+    /// Sends the release of load `seq` on `pod`, at `wall_us` (never waits; both copies lost,
+    /// the others stop counting its tokens at their bound, `pods::MAX_HOLD`).
+    pub(super) fn release(
+        &self,
+        shared: &Shared,
+        pod: &PodId,
+        seq: u64,
+        wall_us: u64,
+        how: Release,
+    ) {
+        let a = Announced {
+            origin: self.origin,
+            seq,
+            pod: pod.clone(),
+            wall_us,
+            uncached_tokens: 0,
+            prefill_ms: 0,
+            kind: Kind::Released(how),
+        };
+        self.send(shared, a);
+    }
+
+    /// Sends `a` as a datagram and queues it for the stream; false when the queue was full.
+    fn send(&self, shared: &Shared, a: Announced) -> bool {
         if let Some(peers) = &self.peers {
             peers.send(shared, &a);
         }
         if self.tx.try_send(a).is_err() {
             shared.metrics.load_dropped(Dropped::QueueFull, 1);
-            return None;
+            return false;
         }
-        Some(seq)
+        true
     }
 }
 
@@ -261,6 +348,7 @@ pub(super) mod tests {
             wall_us: 1_700_000_000_123_456,
             uncached_tokens: 4_000,
             prefill_ms: 350,
+            kind: Kind::Held,
         }
     }
 
@@ -288,12 +376,40 @@ pub(super) mod tests {
             with("m", b"soon"),
             with("u", (MAX_CHARGE_TOKENS + 1).to_string().as_bytes()),
             with("d", (MAX_CHARGE_MS + 1).to_string().as_bytes()),
+            with("k", b"4"),
+            with("k", b"256"),
         ] {
             assert_eq!(Announced::parse(&bad), None);
         }
         let mut missing = as_map(&a);
         missing.remove("q");
         assert_eq!(Announced::parse(&missing), None);
+        // An older replica's entry has no kind: a load counted for its predicted prefill.
+        let mut old = as_map(&a);
+        old.remove("k");
+        assert_eq!(Announced::parse(&old).unwrap().kind, Kind::Load);
+        for c in 0..4 {
+            let k = Kind::from_code(c).unwrap();
+            let r = Announced {
+                kind: k,
+                ..a.clone()
+            };
+            assert_eq!(Announced::parse(&as_map(&r)).unwrap().kind, k);
+        }
+    }
+
+    #[test]
+    fn a_load_is_released_once_and_a_release_that_came_first_leaves_it_uncharged() {
+        let seen = Seen::new();
+        assert!(seen.first(1, 7));
+        assert!(seen.release(1, 7), "charged, released");
+        assert!(!seen.release(1, 7), "the release's second copy");
+        assert!(!seen.first(1, 7), "the load's late copy");
+        assert!(!seen.release(1, 8), "nothing charged to release");
+        assert!(
+            !seen.first(1, 8),
+            "its load came after its release: not charged"
+        );
     }
 
     #[test]

@@ -217,6 +217,7 @@ pub struct RedisMetrics {
     pub(crate) mirror_restarts: Counter,
     pub(crate) load_lag: Histogram,
     pub(crate) load_charges: Counter,
+    pub(crate) load_releases: Counter,
     pub(crate) load_published: Counter,
     pub(crate) load_drops: Family<DroppedLabel, Counter>,
     pub(crate) load_peers: Gauge,
@@ -254,6 +255,7 @@ impl RedisMetrics {
             // 10 µs .. ~2.6 s
             load_lag: Histogram::new(exponential_buckets(10e-6, 2.0, 19)),
             load_charges: Counter::default(),
+            load_releases: Counter::default(),
             load_published: Counter::default(),
             load_drops: Family::default(),
             load_peers: Gauge::default(),
@@ -374,8 +376,13 @@ impl RedisMetrics {
             m.load_charges.clone(),
         );
         registry.register(
+            "redis_load_releases",
+            "Other replicas' held loads released here (their response started, or their stream ended)",
+            m.load_releases.clone(),
+        );
+        registry.register(
             "redis_load_published",
-            "This replica's loads published to the load stream",
+            "This replica's loads, and their releases, published to the load stream",
             m.load_published.clone(),
         );
         registry.register(

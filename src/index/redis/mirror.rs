@@ -33,14 +33,14 @@ use tokio::sync::{mpsc, oneshot, watch};
 use tracing::{info, warn};
 
 use super::conn::{to_index_error, Handle};
-use super::load::{self, Announced, LoadStream, Seen};
+use super::load::{self, Announced, Kind, LoadStream, Seen};
 use super::metrics::{Dropped, Reload};
 use super::peers::{self, Peers};
 use super::snapshot;
 use super::{Local, Shared};
 use crate::blocks::BlockKey;
 use crate::config::RedisConfig;
-use crate::index::{Charge, ConversationMark, IndexError, KvIndex, RemoteLoad};
+use crate::index::{Charge, ConversationMark, Hold, IndexError, KvIndex, RemoteLoad};
 use crate::pods::PodId;
 
 /// Entries read per `XREAD`.
@@ -304,11 +304,24 @@ impl Mirror {
     }
 
     /// Charges another replica's load from the load stream or its datagram, unless it is too old
-    /// by now or another copy already charged it; answers whether it did.
+    /// by now or another copy already charged it, or releases it; answers whether it did.
     fn charge_announced(&self, shared: &Shared, a: Announced, age: Duration) -> bool {
         let Some(sink) = self.remote.get() else {
             return false;
         };
+        let hold = Hold {
+            origin: a.origin,
+            seq: a.seq,
+        };
+        if let Kind::Released(how) = a.kind {
+            // Releasing is harmless at any age; a release before its load leaves it uncharged.
+            if !self.seen.release(a.origin, a.seq) {
+                return false;
+            }
+            sink.release(&a.pod, hold, how);
+            shared.metrics.load_releases.inc();
+            return true;
+        }
         if age.as_millis() as u64 > self.max_lag_ms || !self.seen.first(a.origin, a.seq) {
             return false;
         }
@@ -318,7 +331,7 @@ impl Mirror {
             mark: None,
             announced: Some(a.seq),
         };
-        sink.charge(&a.pod, charge, age);
+        sink.charge(&a.pod, charge, age, (a.kind == Kind::Held).then_some(hold));
         shared.metrics.mirror_charges.inc();
         shared.metrics.load_charges.inc();
         true
@@ -591,7 +604,7 @@ async fn apply(shared: &Shared, mirror: &Mirror, local: &Local, origin: u64, cha
                 if mirror.share_load && age <= mirror.max_lag_ms {
                     // Not when the load stream brought it first.
                     if c.announced.is_none_or(|q| mirror.seen.first(origin, q)) {
-                        sink.charge(&pod, c, Duration::from_millis(age));
+                        sink.charge(&pod, c, Duration::from_millis(age), None);
                         shared.metrics.mirror_charges.inc();
                     }
                     if let Some(m) = c.mark {

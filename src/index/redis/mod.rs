@@ -49,7 +49,8 @@ pub use self::schema::{member, parse_member};
 use self::schema::{Schema, Scripts};
 use self::writer::WriteOp;
 use super::{
-    ApplyStats, Charge, EventIndex, IndexError, IndexStats, KvIndex, MemoryIndex, RemoteLoad,
+    ApplyStats, Charge, EventIndex, IndexError, IndexStats, KvIndex, MemoryIndex, Release,
+    RemoteLoad,
 };
 use crate::blocks::BlockKey;
 use crate::config::{RedisConfig, RedisLookups, RedisMode};
@@ -634,6 +635,12 @@ impl KvIndex for RedisIndex {
     fn announce(&self, pod: &PodId, charge: &Charge) -> Option<u64> {
         let load = self.mirror.as_ref()?.load.as_ref()?;
         load.announce(&self.shared, pod, Shared::wall_now_us(), charge)
+    }
+
+    fn release(&self, pod: &PodId, seq: u64, how: Release) {
+        if let Some(load) = self.mirror.as_ref().and_then(|m| m.load.as_ref()) {
+            load.release(&self.shared, pod, seq, Shared::wall_now_us(), how);
+        }
     }
 
     fn catch_up_load(&self) {

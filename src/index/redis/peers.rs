@@ -7,8 +7,9 @@
 //! - Each replica binds a UDP socket and, every [`HEARTBEAT`], writes its address and a signing
 //!   key (random, per process) with an expiry ([`TTL_MS`]) to the hash `P:peers`, and reads the
 //!   others' from it.
-//! - A datagram carries one load, as a load-stream entry does, signed with HMAC-SHA256 (the tag
-//!   cut to [`TAG`] bytes) under the sender's key. Only a datagram signed by a replica listed in
+//! - A datagram carries one load, or one load's release (the deciding replica saw the pod's
+//!   response start, or the request end), as a load-stream entry does, signed with HMAC-SHA256
+//!   (the tag cut to [`TAG`] bytes) under the sender's key. Only a datagram signed by a replica listed in
 //!   `P:peers` counts, and the first copy of a load (datagram, stream entry or record) is
 //!   charged, the others skipped: a replay changes nothing, and one older than
 //!   `mirror_max_lag_ms` is not charged.
@@ -30,7 +31,7 @@ use redis::{ConnectionAddr, IntoConnectionInfo};
 use sha2::Sha256;
 use tokio::net::UdpSocket;
 
-use super::load::Announced;
+use super::load::{Announced, Kind};
 use super::metrics::PeerDrop;
 use super::mirror::{MAX_CHARGE_MS, MAX_CHARGE_TOKENS, MAX_POD};
 use super::Shared;
@@ -41,10 +42,14 @@ use crate::pods::PodId;
 type Signer = Hmac<Sha256>;
 pub(super) type Key = [u8; 32];
 
-/// First bytes of every datagram (format version 1).
-const MAGIC: &[u8; 4] = b"KVL1";
-/// Magic, five u64 (origin, sequence, commit µs, uncached tokens, prefill ms), pod length u16.
-const HEAD: usize = 4 + 5 * 8 + 2;
+/// First bytes of a datagram of format version 2, the one sent: version 1 (still read, from
+/// older replicas) with the message's kind ([`Kind::code`]) after the five words.
+const MAGIC: &[u8; 4] = b"KVL2";
+const MAGIC_V1: &[u8; 4] = b"KVL1";
+/// Magic, five u64 (origin, sequence, commit µs, uncached tokens, prefill ms), kind u8, pod
+/// length u16.
+const HEAD: usize = 4 + 5 * 8 + 1 + 2;
+const HEAD_V1: usize = HEAD - 1;
 /// Bytes of the HMAC-SHA256 tag kept (128 bits).
 const TAG: usize = 16;
 /// The largest datagram a replica sends or reads.
@@ -305,6 +310,7 @@ pub(super) fn seal(a: &Announced, key: &Key) -> Option<Vec<u8>> {
     for v in [a.origin, a.seq, a.wall_us, a.uncached_tokens, a.prefill_ms] {
         d.extend_from_slice(&v.to_be_bytes());
     }
+    d.push(a.kind.code());
     d.extend_from_slice(&(pod.len() as u16).to_be_bytes());
     d.extend_from_slice(pod);
     let tag = signer(key).chain_update(&d).finalize().into_bytes();
@@ -315,25 +321,34 @@ pub(super) fn seal(a: &Announced, key: &Key) -> Option<Vec<u8>> {
 /// The load in datagram `d`, if it is well formed and signed by the replica it names (`key_of`
 /// gives a known replica's key), within the bounds a record has.
 fn open(d: &[u8], key_of: impl Fn(u64) -> Option<Key>) -> Result<Announced, PeerDrop> {
-    if d.len() < HEAD + TAG || &d[..4] != MAGIC {
+    let head = match d.get(..4) {
+        Some(m) if m == MAGIC => HEAD,
+        Some(m) if m == MAGIC_V1 => HEAD_V1,
+        _ => return Err(PeerDrop::Malformed),
+    };
+    if d.len() < head + TAG {
         return Err(PeerDrop::Malformed);
     }
     let word = |i: usize| {
         let at = 4 + 8 * i;
         u64::from_be_bytes(d[at..at + 8].try_into().expect("8 bytes"))
     };
-    let pod_len = u16::from_be_bytes([d[HEAD - 2], d[HEAD - 1]]) as usize;
-    if pod_len == 0 || pod_len > MAX_POD || d.len() != HEAD + pod_len + TAG {
+    let kind = match head {
+        HEAD => Kind::from_code(d[4 + 5 * 8]).ok_or(PeerDrop::Malformed)?,
+        _ => Kind::Load,
+    };
+    let pod_len = u16::from_be_bytes([d[head - 2], d[head - 1]]) as usize;
+    if pod_len == 0 || pod_len > MAX_POD || d.len() != head + pod_len + TAG {
         return Err(PeerDrop::Malformed);
     }
     let origin = word(0);
     let key = key_of(origin).ok_or(PeerDrop::UnknownSender)?;
-    let (body, tag) = d.split_at(HEAD + pod_len);
+    let (body, tag) = d.split_at(head + pod_len);
     signer(&key)
         .chain_update(body)
         .verify_truncated_left(tag)
         .map_err(|_| PeerDrop::BadSignature)?;
-    let pod = std::str::from_utf8(&body[HEAD..]).map_err(|_| PeerDrop::Malformed)?;
+    let pod = std::str::from_utf8(&body[head..]).map_err(|_| PeerDrop::Malformed)?;
     let (uncached_tokens, prefill_ms) = (word(3), word(4));
     if uncached_tokens > MAX_CHARGE_TOKENS || prefill_ms > MAX_CHARGE_MS {
         return Err(PeerDrop::Malformed);
@@ -345,6 +360,7 @@ fn open(d: &[u8], key_of: impl Fn(u64) -> Option<Key>) -> Result<Announced, Peer
         wall_us: word(2),
         uncached_tokens,
         prefill_ms,
+        kind,
     })
 }
 
@@ -423,6 +439,39 @@ mod tests {
         let mut long = d.clone();
         long.push(0);
         assert_eq!(open(&long, |_| Some(key)), Err(PeerDrop::Malformed));
+    }
+
+    #[test]
+    fn every_kind_travels_and_an_older_replicas_datagram_is_a_plain_load() {
+        let key = [7; 32];
+        for c in 0..4 {
+            let a = Announced {
+                kind: Kind::from_code(c).unwrap(),
+                ..announced()
+            };
+            assert_eq!(open(&seal(&a, &key).unwrap(), |_| Some(key)), Ok(a));
+        }
+        // Version 1: no kind byte.
+        let a = announced();
+        let mut v1 = MAGIC_V1.to_vec();
+        for w in [a.origin, a.seq, a.wall_us, a.uncached_tokens, a.prefill_ms] {
+            v1.extend_from_slice(&w.to_be_bytes());
+        }
+        let pod = a.pod.as_str().as_bytes();
+        v1.extend_from_slice(&(pod.len() as u16).to_be_bytes());
+        v1.extend_from_slice(pod);
+        let tag = signer(&key).chain_update(&v1).finalize().into_bytes();
+        v1.extend_from_slice(&tag[..TAG]);
+        let old = open(&v1, |_| Some(key)).unwrap();
+        assert_eq!(old.kind, Kind::Load);
+        assert_eq!(old.uncached_tokens, a.uncached_tokens);
+        // A kind this replica does not know is refused, however well signed.
+        let mut unknown = seal(&a, &key).unwrap();
+        unknown.truncate(unknown.len() - TAG);
+        unknown[4 + 5 * 8] = 9;
+        let tag = signer(&key).chain_update(&unknown).finalize().into_bytes();
+        unknown.extend_from_slice(&tag[..TAG]);
+        assert_eq!(open(&unknown, |_| Some(key)), Err(PeerDrop::Malformed));
     }
 
     #[test]

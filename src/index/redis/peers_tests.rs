@@ -6,12 +6,12 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::load::Announced;
+use super::load::{Announced, Kind};
 use super::mirror_tests::{config, registry_specs, replica, server};
 use super::peers::{seal, unhex, Key};
 use crate::config::RedisConfig;
 use crate::index::contract::pods;
-use crate::index::{Charge, KvIndex, RedisIndex};
+use crate::index::{Charge, KvIndex, RedisIndex, Release};
 use crate::pods::{PodId, PodRegistry};
 
 /// Waits (deadline 10 s) until `done` holds.
@@ -134,6 +134,7 @@ async fn a_load_goes_straight_to_the_other_replica_and_forged_ones_charge_nothin
         wall_us: super::Shared::wall_now_us(),
         uncached_tokens: 1_000,
         prefill_ms: 1_000,
+        kind: Kind::Load,
     };
     raw.send_to(b"not a load", to).unwrap();
     raw.send_to(&seal(&load_on(a_origin, 1 << 40), &[0; 32]).unwrap(), to)
@@ -196,4 +197,80 @@ async fn a_load_waiting_in_the_socket_counts_before_the_next_decision_reads_load
     b.catch_up_load();
     assert_eq!(load().0, 1.0, "an empty socket changes nothing");
     assert_eq!(b.metrics().load_peer_charges.get(), 1);
+}
+
+/// Another replica's tokens count until its response starts, not for their predicted prefill
+/// alone (which leaves out the pod's queue: the replicas saw an idler fleet than one router
+/// did and moved long continuations off their holders, docs/results.md, stop 58).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peers_tokens_count_until_the_deciding_replica_releases_them() {
+    let prefix = "release";
+    let pair = Pair::new(prefix, 3).await;
+    let (a, b, p) = (&pair.a, &pair.b, &pair.pods);
+    let load = |i: usize| pair.load(i);
+    // Predicted to prefill at once: only a release ends the count.
+    let queued = Charge {
+        uncached_tokens: 4_000,
+        prefill_ms: 0,
+        mark: None,
+        announced: None,
+    };
+    let seq = a.announce(&p[0], &queued).unwrap();
+    until("B charges A's load", || {
+        b.metrics().load_charges.get() + b.metrics().load_peer_charges.get() > 0
+    })
+    .await;
+    assert_eq!(load(0), (1.0, 4_000.0), "held past its predicted prefill");
+    a.release(&p[0], seq, Release::Started);
+    until("B releases it", || b.metrics().load_releases.get() == 1).await;
+    assert_eq!(
+        load(0),
+        (1.0, 0.0),
+        "the response started: only the request counts"
+    );
+
+    // A stream that ended unobserved: its tokens count for their predicted prefill, no longer.
+    let long = Charge {
+        prefill_ms: 20_000,
+        ..queued
+    };
+    let seq = a.announce(&p[1], &long).unwrap();
+    until("B charges the second", || load(1) == (1.0, 4_000.0)).await;
+    a.release(&p[1], seq, Release::Settled);
+    until("B releases the second", || {
+        b.metrics().load_releases.get() == 2
+    })
+    .await;
+    assert_eq!(load(1), (1.0, 4_000.0), "still in its predicted prefill");
+
+    // Both copies of each release arrive; the second changes nothing. A release that comes
+    // before its load leaves the load uncharged.
+    until("every copy is read", || {
+        b.metrics().load_lag.count() == 4 && b.metrics().load_peer_lag.count() == 4
+    })
+    .await;
+    assert_eq!(b.metrics().load_releases.get(), 2);
+    let a_origin = a.replica_id().unwrap();
+    let a_key = listed(&pair.srv.url(), prefix).await[&a_origin];
+    let raw = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+    let to = b.load_peers_addr().unwrap();
+    let message = |kind| Announced {
+        origin: a_origin,
+        seq: 1 << 42,
+        pod: p[2].clone(),
+        wall_us: super::Shared::wall_now_us(),
+        uncached_tokens: 1_000,
+        prefill_ms: 0,
+        kind,
+    };
+    for kind in [Kind::Released(Release::Started), Kind::Held] {
+        raw.send_to(&seal(&message(kind), &a_key).unwrap(), to)
+            .unwrap();
+    }
+    until("both datagrams are read", || {
+        b.metrics().load_peer_lag.count() == 6
+    })
+    .await;
+    assert_eq!(load(2), (0.0, 0.0), "released before it arrived");
+    assert_eq!(b.metrics().load_releases.get(), 2);
 }
