@@ -244,7 +244,9 @@ impl Peers {
             Ok(a) => {
                 let age = Duration::from_micros(Shared::wall_now_us().saturating_sub(a.wall_us));
                 shared.metrics.load_peer_lag.observe(age.as_secs_f64());
-                if charge(a, age) {
+                // Releases are counted apart (`load_releases`).
+                let load = !matches!(a.kind, Kind::Released(_));
+                if charge(a, age) && load {
                     shared.metrics.load_peer_charges.inc();
                 }
             }

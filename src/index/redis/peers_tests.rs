@@ -250,6 +250,12 @@ async fn a_peers_tokens_count_until_the_deciding_replica_releases_them() {
     })
     .await;
     assert_eq!(b.metrics().load_releases.get(), 2);
+    assert_eq!(
+        b.metrics().load_charges.get(),
+        2,
+        "releases are not counted as loads"
+    );
+    assert!(b.metrics().load_peer_charges.get() <= 2);
     let a_origin = a.replica_id().unwrap();
     let a_key = listed(&pair.srv.url(), prefix).await[&a_origin];
     let raw = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
