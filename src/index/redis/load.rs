@@ -39,7 +39,7 @@ use crate::pods::PodId;
 /// Entries the stream keeps (`MAXLEN ~`): far more than the loads of `mirror_max_lag_ms`.
 pub(super) const MAX_LEN: usize = 10_000;
 /// Loads queued for publishing at most (more are dropped and counted).
-const QUEUE: usize = 4_096;
+pub(super) const QUEUE: usize = 4_096;
 /// Loads published per pipelined batch.
 const PUBLISH_BATCH: usize = 256;
 /// Charged loads remembered, so the record of one is not charged again (at 1,000 requests/s,
@@ -191,15 +191,17 @@ impl LoadStream {
         })
     }
 
-    /// Queues `charge` on `pod`, committed at `wall_us`, and answers its sequence number (never
-    /// waits; a full queue drops it and counts, and the record carries it later).
+    /// Sends `charge` on `pod`, committed at `wall_us`, and answers its sequence number (never
+    /// waits; a full queue drops the stream copy and counts). The number is answered even then:
+    /// the record carries it, so a datagram and the record are not both charged, and the
+    /// release follows (without it, the others would hold the tokens to their bound).
     pub(super) fn announce(
         &self,
         shared: &Shared,
         pod: &PodId,
         wall_us: u64,
         charge: &Charge,
-    ) -> Option<u64> {
+    ) -> u64 {
         let seq = self.next.fetch_add(1, Ordering::Relaxed);
         let a = Announced {
             origin: self.origin,
@@ -210,7 +212,8 @@ impl LoadStream {
             prefill_ms: charge.prefill_ms.min(MAX_CHARGE_MS),
             kind: Kind::Held,
         };
-        self.send(shared, a).then_some(seq)
+        self.send(shared, a);
+        seq
     }
 
     /// Sends the release of load `seq` on `pod`, at `wall_us` (never waits; both copies lost,
@@ -235,16 +238,14 @@ impl LoadStream {
         self.send(shared, a);
     }
 
-    /// Sends `a` as a datagram and queues it for the stream; false when the queue was full.
-    fn send(&self, shared: &Shared, a: Announced) -> bool {
+    /// Sends `a` as a datagram and queues it for the stream (a full queue drops it, counted).
+    fn send(&self, shared: &Shared, a: Announced) {
         if let Some(peers) = &self.peers {
             peers.send(shared, &a);
         }
         if self.tx.try_send(a).is_err() {
             shared.metrics.load_dropped(Dropped::QueueFull, 1);
-            return false;
         }
-        true
     }
 }
 

@@ -634,7 +634,7 @@ impl KvIndex for RedisIndex {
 
     fn announce(&self, pod: &PodId, charge: &Charge) -> Option<u64> {
         let load = self.mirror.as_ref()?.load.as_ref()?;
-        load.announce(&self.shared, pod, Shared::wall_now_us(), charge)
+        Some(load.announce(&self.shared, pod, Shared::wall_now_us(), charge))
     }
 
     fn release(&self, pod: &PodId, seq: u64, how: Release) {

@@ -280,3 +280,33 @@ async fn a_peers_tokens_count_until_the_deciding_replica_releases_them() {
     assert_eq!(load(2), (0.0, 0.0), "released before it arrived");
     assert_eq!(b.metrics().load_releases.get(), 2);
 }
+
+/// A load whose stream copy found the queue full still has its number: its record carries it
+/// (a datagram and the record are not both charged) and its release follows (without one the
+/// others held its tokens to their bound). One thread, never yielded to: the publisher never
+/// drains the queue.
+#[tokio::test(flavor = "current_thread")]
+async fn a_load_dropped_from_a_full_queue_keeps_its_number() {
+    let pair = Pair::new("full", 1).await;
+    let charge = Charge {
+        uncached_tokens: 10,
+        prefill_ms: 1,
+        mark: None,
+        announced: None,
+    };
+    let full = || {
+        pair.a
+            .metrics()
+            .load_drops
+            .get_or_create(&super::metrics::DroppedLabel {
+                reason: super::metrics::Dropped::QueueFull,
+            })
+            .get()
+    };
+    let mut last = None;
+    for _ in 0..=super::load::QUEUE {
+        last = pair.a.announce(&pair.pods[0], &charge);
+    }
+    assert_eq!(full(), 1, "the queue took {} loads", super::load::QUEUE);
+    assert_eq!(last, Some(super::load::QUEUE as u64 + 1));
+}
