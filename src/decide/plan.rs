@@ -381,6 +381,44 @@ pub fn commit_local<G>(
     guard
 }
 
+/// One debug line per decision: why, where, and how that compares with the pod holding the
+/// longest match (block counts and pod addresses only: never prompt text).
+pub fn log_decision(plan: &Plan) {
+    if !tracing::enabled!(tracing::Level::DEBUG) {
+        return;
+    }
+    let (Some(chosen), Some(holder)) = (
+        plan.ranked.first(),
+        plan.ranked
+            .iter()
+            .max_by(|a, b| a.matched_blocks.total_cmp(&b.matched_blocks)),
+    ) else {
+        return;
+    };
+    // The fleet's queue in this router's view (replicas sharing the load should see one router's).
+    let mean_queue_ms = plan
+        .ranked
+        .iter()
+        .map(|r| r.predicted.queue_ms)
+        .sum::<f64>()
+        / plan.ranked.len() as f64;
+    tracing::debug!(
+        reason = plan.reason.as_str(),
+        blocks = plan.total_blocks,
+        new_conversation = plan.new_conversation,
+        pod = %chosen.pod,
+        matched = chosen.matched_blocks,
+        ttft_ms = chosen.predicted.ttft_ms,
+        holder = %holder.pod,
+        holder_matched = holder.matched_blocks,
+        holder_saturated = holder.saturated,
+        holder_ttft_ms = holder.predicted.ttft_ms,
+        holder_queue_ms = holder.predicted.queue_ms,
+        mean_queue_ms,
+        "decision"
+    );
+}
+
 #[cfg(test)]
 mod tests {
     use rand::rngs::StdRng;

@@ -45,7 +45,7 @@ use xxhash_rust::xxh3::Xxh3;
 use self::conn::{to_index_error, Conn};
 pub use self::metrics::{Reason, RedisMetrics, Reload, Source};
 use self::mirror::{Change, Mirror};
-pub use self::schema::{member, parse_member};
+pub use self::schema::{decode_lookup_reply, member, parse_member};
 use self::schema::{Schema, Scripts};
 use self::writer::WriteOp;
 use super::{
@@ -280,35 +280,6 @@ impl Shared {
             soonest_expiry,
         })
     }
-}
-
-/// The lookup script's reply (one count per candidate, then the soonest expiry in ms, or a
-/// negative number for none) as matched counts and that expiry; anything else is a protocol
-/// error, never a panic (fuzzed: `fuzz/` target `redis_lookup_reply`).
-pub fn decode_lookup_reply(
-    out: &[String],
-    pods: usize,
-) -> Result<(Vec<f64>, Option<u64>), IndexError> {
-    let Some((soonest, counts)) = out.split_last().filter(|(_, c)| c.len() == pods) else {
-        return Err(IndexError::Protocol(format!(
-            "lookup answered {} values for {pods} pods",
-            out.len(),
-        )));
-    };
-    let matched = counts
-        .iter()
-        .map(|s| {
-            s.parse::<f64>()
-                .ok()
-                .filter(|v| v.is_finite() && *v >= 0.0)
-                .ok_or_else(|| IndexError::Protocol("lookup answered a non-count".into()))
-        })
-        .collect::<Result<Vec<_>, _>>()?;
-    let soonest_expiry = soonest
-        .parse::<i64>()
-        .ok()
-        .and_then(|v| u64::try_from(v).ok());
-    Ok((matched, soonest_expiry))
 }
 
 /// The shared index backend.
@@ -764,42 +735,6 @@ impl KvIndex for RedisIndex {
             "redis (shared by replicas; answered from this replica's mirror, kept current from a Redis stream)"
         } else {
             "redis (shared by replicas; this replica's in-process index answers when Redis cannot)"
-        }
-    }
-}
-
-#[cfg(test)]
-mod reply_tests {
-    use super::*;
-
-    fn strs(v: &[&str]) -> Vec<String> {
-        v.iter().map(|s| s.to_string()).collect()
-    }
-
-    #[test]
-    fn lookup_replies_decode_or_are_protocol_errors() {
-        assert_eq!(
-            decode_lookup_reply(&strs(&["12", "0", "3.5", "1700"]), 3).unwrap(),
-            (vec![12.0, 0.0, 3.5], Some(1700))
-        );
-        assert_eq!(
-            decode_lookup_reply(&strs(&["1", "-1"]), 1).unwrap(),
-            (vec![1.0], None)
-        );
-        for (bad, pods) in [
-            (strs(&["1", "2"]), 2),
-            (strs(&[]), 0),
-            (strs(&["nan", "5"]), 1),
-            (strs(&["-1", "5"]), 1),
-            (strs(&["inf", "5"]), 1),
-        ] {
-            assert!(
-                matches!(
-                    decode_lookup_reply(&bad, pods),
-                    Err(IndexError::Protocol(_))
-                ),
-                "{bad:?}"
-            );
         }
     }
 }

@@ -27,6 +27,7 @@ use redis::Script;
 use xxhash_rust::xxh3::xxh3_64;
 
 use crate::blocks::BlockKey;
+use crate::index::IndexError;
 use crate::pods::PodId;
 
 /// Builds key names under one prefix.
@@ -309,6 +310,35 @@ impl Scripts {
     }
 }
 
+/// The lookup script's reply (one count per candidate, then the soonest expiry in ms, or a
+/// negative number for none) as matched counts and that expiry; anything else is a protocol
+/// error, never a panic (fuzzed: `fuzz/` target `redis_lookup_reply`).
+pub fn decode_lookup_reply(
+    out: &[String],
+    pods: usize,
+) -> Result<(Vec<f64>, Option<u64>), IndexError> {
+    let Some((soonest, counts)) = out.split_last().filter(|(_, c)| c.len() == pods) else {
+        return Err(IndexError::Protocol(format!(
+            "lookup answered {} values for {pods} pods",
+            out.len(),
+        )));
+    };
+    let matched = counts
+        .iter()
+        .map(|s| {
+            s.parse::<f64>()
+                .ok()
+                .filter(|v| v.is_finite() && *v >= 0.0)
+                .ok_or_else(|| IndexError::Protocol("lookup answered a non-count".into()))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let soonest_expiry = soonest
+        .parse::<i64>()
+        .ok()
+        .and_then(|v| u64::try_from(v).ok());
+    Ok((matched, soonest_expiry))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -357,5 +387,36 @@ mod tests {
         let flat = Schema::new("kvr", false);
         assert_eq!(flat.recorded(7, BlockKey(1)), flat.recorded(8, BlockKey(1)));
         assert!(!flat.recorded(7, BlockKey(1)).contains('{'));
+    }
+
+    fn strs(v: &[&str]) -> Vec<String> {
+        v.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn lookup_replies_decode_or_are_protocol_errors() {
+        assert_eq!(
+            decode_lookup_reply(&strs(&["12", "0", "3.5", "1700"]), 3).unwrap(),
+            (vec![12.0, 0.0, 3.5], Some(1700))
+        );
+        assert_eq!(
+            decode_lookup_reply(&strs(&["1", "-1"]), 1).unwrap(),
+            (vec![1.0], None)
+        );
+        for (bad, pods) in [
+            (strs(&["1", "2"]), 2),
+            (strs(&[]), 0),
+            (strs(&["nan", "5"]), 1),
+            (strs(&["-1", "5"]), 1),
+            (strs(&["inf", "5"]), 1),
+        ] {
+            assert!(
+                matches!(
+                    decode_lookup_reply(&bad, pods),
+                    Err(IndexError::Protocol(_))
+                ),
+                "{bad:?}"
+            );
+        }
     }
 }
