@@ -1,0 +1,151 @@
+#!/usr/bin/env python3
+"""Where a Mooncake window's prefix hits come from, per run of `kv-bench compare --records`.
+
+A trace request *reuses* an earlier one when their first two or more hash blocks (512 tokens
+each) agree; every other request can hit at most the first block, which nearly all share. This
+script finds each reuse request's source (the earlier request sharing the longest prefix) and
+says, per run, how much of the reusable prefix it got back, and whether it went to the pod that
+had served its source. With `--logs DIR` (the `--router-metrics` directory of a run made with
+`RUST_LOG=kv_router=debug`) it also splits the reuse requests by what the router saw:
+
+- `knows`: the best holder in the router's index held at least 80 % of the reusable prefix;
+  `unknown` otherwise (evicted from the index, or its TTL passed).
+- `follow`: the chosen pod's match was at least 80 % of the best holder's; `moved`: chosen
+  elsewhere by load; `spread`: placed as a new conversation.
+- `hit` / `miss`: the pod reported at least half the reusable prefix cached.
+
+Decision lines carry no request number: they are matched to requests in time order (the
+replicas' logs merged), which holds when requests are sent a few milliseconds apart
+(`--spread-clumps`). Only block counts and pod names are read, never prompt text.
+
+Usage: scripts/reuse-breakdown.py --trace data/traces/mooncake_conversation_trace.jsonl \
+           --skip 2000 --requests 600 --records RECORDS.jsonl [--logs DIR]
+"""
+
+import argparse
+import collections
+import glob
+import json
+import re
+import sys
+
+BLOCK_TOKENS = 512
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+FIELD = re.compile(r'(\w+)=("[^"]*"|\S+)')
+
+
+def sources(trace, skip, requests):
+    """Request index -> (shared hash blocks, source index) for requests sharing >= 2 blocks."""
+    window = []
+    with open(trace) as f:
+        for i, line in enumerate(f):
+            if i >= skip + requests:
+                break
+            if i >= skip:
+                window.append(json.loads(line)["hash_ids"])
+    out = {}
+    for q, h in enumerate(window):
+        best = None
+        for i in range(q):
+            n = 0
+            for a, b in zip(h, window[i]):
+                if a != b:
+                    break
+                n += 1
+            if n >= 2 and (best is None or n > best[0]):
+                best = (n, i, len(h))
+        if best:
+            out[q] = best
+    return out
+
+
+def decisions(logs, run):
+    tag = run.replace(" ", "")
+    out = []
+    for path in sorted(glob.glob(f"{logs}/{tag}-*.log")):
+        with open(path) as f:
+            for line in f:
+                line = ANSI.sub("", line)
+                if " decision " not in line:
+                    continue
+                d = dict(FIELD.findall(line))
+                d["t"] = line.split()[0]
+                out.append(d)
+    out.sort(key=lambda d: d["t"])
+    return out
+
+
+def category(d, shared, total_blocks):
+    blocks, best, chosen = (float(d[k]) for k in ("blocks", "holder_matched", "matched"))
+    knows = best >= 0.8 * shared / total_blocks * blocks
+    if knows and chosen >= 0.8 * best:
+        how = "follow"
+    elif d["reason"] == '"spread"':
+        how = "spread"
+    else:
+        how = "moved"
+    return ("knows" if knows else "unknown") + "/" + how
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--trace", required=True)
+    ap.add_argument("--skip", type=int, default=0)
+    ap.add_argument("--requests", type=int, required=True)
+    ap.add_argument("--records", required=True)
+    ap.add_argument("--logs")
+    a = ap.parse_args()
+    src = sources(a.trace, a.skip, a.requests)
+    runs = collections.defaultdict(dict)
+    with open(a.records) as f:
+        for line in f:
+            r = json.loads(line)
+            runs[r["run"]][r["request"]] = r
+    totals = collections.defaultdict(lambda: collections.Counter())
+    for run in sorted(runs, key=lambda s: (s.split(" #")[0], int(s.split(" #")[1]) if " #" in s else 0)):
+        rs = runs[run]
+        if len(rs) != a.requests:
+            sys.exit(f"{run}: {len(rs)} records, expected {a.requests}")
+        ds = decisions(a.logs, run) if a.logs else []
+        if a.logs and len(ds) != a.requests:
+            sys.exit(f"{run}: {len(ds)} decision lines, expected {a.requests}")
+        potential = got = same = 0
+        cats, lost = collections.Counter(), collections.Counter()
+        for q, (n, i, total_blocks) in src.items():
+            reusable = (n - 1) * BLOCK_TOKENS
+            cached = min(max(0, rs[q]["cached_tokens"] - BLOCK_TOKENS), reusable)
+            potential += reusable
+            got += cached
+            same += rs[q]["pod"] == rs[i]["pod"]
+            if ds:
+                c = category(ds[q], n, total_blocks) + ("/hit" if cached >= reusable / 2 else "/miss")
+                cats[c] += 1
+                lost[c] += reusable - cached
+        strategy = run.split(" #")[0]
+        t = totals[strategy]
+        t["runs"] += 1
+        t["got"] += got
+        t["same"] += same
+        for c, v in cats.items():
+            t["n " + c] += v
+            t["lost " + c] += lost[c]
+        hits = sum(r["cached_tokens"] for r in rs.values())
+        line = (f"{run:>18}: all hits {hits / 1e3:6.0f}k, reuse requests {len(src)}, "
+                f"got {got / 1e3:4.0f}k of {potential / 1e3:.0f}k ({got / potential:.0%}), "
+                f"on their source's pod {same}")
+        if ds:
+            line += "; " + ", ".join(f"{c} {v} ({lost[c] / 1e3:.0f}k lost)" if lost[c] else f"{c} {v}"
+                                     for c, v in sorted(cats.items()))
+        print(line)
+    print("\nMean per run:")
+    for strategy, t in totals.items():
+        k = t["runs"]
+        parts = [f"got {t['got'] / k / 1e3:.0f}k", f"on their source's pod {t['same'] / k:.1f}"]
+        for key in sorted(x for x in t if x.startswith("n ")):
+            c = key[2:]
+            parts.append(f"{c} {t[key] / k:.1f} ({t['lost ' + c] / k / 1e3:.0f}k lost)")
+        print(f"{strategy:>18} ({k} runs): " + ", ".join(parts))
+
+
+if __name__ == "__main__":
+    main()
