@@ -33,8 +33,9 @@ pub use events::{EventIndex, EventIndexConfig};
 pub use memory::MemoryIndex;
 pub use redis::{
     decode_lookup_reply as decode_redis_lookup_reply, member as redis_member,
-    parse_member as parse_redis_member, Local, Reason as RedisFallbackReason, RedisIndex,
-    RedisMetrics, Reload as RedisReload, Source as RedisSource, Tuning,
+    parse_member as parse_redis_member, parse_run as parse_redis_run,
+    run_member as redis_run_member, Local, Reason as RedisFallbackReason, RedisIndex, RedisMetrics,
+    Reload as RedisReload, Source as RedisSource, Tuning, RUN as REDIS_SNAPSHOT_RUN,
 };
 
 use crate::events::KvEventBatch;

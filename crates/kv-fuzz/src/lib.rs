@@ -28,8 +28,9 @@ use kv_router::extproc::{
     ExtProc, ExtProcMetrics, DESTINATION_HEADER, LB_NAMESPACE, SUBSET_KEY, SUBSET_NAMESPACE,
 };
 use kv_router::index::{
-    decode_redis_lookup_reply, parse_redis_member, redis_member as member, EventIndex,
-    EventIndexConfig, KvIndex, MemoryIndex,
+    decode_redis_lookup_reply, parse_redis_member, parse_redis_run, redis_member as member,
+    redis_run_member as run_member, EventIndex, EventIndexConfig, KvIndex, MemoryIndex,
+    REDIS_SNAPSHOT_RUN as RUN,
 };
 use kv_router::pods::{
     parse_vllm_metrics, LoadSample, PodId, PodRegistry, PodSource, StaticSource,
@@ -317,6 +318,29 @@ pub fn redis_member(data: &[u8]) {
         parse_redis_member(member(root, key).as_bytes()),
         Some((root, key))
     );
+    // Snapshot members: runs of keys, accepted only as written, and every run round-trips.
+    if let Some((root, keys)) = parse_redis_run(data) {
+        assert_eq!(
+            run_member(root, &keys).as_bytes(),
+            data,
+            "accepted a run this router would not write"
+        );
+    }
+    let keys: Vec<BlockKey> = data
+        .chunks(8)
+        .take(RUN)
+        .map(|c| {
+            let mut w = [0u8; 8];
+            w[..c.len()].copy_from_slice(c);
+            BlockKey(u64::from_le_bytes(w))
+        })
+        .collect();
+    if !keys.is_empty() {
+        assert_eq!(
+            parse_redis_run(run_member(root, &keys).as_bytes()),
+            Some((root, keys))
+        );
+    }
 }
 
 /// The Redis lookup script's reply: `data` split at NUL bytes into strings, the first byte picks

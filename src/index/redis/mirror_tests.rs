@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use tokio::net::{TcpListener, TcpStream};
 
 use super::mirror::{trimmed_past, EntryId};
+use super::schema::RUN;
 use crate::blocks::BlockKey;
 use crate::config::RedisConfig;
 use crate::index::contract::{doc_keys, pods};
@@ -499,25 +500,35 @@ async fn a_decisions_load_reaches_the_others_ahead_of_its_record_and_counts_once
 }
 
 /// What Redis holds for `pod`'s recorded entry of each of `keys`: the expiry its last writer set,
-/// as the score of its member in the pod's snapshot set (no per-block hash is written).
+/// as the score of the run holding it in the pod's snapshot set (no per-block hash is written).
 async fn stored(index: &RedisIndex, keys: &[BlockKey], pod: &PodId) -> Vec<Option<u64>> {
     let schema = &index.shared.schema;
     let mut con = index.shared.conn.write().await.unwrap();
+    let runs: Vec<(Vec<u8>, f64)> = redis::cmd("ZRANGE")
+        .arg(schema.snapshot(pod))
+        .arg(0)
+        .arg(-1)
+        .arg("WITHSCORES")
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    let mut held = std::collections::HashMap::new();
+    for (m, score) in &runs {
+        let (_, run) = super::schema::parse_run(m).expect("a run this router wrote");
+        for k in run {
+            let e = held.entry(k).or_insert(0u64);
+            *e = (*e).max(*score as u64);
+        }
+    }
     let mut out = Vec::new();
     for &k in keys {
-        let v: Option<f64> = redis::cmd("ZSCORE")
-            .arg(schema.snapshot(pod))
-            .arg(schema.member(keys[0].0, k))
-            .query_async(&mut con)
-            .await
-            .unwrap();
         let hashes: i64 = redis::cmd("EXISTS")
             .arg(schema.recorded(keys[0].0, k))
             .query_async(&mut con)
             .await
             .unwrap();
         assert_eq!(hashes, 0, "no per-block hash in approximate mirror mode");
-        out.push(v.map(|v| v as u64));
+        out.push(held.get(&k).copied());
     }
     out
 }
@@ -531,7 +542,8 @@ async fn an_entry_any_replica_recorded_within_the_refresh_window_is_not_rewritte
     };
     let (a, b) = (replica(&cfg), replica(&cfg));
     let p = pods(2);
-    let keys = doc_keys(1, 8, BT);
+    // One snapshot run of 16 keys; the longer prompt adds a second run.
+    let keys = doc_keys(1, RUN, BT);
     a.record(&p[0], &keys, now_ms(&a)).await.unwrap();
     a.flush().await.unwrap();
     b.flush().await.unwrap();
@@ -541,22 +553,22 @@ async fn an_entry_any_replica_recorded_within_the_refresh_window_is_not_rewritte
     // B sends the same prompt to the same pod moments after A: its mirror has every entry.
     b.record(&p[0], &keys, now_ms(&b)).await.unwrap();
     b.flush().await.unwrap();
-    assert_eq!(b.metrics().record_skipped.get(), 8);
+    assert_eq!(b.metrics().record_skipped.get(), 16);
     assert_eq!(stored(&a, &keys, &p[0]).await, first, "nothing rewritten");
-    // Another pod's entries, a longer prompt's new blocks, and entries past the window are written.
-    let longer = doc_keys(1, 12, BT);
+    // Another pod's entries, a longer prompt's new run, and entries past the window are written.
+    let longer = doc_keys(1, RUN + 8, BT);
     b.record(&p[1], &keys, now_ms(&b)).await.unwrap();
     b.record(&p[0], &longer, now_ms(&b)).await.unwrap();
     b.flush().await.unwrap();
-    assert_eq!(b.metrics().record_skipped.get(), 16);
+    assert_eq!(b.metrics().record_skipped.get(), 32);
     assert!(stored(&b, &keys, &p[1]).await.iter().all(Option::is_some));
-    assert!(stored(&b, &longer[8..], &p[0])
+    assert!(stored(&b, &longer[RUN..], &p[0])
         .await
         .iter()
         .all(Option::is_some));
     b.record(&p[0], &keys, now_ms(&b) + 60_001).await.unwrap();
     b.flush().await.unwrap();
-    assert_eq!(b.metrics().record_skipped.get(), 16);
+    assert_eq!(b.metrics().record_skipped.get(), 32);
     let later = stored(&a, &keys, &p[0]).await;
     assert!(
         later.iter().zip(&first).all(|(l, f)| l > f),
@@ -570,7 +582,7 @@ async fn an_entry_any_replica_recorded_within_the_refresh_window_is_not_rewritte
         assert!(Instant::now() < deadline, "{:?}", c.unready());
         tokio::task::yield_now().await;
     }
-    assert_eq!(c.lookup(&longer, &p, 2).await.unwrap(), vec![12.0, 8.0]);
+    assert_eq!(c.lookup(&longer, &p, 2).await.unwrap(), vec![24.0, 16.0]);
     // Off (0), every record is rewritten.
     let off = replica(&RedisConfig {
         record_refresh_ms: 0,
@@ -587,13 +599,20 @@ async fn the_snapshot_set_keeps_a_pods_capacity_of_prompt_heads_and_goes_with_th
     let srv = server();
     let a = replica(&config(&srv.url(), "mirror-snap", 100_000));
     let p = pods(1);
-    let keys = doc_keys(3, 8, BT);
-    a.set_capacity(&p[0], 4).await.unwrap();
+    // Three runs (16, 16 and 8 keys) against a capacity of two.
+    let keys = doc_keys(3, 2 * RUN + 8, BT);
+    a.set_capacity(&p[0], 2 * RUN).await.unwrap();
     a.record(&p[0], &keys, now_ms(&a)).await.unwrap();
     a.flush().await.unwrap();
     let held = stored(&a, &keys, &p[0]).await;
-    assert!(held[..4].iter().all(Option::is_some), "{held:?}");
-    assert!(held[4..].iter().all(Option::is_none), "{held:?}");
+    assert!(held[..2 * RUN].iter().all(Option::is_some), "{held:?}");
+    assert!(held[2 * RUN..].iter().all(Option::is_none), "{held:?}");
+    let members: i64 = redis::cmd("ZCARD")
+        .arg(a.shared.schema.snapshot(&p[0]))
+        .query_async(&mut a.shared.conn.write().await.unwrap())
+        .await
+        .unwrap();
+    assert_eq!(members, 2, "a member per run of blocks, not per block");
     a.forget_pod(&p[0]).await.unwrap();
     a.flush().await.unwrap();
     let mut con = a.shared.conn.write().await.unwrap();
@@ -603,4 +622,39 @@ async fn the_snapshot_set_keeps_a_pods_capacity_of_prompt_heads_and_goes_with_th
         .await
         .unwrap();
     assert_eq!(left, 0, "forgotten");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_snapshot_an_older_replica_wrote_one_block_per_member_still_loads() {
+    let srv = server();
+    let cfg = config(&srv.url(), "mirror-old-snap", 100_000);
+    let a = replica(&cfg);
+    let p = pods(1);
+    let keys = doc_keys(4, 8, BT);
+    let expiry = a.shared.wall_now() + a.shared.tuning.record_ttl_ms;
+    {
+        let mut con = a.shared.conn.write().await.unwrap();
+        for (i, &k) in keys.iter().enumerate() {
+            redis::cmd("ZADD")
+                .arg(a.shared.schema.snapshot(&p[0]))
+                .arg(super::snapshot::score(expiry, i))
+                .arg(a.shared.schema.member(keys[0].0, k))
+                .query_async::<i64>(&mut con)
+                .await
+                .unwrap();
+        }
+        redis::cmd("SADD")
+            .arg(a.shared.schema.pods())
+            .arg(p[0].as_str())
+            .query_async::<i64>(&mut con)
+            .await
+            .unwrap();
+    }
+    let c = replica(&cfg);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while c.unready().is_some() {
+        assert!(Instant::now() < deadline, "{:?}", c.unready());
+        tokio::task::yield_now().await;
+    }
+    assert_eq!(c.lookup(&keys, &p, 2).await.unwrap(), vec![8.0]);
 }

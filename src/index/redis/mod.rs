@@ -45,7 +45,7 @@ use xxhash_rust::xxh3::Xxh3;
 use self::conn::{to_index_error, Conn};
 pub use self::metrics::{Reason, RedisMetrics, Reload, Source};
 use self::mirror::{Change, Mirror};
-pub use self::schema::{decode_lookup_reply, member, parse_member};
+pub use self::schema::{decode_lookup_reply, member, parse_member, parse_run, run_member, RUN};
 use self::schema::{Schema, Scripts};
 use self::writer::WriteOp;
 use super::{
@@ -473,11 +473,14 @@ impl RedisIndex {
                 }
                 keys.to_vec()
             }
+            // Whole runs, as the snapshot stores them: a run is rewritten unless every key of it
+            // is fresh, so the runs kept stay aligned to the prompt's first block.
             Local::Memory(m) if self.refresh_ms > 0 => {
                 let fresh = m.record_noting_fresh(pod, keys, now_ms, self.refresh_ms);
-                keys.iter()
-                    .zip(fresh)
-                    .filter_map(|(&k, f)| (!f).then_some(k))
+                keys.chunks(RUN)
+                    .zip(fresh.chunks(RUN))
+                    .filter(|(_, f)| !f.iter().all(|&f| f))
+                    .flat_map(|(k, _)| k.iter().copied())
                     .collect()
             }
             Local::Memory(m) => {

@@ -72,6 +72,11 @@ impl Schema {
         member(if self.tag_roots { root } else { 0 }, key)
     }
 
+    /// A snapshot member: a run of consecutive `keys` under `root` (see [`run_member`]).
+    pub(super) fn run(&self, root: u64, keys: &[BlockKey]) -> String {
+        run_member(if self.tag_roots { root } else { 0 }, keys)
+    }
+
     /// Event-fed entries of `key`.
     pub(super) fn evented(&self, root: u64, key: BlockKey) -> String {
         self.block(root, 'e', key)
@@ -134,6 +139,42 @@ fn pod_tag(pod: &PodId) -> String {
 /// A (root, key) member of a pod's sets: 32 hex digits.
 pub fn member(root: u64, key: BlockKey) -> String {
     format!("{root:016x}{:016x}", key.0)
+}
+
+/// Most keys one member of a pod's snapshot set carries: a run of a prompt's consecutive blocks
+/// (256 tokens at 16 per block). One member per block made the snapshot's scripts most of
+/// Redis's time on make bench's synthetic window (docs/redis-schema.md, "The mirror").
+pub const RUN: usize = 16;
+
+/// A run of 1 to [`RUN`] consecutive keys under `root`, as one member of a pod's snapshot set:
+/// 16 hex digits for the root, then 16 per key. A run of one key is its (root, key) [`member`].
+pub fn run_member(root: u64, keys: &[BlockKey]) -> String {
+    use std::fmt::Write;
+    let mut s = String::with_capacity(16 * (1 + keys.len()));
+    for word in std::iter::once(root).chain(keys.iter().map(|k| k.0)) {
+        let _ = write!(s, "{word:016x}");
+    }
+    s
+}
+
+/// The (root, keys) a run member names; `None` for anything this router did not write (more
+/// than [`RUN`] keys included).
+pub fn parse_run(m: &[u8]) -> Option<(u64, Vec<BlockKey>)> {
+    let words = m.len() / 16;
+    if !m.len().is_multiple_of(16) || !(2..=RUN + 1).contains(&words) {
+        return None;
+    }
+    if !m.iter().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')) {
+        return None;
+    }
+    // ASCII hex only, so every 16-byte slice is valid UTF-8 and parses.
+    let word = |c: &[u8]| u64::from_str_radix(std::str::from_utf8(c).ok()?, 16).ok();
+    let root = word(&m[..16])?;
+    let keys = m[16..]
+        .chunks(16)
+        .map(|c| word(c).map(BlockKey))
+        .collect::<Option<Vec<_>>>()?;
+    Some((root, keys))
 }
 
 /// The (root, key) a member names; `None` for anything this router did not write.
@@ -240,15 +281,17 @@ for i = 1, #popped, 2 do out[#out + 1] = popped[i] end
 return out
 "#;
 
-/// Records entries of one pod in its snapshot set: one `ZADD GT` (a score only grows), expired
-/// members dropped, the lowest scores (the least recent) evicted past its capacity.
-/// KEYS: snap, meta. ARGV: default capacity, now (unix ms), then score and member pairs.
-/// Returns how many it recorded.
+/// Records runs of one pod's entries in its snapshot set: one `ZADD GT` (a score only grows),
+/// expired members dropped, the lowest scores (the least recent) evicted past its capacity,
+/// counted in runs (a member holds up to a run's length of blocks).
+/// KEYS: snap, meta. ARGV: default capacity (blocks), run length, now (unix ms), then score and
+/// member pairs. Returns how many members it recorded.
 pub(super) const SNAPSHOT: &str = r#"
-local n = (#ARGV - 2) / 2
-if n > 0 then redis.call('ZADD', KEYS[1], 'GT', unpack(ARGV, 3)) end
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[2])
-local cap = tonumber(redis.call('HGET', KEYS[2], 'cap') or ARGV[1])
+local n = (#ARGV - 3) / 2
+if n > 0 then redis.call('ZADD', KEYS[1], 'GT', unpack(ARGV, 4)) end
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[3])
+local blocks = tonumber(redis.call('HGET', KEYS[2], 'cap') or ARGV[1])
+local cap = math.ceil(blocks / tonumber(ARGV[2]))
 local over = redis.call('ZCARD', KEYS[1]) - cap
 if over > 0 then redis.call('ZPOPMIN', KEYS[1], over) end
 return n
@@ -353,6 +396,31 @@ mod tests {
         );
         assert_eq!(parse_member(b"not-a-member"), None);
         assert_eq!(parse_member(&[0xff; 32]), None);
+    }
+
+    #[test]
+    fn runs_round_trip_a_member_is_a_run_of_one_and_foreign_ones_are_refused() {
+        let keys: Vec<BlockKey> = (0..RUN as u64).map(|i| BlockKey(i * 0x0101)).collect();
+        for n in 1..=RUN {
+            let m = run_member(0xabc, &keys[..n]);
+            assert_eq!(m.len(), 16 * (n + 1));
+            assert_eq!(parse_run(m.as_bytes()), Some((0xabc, keys[..n].to_vec())));
+        }
+        // An older replica's one-key member loads as a run of one.
+        let one = member(7, BlockKey(9));
+        assert_eq!(run_member(7, &[BlockKey(9)]), one);
+        assert_eq!(parse_run(one.as_bytes()), Some((7, vec![BlockKey(9)])));
+        let long = run_member(1, &[keys.clone(), vec![BlockKey(1)]].concat());
+        for bad in [
+            long.as_bytes(),
+            &long.as_bytes()[..16],
+            &long.as_bytes()[..40],
+            b"",
+            "000000000000000100000000000000\u{416}".as_bytes(),
+            b"000000000000000100000000000000A1",
+        ] {
+            assert_eq!(parse_run(bad), None, "{:?}", String::from_utf8_lossy(bad));
+        }
     }
 
     #[test]

@@ -4,9 +4,11 @@
 //! With `lookups: mirror` in approximate mode nothing reads a block's entries by key: lookups
 //! read the mirrors, which get every decision's keys from the stream. So a pod's recorded
 //! entries are kept as one sorted set `P:pod:{T}:snap`, member `RK`, score its expiry (unix
-//! ms): one `ZADD GT` per entry, where the per-block hash took an `HSET`, a `PEXPIREAT`, a
-//! recency `ZADD` and, once the capacity evicted it, a `ZPOPMIN` and an `HDEL`. Expiry order is
-//! recency order (every entry lives one TTL), so the lowest scores go first past the capacity.
+//! ms), where the per-block hash took an `HSET`, a `PEXPIREAT`, a recency `ZADD` and, once the
+//! capacity evicted it, a `ZPOPMIN` and an `HDEL`. A member is a run of up to [`RUN`]
+//! consecutive blocks of one record, not one block: a sorted set's cost is per member. Expiry
+//! order is recency order (every entry lives one TTL), so the lowest scores go first past the
+//! capacity.
 //! Precise mode and `lookups: redis` keep the per-block hashes and the recency set: lookups, or
 //! the settling of speculative entries by KV events, read them.
 
@@ -14,15 +16,15 @@ use futures::future::join_all;
 
 use super::conn::{to_index_error, Handle};
 use super::mirror::{newest, EntryId, MAX_POD};
-use super::schema::parse_member;
+use super::schema::{parse_member, parse_run, RUN};
 use super::writer::RECORD_CHUNK;
 use super::{Local, Shared};
 use crate::blocks::BlockKey;
 use crate::index::{IndexError, KvIndex};
 use crate::pods::PodId;
 
-/// Snapshot members loaded per round trip.
-const LOAD_CHUNK: isize = 5_000;
+/// Snapshot members loaded per round trip (a run's up to 16 keys each: ≤ 16,000 keys, ~300 KB).
+const LOAD_CHUNK: isize = 1_000;
 /// How much of the stream before a load's position is read again after it.
 const LOAD_REWIND: std::time::Duration = std::time::Duration::from_secs(5);
 
@@ -43,8 +45,10 @@ pub(super) fn expiry_of(score: f64) -> Option<u64> {
     (score.is_finite() && score >= 0.0).then(|| score.floor() as u64)
 }
 
-/// Writes `pod`'s entries of `keys` (under `root`) into its snapshot set until `expiry`, in
-/// scripts of at most [`RECORD_CHUNK`] members so other clients' commands run in between.
+/// Writes `pod`'s entries of `keys` (under `root`) into its snapshot set until `expiry`, as runs
+/// of [`RUN`] keys from the first (the caller keeps `keys` aligned: only the last run may be
+/// short), in scripts of at most [`RECORD_CHUNK`] blocks so other clients' commands run in
+/// between.
 pub(super) async fn record(
     shared: &Shared,
     con: Handle,
@@ -55,15 +59,18 @@ pub(super) async fn record(
 ) -> Result<(), IndexError> {
     let (snap, meta) = (shared.schema.snapshot(pod), shared.schema.meta(pod));
     let now = shared.wall_now();
-    let chunks = keys.chunks(RECORD_CHUNK).enumerate().map(|(c, chunk)| {
+    let runs: Vec<&[BlockKey]> = keys.chunks(RUN).collect();
+    let per_script = RECORD_CHUNK / RUN;
+    let chunks = runs.chunks(per_script).enumerate().map(|(c, chunk)| {
         let mut inv = shared.scripts.snapshot.prepare_invoke();
         inv.key(&snap)
             .key(&meta)
             .arg(shared.default_capacity)
+            .arg(RUN)
             .arg(now);
-        for (j, &k) in chunk.iter().enumerate() {
-            inv.arg(score(expiry, c * RECORD_CHUNK + j))
-                .arg(shared.schema.member(root, k));
+        for (j, run) in chunk.iter().enumerate() {
+            inv.arg(score(expiry, c * per_script + j))
+                .arg(shared.schema.run(root, run));
         }
         let mut con = con.clone();
         async move { inv.invoke_async::<i64>(&mut con).await }
@@ -116,18 +123,21 @@ pub(super) async fn load(shared: &Shared, local: &Local) -> Result<(EntryId, u64
             } else {
                 hashed(shared, &con, &pod, start).await?
             };
-            for (key, expiry) in entries {
+            for (keys, expiry) in entries {
                 if expiry <= wall_now {
                     continue;
                 }
                 let at = shared.mono(expiry.saturating_sub(ttl));
                 match local {
-                    Local::Memory(m) => m.record(&pod, &[key], at).await?,
+                    Local::Memory(m) => m.record(&pod, &keys, at).await?,
                     Local::Events(ev) => {
-                        ev.record_past(&pod, &[key], ev.held_prefix(&pod, &[key]), at);
+                        for key in &keys {
+                            let key = std::slice::from_ref(key);
+                            ev.record_past(&pod, key, ev.held_prefix(&pod, key), at);
+                        }
                     }
                 }
-                loaded += 1;
+                loaded += keys.len() as u64;
             }
             if read < LOAD_CHUNK {
                 break;
@@ -138,14 +148,17 @@ pub(super) async fn load(shared: &Shared, local: &Local) -> Result<(EntryId, u64
     Ok((from, loaded))
 }
 
-/// One chunk of `pod`'s snapshot set from `start`, oldest first: members read, and each
-/// entry's (key, expiry).
+/// Keys loaded together, and their expiry.
+type Loaded = Vec<(Vec<BlockKey>, u64)>;
+
+/// One chunk of `pod`'s snapshot set from `start`, oldest first: members read, and each run's
+/// (keys, expiry). A member of one key (an older replica's) is a run of one.
 async fn scored(
     shared: &Shared,
     con: &mut Handle,
     pod: &PodId,
     start: isize,
-) -> Result<(isize, Vec<(BlockKey, u64)>), IndexError> {
+) -> Result<(isize, Loaded), IndexError> {
     let members: Vec<(Vec<u8>, f64)> = redis::cmd("ZRANGE")
         .arg(shared.schema.snapshot(pod))
         .arg(start)
@@ -156,7 +169,7 @@ async fn scored(
         .map_err(|e| to_index_error(&e))?;
     let entries = members
         .iter()
-        .filter_map(|(m, score)| Some((parse_member(m)?.1, expiry_of(*score)?)))
+        .filter_map(|(m, score)| Some((parse_run(m)?.1, expiry_of(*score)?)))
         .collect();
     Ok((members.len() as isize, entries))
 }
@@ -168,7 +181,7 @@ async fn hashed(
     con: &Handle,
     pod: &PodId,
     start: isize,
-) -> Result<(isize, Vec<(BlockKey, u64)>), IndexError> {
+) -> Result<(isize, Loaded), IndexError> {
     let members: Vec<Vec<u8>> = redis::cmd("ZRANGE")
         .arg(shared.schema.lru(pod))
         .arg(start)
@@ -192,7 +205,7 @@ async fn hashed(
     let mut out = Vec::with_capacity(entries.len());
     for ((_, key), expiry) in entries.iter().zip(expiries) {
         if let Some(e) = expiry.map_err(|e| to_index_error(&e))? {
-            out.push((*key, e));
+            out.push((vec![*key], e));
         }
     }
     Ok((members.len() as isize, out))
