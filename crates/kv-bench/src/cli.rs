@@ -232,8 +232,8 @@ pub struct CompareArgs {
     #[arg(long)]
     pub router_metrics: Option<PathBuf>,
     /// Write every request of every run here, one JSON object per line (run label, request
-    /// number in send order, serving pod, prompt and cached tokens, TTFT): which requests
-    /// made two runs differ.
+    /// number in send order, send time from the run's start, serving pod, prompt and cached
+    /// tokens, TTFT): which requests made two runs differ.
     #[arg(long)]
     pub records: Option<PathBuf>,
     /// Run every strategy this many times, each round in an order rotated by one; the table

@@ -97,7 +97,7 @@ fn write_records(path: &std::path::Path, cmp: &compare::Comparison) -> Result<()
         for (i, r) in run.run.iter().flat_map(|x| x.records.iter()).enumerate() {
             let line = serde_json::json!({
                 "run": run.label, "request": i, "session": r.session, "turn": r.turn,
-                "pod": r.pod, "prompt_tokens": r.prompt_tokens,
+                "start_ms": r.start_ms, "pod": r.pod, "prompt_tokens": r.prompt_tokens,
                 "cached_tokens": r.cached_tokens, "ttft_ms": r.ttft_ms, "error": r.error,
             });
             writeln!(out, "{line}")?;
