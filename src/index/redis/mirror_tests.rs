@@ -658,3 +658,30 @@ async fn a_snapshot_an_older_replica_wrote_one_block_per_member_still_loads() {
     }
     assert_eq!(c.lookup(&keys, &p, 2).await.unwrap(), vec![8.0]);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lowered_capacity_trims_the_snapshot_set_in_runs_at_once() {
+    let srv = server();
+    let a = replica(&config(&srv.url(), "mirror-snap-cap", 100_000));
+    let p = pods(1);
+    let keys = doc_keys(5, 2 * RUN + 8, BT);
+    a.record(&p[0], &keys, now_ms(&a)).await.unwrap();
+    a.flush().await.unwrap();
+    let members = || async {
+        redis::cmd("ZCARD")
+            .arg(a.shared.schema.snapshot(&p[0]))
+            .query_async::<i64>(&mut a.shared.conn.write().await.unwrap())
+            .await
+            .unwrap()
+    };
+    assert_eq!(members().await, 3);
+    // Trimmed by the capacity change itself, not at the pod's next record.
+    a.set_capacity(&p[0], RUN).await.unwrap();
+    a.flush().await.unwrap();
+    assert_eq!(members().await, 1, "one run of {RUN} blocks");
+    let held = stored(&a, &keys, &p[0]).await;
+    assert!(
+        held[..RUN].iter().all(Option::is_some),
+        "the head stays: {held:?}"
+    );
+}

@@ -297,11 +297,13 @@ if over > 0 then redis.call('ZPOPMIN', KEYS[1], over) end
 return n
 "#;
 
-/// Sets a pod's capacity and evicts past it. KEYS: lru, meta. ARGV: capacity.
+/// Sets a pod's capacity and evicts past it. KEYS: lru or snap, meta. ARGV: capacity (blocks),
+/// then blocks per member (1 for `lru`, [`RUN`] for a snapshot set of runs).
 /// Returns the evicted members.
 pub(super) const CAPACITY: &str = r#"
 redis.call('HSET', KEYS[2], 'cap', ARGV[1])
-local over = redis.call('ZCARD', KEYS[1]) - tonumber(ARGV[1])
+local per = tonumber(ARGV[2] or '1')
+local over = redis.call('ZCARD', KEYS[1]) - math.ceil(tonumber(ARGV[1]) / per)
 if over <= 0 then return {} end
 local popped = redis.call('ZPOPMIN', KEYS[1], over)
 local out = {}

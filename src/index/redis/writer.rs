@@ -210,9 +210,9 @@ async fn single(shared: &Shared, op: WriteOp) {
                 &AtomicU64::new(0),
                 |mut con| async move {
                     // The snapshot set's evicted members name no hash: nothing more to delete.
-                    let set = match shared.snapshot {
-                        true => shared.schema.snapshot(&pod),
-                        false => shared.schema.lru(&pod),
+                    let (set, per_member) = match shared.snapshot {
+                        true => (shared.schema.snapshot(&pod), super::schema::RUN),
+                        false => (shared.schema.lru(&pod), 1),
                     };
                     let popped: Vec<Vec<u8>> = shared
                         .scripts
@@ -220,6 +220,7 @@ async fn single(shared: &Shared, op: WriteOp) {
                         .key(set)
                         .key(shared.schema.meta(&pod))
                         .arg(blocks)
+                        .arg(per_member)
                         .invoke_async(&mut con)
                         .await
                         .map_err(|e| to_index_error(&e))?;
