@@ -57,6 +57,15 @@ async fn sees(index: &RedisIndex, keys: &[BlockKey], candidates: &[PodId], pod: 
     got[pod] == keys.len() as f64
 }
 
+/// Waits (10-s deadline) until `index` says it is ready: it has loaded the snapshot.
+async fn until_ready(index: &RedisIndex) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while index.unready().is_some() {
+        assert!(Instant::now() < deadline, "{:?}", index.unready());
+        tokio::task::yield_now().await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_replicas_agree_within_the_staleness_bound_under_load() {
     let srv = server();
@@ -137,11 +146,7 @@ async fn a_late_replica_loads_the_shared_index_then_follows_the_stream() {
     let b = replica(&cfg);
     assert!(b.unready().is_some(), "not ready before it loaded");
     b.flush().await.unwrap();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while b.unready().is_some() {
-        assert!(Instant::now() < deadline, "{:?}", b.unready());
-        tokio::task::yield_now().await;
-    }
+    until_ready(&b).await;
     assert_eq!(b.metrics().reloads(RedisReload::Start), 1);
     for d in 0..200u64 {
         let keys = doc_keys(d, 8, BT);
@@ -577,11 +582,7 @@ async fn an_entry_any_replica_recorded_within_the_refresh_window_is_not_rewritte
     // What was skipped is still in the snapshot a late replica loads.
     let c = replica(&cfg);
     c.flush().await.unwrap();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while c.unready().is_some() {
-        assert!(Instant::now() < deadline, "{:?}", c.unready());
-        tokio::task::yield_now().await;
-    }
+    until_ready(&c).await;
     assert_eq!(c.lookup(&longer, &p, 2).await.unwrap(), vec![24.0, 16.0]);
     // Off (0), every record is rewritten.
     let off = replica(&RedisConfig {
@@ -651,11 +652,7 @@ async fn a_snapshot_an_older_replica_wrote_one_block_per_member_still_loads() {
             .unwrap();
     }
     let c = replica(&cfg);
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while c.unready().is_some() {
-        assert!(Instant::now() < deadline, "{:?}", c.unready());
-        tokio::task::yield_now().await;
-    }
+    until_ready(&c).await;
     assert_eq!(c.lookup(&keys, &p, 2).await.unwrap(), vec![8.0]);
 }
 
