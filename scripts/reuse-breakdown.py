@@ -14,9 +14,9 @@ had served its source. With `--logs DIR` (the `--router-metrics` directory of a 
   elsewhere by load; `spread`: placed as a new conversation.
 - `hit` / `miss`: the pod reported at least half the reusable prefix cached.
 
-Decision lines carry no request number: they are matched to requests in time order (the
-replicas' logs merged), which holds when requests are sent a few milliseconds apart
-(`--spread-clumps`). Only block counts and pod names are read, never prompt text.
+Decision lines carry no request number: they are matched to requests by time and block count
+(`decision_log.py`: a long prompt's line can come after a later short one's). Only block counts
+and pod names are read, never prompt text.
 
 Usage: scripts/reuse-breakdown.py --trace data/traces/mooncake_conversation_trace.jsonl \
            --skip 2000 --requests 600 --records RECORDS.jsonl [--logs DIR]
@@ -24,14 +24,12 @@ Usage: scripts/reuse-breakdown.py --trace data/traces/mooncake_conversation_trac
 
 import argparse
 import collections
-import glob
 import json
-import re
 import sys
 
+import decision_log
+
 BLOCK_TOKENS = 512
-ANSI = re.compile(r"\x1b\[[0-9;]*m")
-FIELD = re.compile(r'(\w+)=("[^"]*"|\S+)')
 
 
 def sources(trace, skip, requests):
@@ -59,28 +57,12 @@ def sources(trace, skip, requests):
     return out
 
 
-def decisions(logs, run):
-    tag = run.replace(" ", "")
-    out = []
-    for path in sorted(glob.glob(f"{logs}/{tag}-*.log")):
-        with open(path) as f:
-            for line in f:
-                line = ANSI.sub("", line)
-                if " decision " not in line:
-                    continue
-                d = dict(FIELD.findall(line))
-                d["t"] = line.split()[0]
-                out.append(d)
-    out.sort(key=lambda d: d["t"])
-    return out
-
-
 def category(d, shared, total_blocks):
     blocks, best, chosen = (float(d[k]) for k in ("blocks", "holder_matched", "matched"))
     knows = best >= 0.8 * shared / total_blocks * blocks
     if knows and chosen >= 0.8 * best:
         how = "follow"
-    elif d["reason"] == '"spread"':
+    elif d["reason"] == "spread":
         how = "spread"
     else:
         how = "moved"
@@ -94,6 +76,7 @@ def main():
     ap.add_argument("--requests", type=int, required=True)
     ap.add_argument("--records", required=True)
     ap.add_argument("--logs")
+    ap.add_argument("--max-blocks", type=int, default=4096, help="the routers' blocks.max_blocks")
     a = ap.parse_args()
     src = sources(a.trace, a.skip, a.requests)
     runs = collections.defaultdict(dict)
@@ -106,9 +89,14 @@ def main():
         rs = runs[run]
         if len(rs) != a.requests:
             sys.exit(f"{run}: {len(rs)} records, expected {a.requests}")
-        ds = decisions(a.logs, run) if a.logs else []
-        if a.logs and len(ds) != a.requests:
-            sys.exit(f"{run}: {len(ds)} decision lines, expected {a.requests}")
+        ds = {}
+        if a.logs:
+            lines = decision_log.read(a.logs, run)
+            missing = decision_log.match(rs.values(), lines, a.max_blocks)
+            if len(lines) != a.requests or missing:
+                sys.exit(f"{run}: {len(lines)} decision lines for {a.requests} requests, "
+                         f"{missing} unmatched")
+            ds = {q: r["decision"] for q, r in rs.items()}
         potential = got = same = 0
         cats, lost = collections.Counter(), collections.Counter()
         for q, (n, i, total_blocks) in src.items():
