@@ -28,33 +28,7 @@ import json
 import sys
 
 import decision_log
-
-BLOCK_TOKENS = 512
-
-
-def sources(trace, skip, requests):
-    """Request index -> (shared hash blocks, source index) for requests sharing >= 2 blocks."""
-    window = []
-    with open(trace) as f:
-        for i, line in enumerate(f):
-            if i >= skip + requests:
-                break
-            if i >= skip:
-                window.append(json.loads(line)["hash_ids"])
-    out = {}
-    for q, h in enumerate(window):
-        best = None
-        for i in range(q):
-            n = 0
-            for a, b in zip(h, window[i]):
-                if a != b:
-                    break
-                n += 1
-            if n >= 2 and (best is None or n > best[0]):
-                best = (n, i, len(h))
-        if best:
-            out[q] = best
-    return out
+from mooncake_window import BLOCK_TOKENS, read, shared_prefixes
 
 
 def category(d, shared, total_blocks):
@@ -78,7 +52,8 @@ def main():
     ap.add_argument("--logs")
     ap.add_argument("--max-blocks", type=int, default=4096, help="the routers' blocks.max_blocks")
     a = ap.parse_args()
-    src = sources(a.trace, a.skip, a.requests)
+    src = {q: (n, first, blocks) for q, (n, first, _, blocks)
+           in shared_prefixes(read(a.trace, a.skip, a.requests)).items()}
     runs = collections.defaultdict(dict)
     with open(a.records) as f:
         for line in f:

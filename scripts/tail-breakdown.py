@@ -39,8 +39,8 @@ import json
 import statistics
 
 import decision_log
+from mooncake_window import BLOCK_TOKENS, read, shared_prefixes
 
-BLOCK_TOKENS = 512  # tokens per Mooncake hash block
 # Time between two replicas' decisions onto one pod, bucketed (ms).
 GAPS = (1, 3, 10, 30)
 
@@ -49,32 +49,6 @@ def pct(xs, q):
     """The q-quantile as kv-bench reports it (nearest rank)."""
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q * len(xs)))]
-
-
-def shared_prefix(trace, skip, requests):
-    """Request index -> (shared hash blocks, earlier request) for the longest earlier match of
-    two or more blocks."""
-    window = []
-    with open(trace) as f:
-        for i, line in enumerate(f):
-            if i >= skip + requests:
-                break
-            if i >= skip:
-                window.append(json.loads(line)["hash_ids"])
-    out = {}
-    for q, h in enumerate(window):
-        best = None
-        for i in range(q):
-            n = 0
-            for a, b in zip(h, window[i]):
-                if a != b:
-                    break
-                n += 1
-            if n >= 2 and (best is None or n >= best[0]):
-                best = (n, i)  # the latest of equally long matches: the prefix's last use
-        if best:
-            out[q] = best
-    return out
 
 
 def arrivals(rs):
@@ -167,7 +141,7 @@ def main():
     reuse = {}
     if a.trace:
         n = max(r["request"] for rs in runs.values() for r in rs) + 1
-        reuse = shared_prefix(a.trace, a.skip, n)
+        reuse = {q: (m, last) for q, (m, _, last, _) in shared_prefixes(read(a.trace, a.skip, n)).items()}
     capacity = a.gpu_blocks * 16
 
     head = "| run | TTFT p50 | TTFT p99 | wait, s | excess, s | resid p50 | resid p99 |"
