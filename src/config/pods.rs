@@ -27,8 +27,8 @@ pub struct PodsConfig {
     pub unhealthy_after: u32,
     /// Load scrape (`GET /metrics`) period of a busy pod.
     pub scrape_interval_ms: u64,
-    /// Scrape period of an idle pod (nothing in flight from this router, none running or waiting
-    /// at the last scrape): idle fleets cost this much less to watch.
+    /// Scrape period of an idle pod (nothing in flight from this router or charged by another
+    /// replica, none running or waiting at the last scrape): idle fleets cost less to watch.
     pub idle_scrape_interval_ms: u64,
     /// Metrics older than this are stale.
     pub stale_after_ms: u64,

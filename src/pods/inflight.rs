@@ -215,6 +215,13 @@ impl Inflight {
         self.settling.lock().observed_scrape(started);
     }
 
+    /// Whether anything still counts here besides this router's live guards: another
+    /// replica's request or tokens, or a settled request of its own.
+    pub(crate) fn settling(&self) -> bool {
+        let s = self.settling.lock();
+        !s.requests.is_empty() || s.tokens_sum > 0
+    }
+
     pub(crate) fn raw(&self) -> (i64, i64) {
         (
             self.requests.load(Ordering::Relaxed),

@@ -228,12 +228,15 @@ impl Prober {
     }
 }
 
-/// A pod whose load may be changing: this router has requests on it, or it was running or
-/// queueing some at its last scrape (other replicas' requests included).
+/// A pod whose load may be changing: this router counts requests on it (its own, or another
+/// replica's it was told of), or it was running or queueing some at its last scrape. Without
+/// the other replicas' charges, a pod idle at its last scrape waited the idle interval before
+/// this replica saw the peers' requests on it, where one router sees its own at once.
 fn is_busy(pod: &Pod) -> bool {
     let (requests, tokens) = pod.inflight_counts();
     requests > 0
         || tokens > 0
+        || pod.inflight.settling()
         || pod
             .last_sample()
             .is_some_and(|(_, s)| s.running > 0.0 || s.waiting > 0.0)
@@ -290,6 +293,40 @@ vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.25
 vllm:cache_config_info{block_size="16",cache_dtype="auto",enable_prefix_caching="True",engine="0",num_gpu_blocks="2048",weird="a,b=\"c\""} 1.0
 vllm:prefix_cache_hits_total{engine="0",model_name="m"} 100.0
 "#;
+
+    #[tokio::test(start_paused = true)]
+    async fn a_pod_loaded_only_by_other_replicas_is_scraped_at_the_busy_rate() {
+        use super::super::{PodId, PodSpec};
+        let pod = Pod::new(PodSpec {
+            id: PodId::new("127.0.0.1:1"),
+            addr: "127.0.0.1:1".parse().unwrap(),
+            models: vec![],
+            labels: Default::default(),
+            kv_events_endpoint: None,
+            kv_events_replay_endpoint: None,
+        });
+        let t0 = Instant::now();
+        pod.record_sample(t0, LoadSample::default());
+        assert!(!is_busy(&pod), "idle at its last scrape, nothing sent");
+        // Another replica sent it a request after that scrape: busy, as our own would make it.
+        pod.charge_remote(t0 + Duration::from_millis(5), 0, Duration::ZERO, None);
+        assert!(is_busy(&pod));
+        // A scrape started after it shows the pod's own numbers (idle again here).
+        pod.record_sample(t0 + Duration::from_millis(10), LoadSample::default());
+        assert!(!is_busy(&pod));
+        // Held tokens keep it busy until they stop counting.
+        let hold = crate::index::Hold { origin: 1, seq: 1 };
+        pod.charge_remote(
+            t0 + Duration::from_millis(20),
+            500,
+            Duration::from_secs(1),
+            Some(hold),
+        );
+        pod.record_sample(t0 + Duration::from_millis(30), LoadSample::default());
+        assert!(is_busy(&pod));
+        pod.release_remote(hold, crate::index::Release::Started);
+        assert!(!is_busy(&pod));
+    }
 
     #[test]
     fn parses_vllm_names_and_labels() {
