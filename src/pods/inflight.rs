@@ -420,14 +420,7 @@ mod tests {
     }
 
     fn pod() -> Arc<Pod> {
-        Arc::new(Pod::new(PodSpec {
-            id: PodId::new("127.0.0.1:1"),
-            addr: "127.0.0.1:1".parse().unwrap(),
-            models: vec![],
-            labels: Default::default(),
-            kv_events_endpoint: None,
-            kv_events_replay_endpoint: None,
-        }))
+        Arc::new(Pod::new(super::super::test_spec("127.0.0.1:1")))
     }
 
     #[tokio::test(start_paused = true)]

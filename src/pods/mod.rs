@@ -563,20 +563,23 @@ pub fn prefill_models(pods: &[Arc<Pod>], prior: &TtftPrior) -> Vec<TtftModel> {
     fleet_models(&learners, prior)
 }
 
+/// A plain pod spec at `addr` (an `ip:port`), for tests.
+#[cfg(test)]
+pub(crate) fn test_spec(addr: &str) -> PodSpec {
+    PodSpec {
+        id: PodId::new(addr),
+        addr: addr.parse().unwrap(),
+        models: vec![],
+        labels: BTreeMap::new(),
+        kv_events_endpoint: None,
+        kv_events_replay_endpoint: None,
+    }
+}
+
 #[cfg(test)]
 mod tests {
+    use super::test_spec as spec;
     use super::*;
-
-    fn spec(addr: &str) -> PodSpec {
-        PodSpec {
-            id: PodId::new(addr),
-            addr: addr.parse().unwrap(),
-            models: vec![],
-            labels: BTreeMap::new(),
-            kv_events_endpoint: None,
-            kv_events_replay_endpoint: None,
-        }
-    }
 
     /// One router alone: its own in-flight count is the pod's load (its scrape shows nothing
     /// else). Beside peers or clients that bypass it, their scraped requests add to its own.

@@ -296,15 +296,7 @@ vllm:prefix_cache_hits_total{engine="0",model_name="m"} 100.0
 
     #[tokio::test(start_paused = true)]
     async fn a_pod_loaded_only_by_other_replicas_is_scraped_at_the_busy_rate() {
-        use super::super::{PodId, PodSpec};
-        let pod = Pod::new(PodSpec {
-            id: PodId::new("127.0.0.1:1"),
-            addr: "127.0.0.1:1".parse().unwrap(),
-            models: vec![],
-            labels: Default::default(),
-            kv_events_endpoint: None,
-            kv_events_replay_endpoint: None,
-        });
+        let pod = Pod::new(super::super::test_spec("127.0.0.1:1"));
         let t0 = Instant::now();
         pod.record_sample(t0, LoadSample::default());
         assert!(!is_busy(&pod), "idle at its last scrape, nothing sent");
