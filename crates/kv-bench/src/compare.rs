@@ -219,6 +219,8 @@ pub struct StrategyRun {
     pub pod_work: Option<PodWork>,
     /// Each router replica's shared-index counters at the end of the run (none without Redis).
     pub replica_counters: Vec<String>,
+    /// Lookups that fell back from the shared index, summed over its replicas (None without it).
+    pub redis_fallbacks: Option<u64>,
 }
 
 impl StrategyRun {
@@ -239,6 +241,20 @@ impl StrategyRun {
             skipped: None,
             pod_work: None,
             replica_counters: Vec::new(),
+            redis_fallbacks: None,
+        }
+    }
+
+    /// A strategy that could not run, and why.
+    fn skipped(label: String, why: String) -> Self {
+        Self {
+            label,
+            summary: None,
+            run: None,
+            skipped: Some(why),
+            pod_work: None,
+            replica_counters: Vec::new(),
+            redis_fallbacks: None,
         }
     }
 }
@@ -289,6 +305,27 @@ impl Comparison {
             }
         }
         out
+    }
+
+    /// Per strategy that shared an index over paired rounds: whether it met the shared index's
+    /// goal against the baseline (`paired::shared_index_verdict`), one line each.
+    pub fn shared_index_verdicts(&self) -> String {
+        let summaries = self.summaries();
+        let mut falls: Vec<(&str, u64)> = Vec::new();
+        for r in &self.runs {
+            let (Some(f), Some((name, _))) = (r.redis_fallbacks, r.label.rsplit_once(" #")) else {
+                continue;
+            };
+            match falls.iter_mut().find(|(n, _)| *n == name) {
+                Some((_, sum)) => *sum += f,
+                None => falls.push((name, f)),
+            }
+        }
+        falls
+            .iter()
+            .filter_map(|&(name, f)| crate::paired::shared_index_verdict(&summaries, name, f))
+            .map(|v| format!("{v}\n"))
+            .collect()
     }
 
     /// Lines naming the strategies that did not run and why.
@@ -345,14 +382,8 @@ pub async fn compare(
             _ => format!("{} #{}", opts.label(strategy), round + 1),
         };
         if strategy.disaggregates() && opts.pd_prefill == 0 {
-            out.runs.push(StrategyRun {
-                label,
-                summary: None,
-                run: None,
-                skipped: Some("the fleet has no prefill pods (--pd-prefill)".into()),
-                pod_work: None,
-                replica_counters: Vec::new(),
-            });
+            let why = "the fleet has no prefill pods (--pd-prefill)";
+            out.runs.push(StrategyRun::skipped(label, why.into()));
             continue;
         }
         let redis = if strategy.needs_redis() {
@@ -361,14 +392,7 @@ pub async fn compare(
                 Err(e) => {
                     let why = format!("{e:#}");
                     eprintln!("kv-bench: {label}: skipped ({why})");
-                    out.runs.push(StrategyRun {
-                        label,
-                        summary: None,
-                        run: None,
-                        skipped: Some(why),
-                        pod_work: None,
-                        replica_counters: Vec::new(),
-                    });
+                    out.runs.push(StrategyRun::skipped(label, why));
                     continue;
                 }
             }
@@ -426,10 +450,11 @@ pub async fn compare(
             (Some(a), Some(b)) => Some(b - a),
             _ => None,
         };
-        let counters = match &stack {
-            Some(s) => s.redis_counters().await,
-            None => Vec::new(),
+        let (counters, fallbacks) = match &stack {
+            Some(s) => s.redis_counters().await.unzip(),
+            None => (None, None),
         };
+        let counters = counters.unwrap_or_default();
         if opts.progress {
             for line in &counters {
                 eprintln!("kv-bench: {label}: {line}");
@@ -450,6 +475,7 @@ pub async fn compare(
             s.cpu_s = cpu;
         }
         finished.replica_counters = counters;
+        finished.redis_fallbacks = fallbacks;
         out.runs.push(finished);
     }
     Ok(out)

@@ -194,6 +194,7 @@ fn the_report_names_each_replicas_shared_index_counters_by_run() {
         skipped: None,
         pod_work: None,
         replica_counters: counters.iter().map(|c| c.to_string()).collect(),
+        redis_fallbacks: None,
     };
     let cmp = Comparison {
         workload: "w".into(),

@@ -58,11 +58,35 @@ fn baseline<'a>(order: &[&'a str]) -> Option<&'a str> {
         .copied()
 }
 
-/// Per strategy other than the baseline, over the rounds both ran: the hit ratio's difference
-/// (points of pooled) and the TTFT p99's ratio (geometric mean, from the mean of log ratios),
-/// each with its 95 % interval, and in how many rounds it had more hits. None without rounds or
-/// with one strategy.
-pub fn paired_table(runs: &[Summary], style: Style) -> Option<String> {
+/// The median of `v`, the mean of the middle two for an even count (NaN for none).
+pub fn median(v: &[f64]) -> f64 {
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    match s.len() {
+        0 => f64::NAN,
+        n if n % 2 == 1 => s[n / 2],
+        n => (s[n / 2 - 1] + s[n / 2]) / 2.0,
+    }
+}
+
+/// One strategy against the baseline over the rounds both ran: per round, the hit ratio's
+/// difference (points of pooled) and the log of the TTFT p99's ratio.
+pub struct Pairing<'a> {
+    /// The strategy.
+    pub name: &'a str,
+    /// The baseline it is paired with.
+    pub base: &'a str,
+    /// Rounds both ran.
+    pub rounds: usize,
+    /// Hit / pooled, strategy − baseline, in points, one per round.
+    pub hits: Vec<f64>,
+    /// ln(strategy's TTFT p99 / baseline's), one per round.
+    pub ln_p99: Vec<f64>,
+}
+
+/// Every strategy other than the baseline paired with it by round; empty without rounds or with
+/// one strategy.
+pub fn pairings(runs: &[Summary]) -> Vec<Pairing<'_>> {
     let mut order: Vec<&str> = Vec::new();
     let mut by: BTreeMap<(&str, usize), &Summary> = BTreeMap::new();
     for s in runs {
@@ -74,44 +98,75 @@ pub fn paired_table(runs: &[Summary], style: Style) -> Option<String> {
         }
         by.insert((name, round), s);
     }
-    let base = baseline(&order)?;
-    if order.len() < 2 {
-        return None;
-    }
-    let mut t = Table::new([
-        "strategy − baseline",
-        "rounds",
-        "hit / pooled: mean difference (95 % interval)",
-        "rounds with more hits",
-        "TTFT p99: mean ratio (95 % interval)",
-    ]);
+    let Some(base) = baseline(&order) else {
+        return Vec::new();
+    };
+    let mut out = Vec::new();
     for &name in order.iter().filter(|&&n| n != base) {
         let pairs: Vec<(&Summary, &Summary)> = by
             .iter()
             .filter(|((n, _), _)| *n == name)
             .filter_map(|(&(_, r), &s)| by.get(&(base, r)).map(|&b| (s, b)))
             .collect();
-        let hits: Vec<f64> = pairs
-            .iter()
-            .map(|(s, b)| (s.vs_pooled() - b.vs_pooled()) * 100.0)
-            .filter(|d| d.is_finite())
-            .collect();
-        let p99: Vec<f64> = pairs
-            .iter()
-            .map(|(s, b)| (s.ttft_p99_ms / b.ttft_p99_ms).ln())
-            .filter(|d| d.is_finite())
-            .collect();
-        let (hm, hw) = mean_interval(&hits);
-        let (pm, pw) = mean_interval(&p99);
+        out.push(Pairing {
+            name,
+            base,
+            rounds: pairs.len(),
+            hits: pairs
+                .iter()
+                .map(|(s, b)| (s.vs_pooled() - b.vs_pooled()) * 100.0)
+                .filter(|d| d.is_finite())
+                .collect(),
+            ln_p99: pairs
+                .iter()
+                .map(|(s, b)| (s.ttft_p99_ms / b.ttft_p99_ms).ln())
+                .filter(|d| d.is_finite())
+                .collect(),
+        });
+    }
+    out
+}
+
+fn points(x: f64) -> String {
+    format!("{x:+.1}")
+}
+
+fn ratio(ln: f64) -> String {
+    format!("{:.2}×", ln.exp())
+}
+
+/// Per strategy other than the baseline, over the rounds both ran: the hit ratio's difference
+/// (points of pooled) and the TTFT p99's ratio (geometric mean, from the mean of log ratios),
+/// each with its 95 % interval and its median over the rounds, and in how many rounds it had
+/// more hits. None without rounds or with one strategy.
+pub fn paired_table(runs: &[Summary], style: Style) -> Option<String> {
+    let pairings = pairings(runs);
+    if pairings.is_empty() {
+        return None;
+    }
+    let mut t = Table::new([
+        "strategy − baseline",
+        "rounds",
+        "hit / pooled: mean difference (95 % interval)",
+        "median",
+        "rounds with more hits",
+        "TTFT p99: mean ratio (95 % interval)",
+        "median",
+    ]);
+    for p in &pairings {
+        let (hm, hw) = mean_interval(&p.hits);
+        let (pm, pw) = mean_interval(&p.ln_p99);
         let interval = |lo: String, hi: String, w: f64| match w.is_finite() {
             true => format!(" ({lo} to {hi})"),
             false => String::new(),
         };
-        let points = |x: f64| format!("{x:+.1}");
-        let ratio = |x: f64| format!("{:.2}×", x.exp());
+        let or_dash = |x: f64, show: fn(f64) -> String| match x.is_finite() {
+            true => show(x),
+            false => "-".into(),
+        };
         t.row(vec![
-            format!("{name} − {base}"),
-            pairs.len().to_string(),
+            format!("{} − {}", p.name, p.base),
+            p.rounds.to_string(),
             match hm.is_finite() {
                 true => format!(
                     "{} points{}",
@@ -120,10 +175,11 @@ pub fn paired_table(runs: &[Summary], style: Style) -> Option<String> {
                 ),
                 false => "-".into(),
             },
+            or_dash(median(&p.hits), points),
             format!(
                 "{} of {}",
-                hits.iter().filter(|&&d| d > 0.0).count(),
-                hits.len()
+                p.hits.iter().filter(|&&d| d > 0.0).count(),
+                p.hits.len()
             ),
             match pm.is_finite() {
                 true => format!(
@@ -133,9 +189,51 @@ pub fn paired_table(runs: &[Summary], style: Style) -> Option<String> {
                 ),
                 false => "-".into(),
             },
+            or_dash(median(&p.ln_p99), ratio),
         ]);
     }
     Some(t.render(style))
+}
+
+/// The shared index's goal (issue 32): against one replica of the baseline, over paired rounds,
+/// a median hit ratio at most 1 point of pooled lower, a median TTFT p99 at most 1.05 times, and
+/// no lookup that fell back from the shared index (`fallbacks`, summed over its replicas' runs).
+pub fn shared_index_verdict(runs: &[Summary], strategy: &str, fallbacks: u64) -> Option<String> {
+    const HIT_POINTS: f64 = -1.0;
+    const P99_RATIO: f64 = 1.05;
+    let p = pairings(runs).into_iter().find(|p| p.name == strategy)?;
+    let (hit, ln_p99) = (median(&p.hits), median(&p.ln_p99));
+    if p.rounds < 3 || !hit.is_finite() || !ln_p99.is_finite() {
+        return None;
+    }
+    let checks = [
+        (
+            hit >= HIT_POINTS,
+            format!("median hits {} points", points(hit)),
+        ),
+        (
+            ln_p99.exp() <= P99_RATIO,
+            format!("median TTFT p99 {}", ratio(ln_p99)),
+        ),
+        (fallbacks == 0, format!("{fallbacks} lookups fell back")),
+    ];
+    let missed: Vec<&str> = checks
+        .iter()
+        .filter(|(ok, _)| !ok)
+        .map(|(_, what)| what.as_str())
+        .collect();
+    let all: Vec<&str> = checks.iter().map(|(_, what)| what.as_str()).collect();
+    Some(format!(
+        "Goal for `{strategy}` against `{}` over {} paired rounds (median hits ≥ {HIT_POINTS:+.1} \
+         points, median TTFT p99 ≤ {P99_RATIO:.2}×, no lookup falling back): **{}** ({}).",
+        p.base,
+        p.rounds,
+        match missed.is_empty() {
+            true => "met".to_string(),
+            false => format!("not met: {}", missed.join(", ")),
+        },
+        all.join(", ")
+    ))
 }
 
 #[cfg(test)]
@@ -205,8 +303,58 @@ mod tests {
         let w = 12.706 * (0.5f64 / 2.0).sqrt();
         let want = format!("-1.5 points ({:+.1} to {:+.1})", -1.5 - w, -1.5 + w);
         assert_eq!(cells[3], want, "{t}");
-        assert_eq!(cells[4], "0 of 2", "{t}");
-        assert!(cells[5].starts_with("1.10× ("), "{t}");
+        assert_eq!(cells[4], "-1.5", "median of two: the mean of both");
+        assert_eq!(cells[5], "0 of 2", "{t}");
+        assert!(cells[6].starts_with("1.10× ("), "{t}");
+        assert_eq!(cells[7], "1.10×", "{t}");
+    }
+
+    #[test]
+    fn medians_of_odd_and_even_counts() {
+        assert_eq!(median(&[3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median(&[4.0, 1.0, 3.0, 2.0]), 2.5);
+        assert!(median(&[]).is_nan());
+    }
+
+    /// Rounds of `redis` against `weighted` with these hit differences (points) and p99 ratios.
+    fn rounds(diffs: &[(f64, f64)]) -> Vec<Summary> {
+        diffs
+            .iter()
+            .enumerate()
+            .flat_map(|(i, &(points, p99))| {
+                [
+                    run(&format!("weighted #{}", i + 1), 0.90, 1000.0),
+                    run(
+                        &format!("redis #{}", i + 1),
+                        0.90 + points / 100.0,
+                        1000.0 * p99,
+                    ),
+                ]
+            })
+            .collect()
+    }
+
+    #[test]
+    fn the_shared_index_goal_is_judged_on_medians_and_fallbacks() {
+        // One bad round of three moves the means, not the medians.
+        let runs = rounds(&[(-0.5, 1.02), (0.4, 0.98), (-9.0, 1.60)]);
+        let v = shared_index_verdict(&runs, "redis", 0).unwrap();
+        assert!(v.contains("**met**"), "{v}");
+        assert!(
+            v.contains("median hits -0.5 points, median TTFT p99 1.02×"),
+            "{v}"
+        );
+        let v = shared_index_verdict(&runs, "redis", 4).unwrap();
+        assert!(v.contains("**not met: 4 lookups fell back**"), "{v}");
+        let runs = rounds(&[(-1.5, 1.00), (-1.2, 1.06), (0.0, 1.07)]);
+        let v = shared_index_verdict(&runs, "redis", 0).unwrap();
+        assert!(
+            v.contains("not met: median hits -1.2 points, median TTFT p99 1.06×"),
+            "{v}"
+        );
+        // Two rounds are not enough to judge, and a strategy that did not run has no verdict.
+        assert!(shared_index_verdict(&rounds(&[(0.0, 1.0), (0.0, 1.0)]), "redis", 0).is_none());
+        assert!(shared_index_verdict(&runs, "precise", 0).is_none());
     }
 
     #[test]

@@ -270,14 +270,8 @@ pub fn spread_table(runs: &[Summary], style: Style) -> Option<String> {
         if v.is_empty() {
             return "-".to_string();
         }
+        let med = crate::paired::median(&v);
         v.sort_by(f64::total_cmp);
-        let mid = v.len() / 2;
-        // Of an even count, the mean of the middle two.
-        let med = if v.len().is_multiple_of(2) {
-            (v[mid - 1] + v[mid]) / 2.0
-        } else {
-            v[mid]
-        };
         format!("{} ({}–{})", show(med), show(v[0]), show(v[v.len() - 1]))
     };
     let mut t = Table::new([

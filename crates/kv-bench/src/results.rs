@@ -91,6 +91,11 @@ pub fn comparison_section(
              Student's t over the rounds; an interval that holds 0 does not rank the two):\n\n",
         );
         body.push_str(&paired);
+        let verdicts = cmp.shared_index_verdicts();
+        if !verdicts.is_empty() {
+            body.push('\n');
+            body.push_str(&verdicts);
+        }
     }
     let note = cmp.skipped_note();
     if !note.is_empty() {
@@ -172,6 +177,10 @@ pub fn comparison_section(
             "summaries": summaries,
             "skipped": cmp.runs.iter().filter(|r| r.skipped.is_some())
                 .map(|r| serde_json::json!({"strategy": r.label, "why": r.skipped}))
+                .collect::<Vec<_>>(),
+            // Per run on the shared index: its lookups that fell back, over all its replicas.
+            "redis_fallbacks": cmp.runs.iter()
+                .filter_map(|r| Some(serde_json::json!({"run": r.label, "fallbacks": r.redis_fallbacks?})))
                 .collect::<Vec<_>>(),
         }),
         seconds,

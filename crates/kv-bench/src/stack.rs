@@ -48,12 +48,12 @@ impl Stack {
     }
 
     /// Each replica's shared-index counters (lookups by source, fallbacks by reason), one line
-    /// per replica; none without Redis. Shows whether a run measured Redis or the fallback.
-    pub(crate) async fn redis_counters(&self) -> Vec<String> {
-        if self.redis.is_none() {
-            return Vec::new();
-        }
+    /// per replica, and the lookups that fell back from the shared index summed over them; None
+    /// without Redis. Shows whether a run measured the shared index or the fallback.
+    pub(crate) async fn redis_counters(&self) -> Option<(Vec<String>, u64)> {
+        self.redis.as_ref()?;
         let mut out = Vec::new();
+        let mut fallbacks = 0;
         for (i, r) in self.routers.iter().enumerate() {
             let text = r
                 .metrics()
@@ -95,8 +95,10 @@ impl Stack {
             ]
             .concat();
             out.push(format!("replica {i}: {}{lag}", counters.join(", ")));
+            // An unreachable replica's lookups are unknown: count it as one that fell back.
+            fallbacks += counter_sum(&text, "kv_router_redis_fallbacks_total").unwrap_or(1);
         }
-        out
+        Some((out, fallbacks))
     }
 
     /// `replicas` routers with `cfg` (pointed at a fresh Redis from `redis_bin` when given),
@@ -147,6 +149,28 @@ impl Stack {
     }
 }
 
+/// The sum of every sample of counter `name` in a Prometheus text (0 when it has none); None for
+/// a text that is not a scrape (an unreachable replica).
+pub fn counter_sum(text: &str, name: &str) -> Option<u64> {
+    if text.starts_with("# unreachable") {
+        return None;
+    }
+    let sum = text
+        .lines()
+        .filter_map(|l| {
+            let rest = l.strip_prefix(name)?;
+            // `name{labels} v` or `name v`, not a longer name that starts with it.
+            let value = match rest.chars().next()? {
+                '{' => rest.split_once("} ")?.1,
+                ' ' => rest,
+                _ => return None,
+            };
+            value.trim().parse::<f64>().ok()
+        })
+        .sum::<f64>();
+    Some(sum as u64)
+}
+
 /// The upper bound of the bucket holding quantile `q` of histogram `name` in a Prometheus text
 /// (`None` when it has no observations).
 pub fn histogram_quantile(text: &str, name: &str, q: f64) -> Option<f64> {
@@ -176,7 +200,16 @@ pub fn histogram_quantile(text: &str, name: &str, q: f64) -> Option<f64> {
 
 #[cfg(test)]
 mod quantile_tests {
-    use super::histogram_quantile;
+    use super::{counter_sum, histogram_quantile};
+
+    #[test]
+    fn counter_sums_add_every_label_and_no_longer_name() {
+        let text = "# HELP x_total x\nx_total{reason=\"timeout\"} 3\nx_total{reason=\"retry_wait\"} 2\nx_total_other 9\ny_total 4\n";
+        assert_eq!(counter_sum(text, "x_total"), Some(5));
+        assert_eq!(counter_sum(text, "y_total"), Some(4));
+        assert_eq!(counter_sum(text, "z_total"), Some(0));
+        assert_eq!(counter_sum("# unreachable: refused", "x_total"), None);
+    }
 
     #[test]
     fn quantiles_are_bucket_upper_bounds() {
