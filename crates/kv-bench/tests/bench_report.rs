@@ -24,7 +24,7 @@ fn quick_report_is_produced_and_well_formed() {
     let sections = json["sections"].as_array().expect("sections");
     // `kv-bench report` itself checks what it wrote (commands, tables, linked SVGs) and fails
     // otherwise; here: what each section holds.
-    let comparisons: Vec<&Value> = sections
+    let (shared, comparisons): (Vec<&Value>, Vec<&Value>) = sections
         .iter()
         .filter(|s| {
             s["command"]
@@ -32,7 +32,7 @@ fn quick_report_is_produced_and_well_formed() {
                 .unwrap()
                 .starts_with("kv-bench compare")
         })
-        .collect();
+        .partition(|s| s["title"].as_str().unwrap().starts_with("Replicas sharing"));
     assert!(
         comparisons.len() >= 3,
         "trace, multiturn and shared-prefix comparisons"
@@ -76,6 +76,36 @@ fn quick_report_is_produced_and_well_formed() {
     }
     let md = std::fs::read_to_string(out.path().join("results.md")).unwrap();
     assert!(md.contains("Machine: "), "names the machine");
+
+    // The shared index against one router: paired rounds, every replica's lookups answered
+    // without falling back, and the goal judged in the section.
+    let [shared] = shared[..] else {
+        panic!("one shared-index section: {shared:?}")
+    };
+    let labels: Vec<&str> = shared["json"]["summaries"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x["label"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        labels,
+        [
+            "redis #1",
+            "weighted #1",
+            "weighted #2",
+            "redis #2",
+            "redis #3",
+            "weighted #3"
+        ]
+    );
+    let falls = shared["json"]["redis_fallbacks"].as_array().unwrap();
+    assert_eq!(falls.len(), 3, "{falls:?}");
+    assert!(falls.iter().all(|f| f["fallbacks"] == 0), "{falls:?}");
+    assert!(
+        md.contains("Goal for `redis` against `weighted` over 3 paired rounds"),
+        "the verdict line"
+    );
 }
 
 /// `kv-bench compare --endpoint … --json` against one pod started here; returns the JSON.
