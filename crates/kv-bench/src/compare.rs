@@ -313,9 +313,10 @@ impl Comparison {
         let summaries = self.summaries();
         let mut falls: Vec<(&str, u64)> = Vec::new();
         for r in &self.runs {
-            let (Some(f), Some((name, _))) = (r.redis_fallbacks, r.label.rsplit_once(" #")) else {
+            let Some(f) = r.redis_fallbacks else {
                 continue;
             };
+            let name = crate::report::strategy_of(&r.label);
             match falls.iter_mut().find(|(n, _)| *n == name) {
                 Some((_, sum)) => *sum += f,
                 None => falls.push((name, f)),

@@ -246,7 +246,7 @@ pub fn table(runs: &[Summary], style: Style) -> String {
 }
 
 /// Runs of one strategy under `compare --repeat`: the label without its ` #k` round.
-fn strategy_of(label: &str) -> &str {
+pub(crate) fn strategy_of(label: &str) -> &str {
     label.rsplit_once(" #").map_or(label, |(s, _)| s)
 }
 
