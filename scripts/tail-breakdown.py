@@ -21,7 +21,9 @@ With `--logs DIR` (the `--router-metrics` directory of a run made with
 `RUST_LOG=kv_router=debug`) the lanes take requests in the order the routers decided them (a
 long prompt is decided after a short one sent just after it), and each run also says how often
 the deciding router's predicted queue (its logged TTFT less the request's own prefill at the
-same per-token cost and `--overhead-ms`) missed the modelled wait by more than 100 ms, and, for
+same per-token cost and `--overhead-ms`) missed the modelled wait by more than 100 ms, what load
+the routers saw (the mean over decisions of the candidates' mean load score and predicted queue:
+replicas sharing a fleet should see what one router sees), and, for
 every request decided onto a pod whose previous request (still prefilling) was decided by
 *another* replica shortly before, whether the prediction saw that request (it missed it when the
 predicted queue was under half of what it had left), by the time between the two decisions.
@@ -117,6 +119,22 @@ def prediction_report(out, a):
     return under, pairs
 
 
+def seen_load(out):
+    """The mean, over a run's decisions, of the candidates' mean load score and mean predicted
+    queue (the decision lines' `candidates` field: `pod/total/matched/queue_ms/ttft_ms/
+    saturated/scorer:score;...`), or None for logs without it."""
+    loads, queues = [], []
+    for o in out:
+        field = o["decision"].get("candidates")
+        if not field:
+            return None
+        cands = [c.split("/") for c in field.split(",")]
+        scores = [dict(x.split(":") for x in c[6].split(";") if x) for c in cands]
+        loads.append(statistics.mean(float(s.get("load", 0.0)) for s in scores))
+        queues.append(statistics.mean(float(c[3]) for c in cands))
+    return statistics.mean(loads), statistics.mean(queues)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--records", required=True)
@@ -147,7 +165,8 @@ def main():
     head = "| run | TTFT p50 | TTFT p99 | wait, s | excess, s | resid p50 | resid p99 |"
     if a.logs:
         head += " queue under > 100 ms | another replica's pick before, missed / pairs: " + \
-            ", ".join([f"< {g} ms" for g in GAPS] + [f">= {GAPS[-1]} ms"]) + " |"
+            ", ".join([f"< {g} ms" for g in GAPS] + [f">= {GAPS[-1]} ms"]) + \
+            " | load score seen | queue seen |"
     print(head)
     print("| --- " * (head.count("|") - 1) + "|")
     done = {}
@@ -169,6 +188,8 @@ def main():
             under, pairs = prediction_report(out, a)
             buckets = [f"< {g} ms" for g in GAPS] + [f">= {GAPS[-1]} ms"]
             row += f" {under} | " + ", ".join(f"{pairs[b][1]}/{pairs[b][0]}" for b in buckets) + " |"
+            seen = seen_load(out)
+            row += f" {seen[0]:.4f} | {seen[1]:.0f} ms |" if seen else " - | - |"
         print(row)
     if a.top <= 0:
         return

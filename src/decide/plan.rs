@@ -402,6 +402,7 @@ pub fn log_decision(plan: &Plan) {
         .map(|r| r.predicted.queue_ms)
         .sum::<f64>()
         / plan.ranked.len() as f64;
+    let candidates = candidates_field(&plan.ranked);
     tracing::debug!(
         reason = plan.reason.as_str(),
         blocks = plan.total_blocks,
@@ -415,8 +416,34 @@ pub fn log_decision(plan: &Plan) {
         holder_ttft_ms = holder.predicted.ttft_ms,
         holder_queue_ms = holder.predicted.queue_ms,
         mean_queue_ms,
+        candidates = %candidates,
         "decision"
     );
+}
+
+/// Every candidate's inputs in rank order, `pod/total/matched/queue_ms/ttft_ms/saturated/
+/// scorer:score;…` joined by commas (one field, so a log line stays one record).
+fn candidates_field(ranked: &[ScoredPod]) -> String {
+    use std::fmt::Write;
+    let mut out = String::new();
+    for (i, r) in ranked.iter().enumerate() {
+        let sep = if i == 0 { "" } else { "," };
+        let _ = write!(
+            out,
+            "{sep}{}/{:.3}/{}/{:.0}/{:.0}/{}/",
+            r.pod,
+            r.total,
+            r.matched_blocks,
+            r.predicted.queue_ms,
+            r.predicted.ttft_ms,
+            u8::from(r.saturated)
+        );
+        for (j, (name, score)) in r.scores.iter().enumerate() {
+            let sep = if j == 0 { "" } else { ";" };
+            let _ = write!(out, "{sep}{name}:{score:.3}");
+        }
+    }
+    out
 }
 
 #[cfg(test)]
@@ -512,5 +539,25 @@ mod tests {
             serde_json::to_value(&base).unwrap(),
             serde_json::to_value(&plain).unwrap()
         );
+    }
+
+    /// The decision line's candidates field: every candidate, rank order, one token per field
+    /// and nothing a log parser splits on besides its own separators.
+    #[test]
+    fn the_candidates_field_lists_every_candidates_inputs_in_rank_order() {
+        let stages = Stages::new(&Config::default());
+        let p = plan(
+            &stages,
+            input(4, 64, &[0.0, 3.0]),
+            &mut StdRng::seed_from_u64(1),
+        );
+        let field = candidates_field(&p.ranked);
+        let rows: Vec<Vec<&str>> = field.split(',').map(|c| c.split('/').collect()).collect();
+        assert_eq!(rows.len(), 2, "{field}");
+        assert_eq!(rows[0][0], "p:1", "the holder ranks first: {field}");
+        assert_eq!(rows[0][2], "3");
+        assert!(rows.iter().all(|r| r.len() == 7), "{field}");
+        assert!(!field.contains(' ') && !field.contains('"'), "{field}");
+        assert!(rows[0][6].split(';').all(|s| s.contains(':')), "{field}");
     }
 }
