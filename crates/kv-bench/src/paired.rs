@@ -69,6 +69,31 @@ pub fn median(v: &[f64]) -> f64 {
     }
 }
 
+/// The narrowest interval between order statistics, `[v₍ₖ₎, v₍ₙ₊₁₋ₖ₎]`, that holds the median
+/// of whatever distribution the values came from with at least `confidence` (no assumption on
+/// its shape), and that coverage: `(lo, hi, coverage)`. None when even the extremes fall short
+/// (four values or fewer at 90 %).
+pub fn median_interval(v: &[f64], confidence: f64) -> Option<(f64, f64, f64)> {
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    let n = s.len();
+    // P(Binomial(n, ½) < k), by k: the chance the median lies below the k-th smallest value.
+    let below = |k: usize| -> f64 {
+        let mut c = 1.0;
+        let mut sum = 0.0;
+        for i in 0..k {
+            sum += c;
+            c = c * (n - i) as f64 / (i + 1) as f64;
+        }
+        sum / 2f64.powi(n as i32)
+    };
+    (1..=n / 2)
+        .rev()
+        .map(|k| (k, 1.0 - 2.0 * below(k)))
+        .find(|&(_, coverage)| coverage >= confidence)
+        .map(|(k, coverage)| (s[k - 1], s[n - k], coverage))
+}
+
 /// One strategy against the baseline over the rounds both ran: per round, the hit ratio's
 /// difference (points of pooled) and the log of the TTFT p99's ratio.
 pub struct Pairing<'a> {
@@ -225,15 +250,55 @@ pub fn shared_index_verdict(runs: &[Summary], strategy: &str, fallbacks: u64) ->
     let all: Vec<&str> = checks.iter().map(|(_, what)| what.as_str()).collect();
     Some(format!(
         "Goal for `{strategy}` against `{}` over {} paired rounds (median hits ≥ {HIT_POINTS:+.1} \
-         points, median TTFT p99 ≤ {P99_RATIO:.2}×, no lookup falling back): **{}** ({}).",
+         points, median TTFT p99 ≤ {P99_RATIO:.2}×, no lookup falling back): **{}** ({}).{}",
         p.base,
         p.rounds,
         match missed.is_empty() {
             true => "met".to_string(),
             false => format!("not met: {}", missed.join(", ")),
         },
-        all.join(", ")
+        all.join(", "),
+        precision(&p, HIT_POINTS, P99_RATIO.ln())
     ))
+}
+
+/// How far these rounds decide the two medians: their order-statistic intervals, and which
+/// threshold lies inside its interval (a verdict these rounds cannot tell from noise on a
+/// machine where one strategy's runs spread by several points). Empty with too few rounds.
+fn precision(p: &Pairing, hit_points: f64, ln_p99: f64) -> String {
+    const CONFIDENCE: f64 = 0.9;
+    let (Some(h), Some(r)) = (
+        median_interval(&p.hits, CONFIDENCE),
+        median_interval(&p.ln_p99, CONFIDENCE),
+    ) else {
+        return String::new();
+    };
+    let inside: Vec<String> = [
+        (h.0 < hit_points && hit_points < h.1).then(|| format!("{} points", points(hit_points))),
+        (r.0 < ln_p99 && ln_p99 < r.1).then(|| ratio(ln_p99)),
+    ]
+    .into_iter()
+    .flatten()
+    .collect();
+    format!(
+        " Over these rounds the medians lie, with {:.0} % and {:.0} % confidence, within {} to {} \
+         points and {} to {}{}",
+        h.2 * 100.0,
+        r.2 * 100.0,
+        points(h.0),
+        points(h.1),
+        ratio(r.0),
+        ratio(r.1),
+        match inside.as_slice() {
+            [] => ": both thresholds lie outside, so these rounds decide the goal.".to_string(),
+            [one] =>
+                format!("; {one} lies inside its interval, so more rounds are needed to decide it."),
+            _ => format!(
+                "; {} lie inside theirs, so more rounds are needed to decide them.",
+                inside.join(" and ")
+            ),
+        }
+    )
 }
 
 #[cfg(test)]
@@ -355,6 +420,67 @@ mod tests {
         // Two rounds are not enough to judge, and a strategy that did not run has no verdict.
         assert!(shared_index_verdict(&rounds(&[(0.0, 1.0), (0.0, 1.0)]), "redis", 0).is_none());
         assert!(shared_index_verdict(&runs, "precise", 0).is_none());
+    }
+
+    /// Coverages from the binomial: eight rounds give [2nd, 7th] at 1 − 2·9/256, five the
+    /// extremes at 1 − 2/32, four nothing at 90 %.
+    #[test]
+    fn median_intervals_are_order_statistics_with_their_coverage() {
+        let v = [8.0, 1.0, 7.0, 2.0, 6.0, 3.0, 5.0, 4.0];
+        let (lo, hi, c) = median_interval(&v, 0.9).unwrap();
+        assert_eq!((lo, hi), (2.0, 7.0));
+        assert!((c - (1.0 - 18.0 / 256.0)).abs() < 1e-12, "{c}");
+        let (lo, hi, c) = median_interval(&v, 0.95).unwrap();
+        assert_eq!((lo, hi), (1.0, 8.0), "wider for more confidence");
+        assert!((c - (1.0 - 2.0 / 256.0)).abs() < 1e-12, "{c}");
+        let (lo, hi, c) = median_interval(&[5.0, 1.0, 4.0, 2.0, 3.0], 0.9).unwrap();
+        assert_eq!((lo, hi), (1.0, 5.0));
+        assert!((c - 0.9375).abs() < 1e-12, "{c}");
+        assert!(median_interval(&[1.0, 2.0, 3.0, 4.0], 0.9).is_none());
+        assert!(median_interval(&[], 0.9).is_none());
+    }
+
+    #[test]
+    fn the_verdict_says_which_threshold_its_rounds_cannot_decide() {
+        // Tight rounds far from both thresholds decide the goal.
+        let tight = rounds(&[
+            (0.1, 1.0),
+            (0.2, 1.01),
+            (0.0, 0.99),
+            (0.3, 1.0),
+            (0.1, 1.02),
+        ]);
+        let v = shared_index_verdict(&tight, "redis", 0).unwrap();
+        assert!(v.contains("**met**"), "{v}");
+        assert!(v.contains("94 % and 94 % confidence, within +0.0 to +0.3 points and 0.99× to 1.02×: both thresholds lie outside"), "{v}");
+        // Rounds spread across −1 point: the hit verdict is noise, the tail one is not.
+        let wide = rounds(&[
+            (-4.0, 1.0),
+            (2.0, 1.01),
+            (-2.0, 0.99),
+            (1.0, 1.0),
+            (-1.5, 1.02),
+        ]);
+        let v = shared_index_verdict(&wide, "redis", 0).unwrap();
+        assert!(v.contains("not met: median hits -1.5 points"), "{v}");
+        assert!(
+            v.contains("; -1.0 points lies inside its interval, so more rounds"),
+            "{v}"
+        );
+        // Both spread across theirs.
+        let both = rounds(&[
+            (-4.0, 0.9),
+            (2.0, 1.2),
+            (-2.0, 1.1),
+            (1.0, 1.0),
+            (-1.5, 1.02),
+        ]);
+        let v = shared_index_verdict(&both, "redis", 0).unwrap();
+        assert!(v.contains("-1.0 points and 1.05× lie inside theirs"), "{v}");
+        // Three or four rounds: a verdict, no interval.
+        let few = rounds(&[(0.0, 1.0), (0.0, 1.0), (0.0, 1.0)]);
+        let v = shared_index_verdict(&few, "redis", 0).unwrap();
+        assert!(v.ends_with("0 lookups fell back)."), "{v}");
     }
 
     #[test]

@@ -1,0 +1,70 @@
+"""Tests of paired-pool.py and tail-breakdown.py's load columns (run by `cargo test`:
+crates/kv-bench/tests/scripts.rs)."""
+
+import importlib.util
+import math
+import os
+import unittest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def load(name):
+    spec = importlib.util.spec_from_file_location(name.replace("-", "_"), os.path.join(HERE, name))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+pool = load("paired-pool.py")
+tail = load("tail-breakdown.py")
+
+# A compare --markdown metric table: two rounds, the strategies' runs interleaved.
+TABLE = """
+| metric           | redis #1 | weighted #1 | weighted #2 | redis #2 | redis #3 |
+| ---------------- | -------: | ----------: | ----------: | -------: | -------: |
+| hit / pooled     |   93.9 % |      95.3 % |      97.6 % |   96.7 % |   99.0 % |
+| TTFT p99         | 1650.0 ms |   1500.0 ms |   1600.0 ms | 1600.0 ms | 1.0 ms |
+"""
+
+
+class Pool(unittest.TestCase):
+    def test_rounds_pair_each_strategy_run_with_the_baselines_of_its_round(self):
+        pairs = pool.rounds(TABLE, "redis", "weighted")
+        self.assertEqual(len(pairs), 2, "round 3 has no baseline")
+        (h1, r1), (h2, r2) = pairs
+        self.assertAlmostEqual(h1, -1.4)
+        self.assertAlmostEqual(r1, 1.1)
+        self.assertAlmostEqual(h2, -0.9)
+        self.assertAlmostEqual(r2, 1.0)
+
+    def test_a_section_ends_at_the_next_heading_of_its_level(self):
+        text = "## A\nx\n### A.1\ny\n## B\nz\n"
+        self.assertEqual(pool.section(text, "A"), "x\n### A.1\ny")
+        self.assertEqual(pool.section(text, "B"), "z")
+        with self.assertRaises(SystemExit):
+            pool.section(text, "C")
+
+    def test_median_intervals_match_kv_bench(self):
+        # As paired::median_interval: eight values give the 2nd and 7th at 1 - 2 * 9 / 256.
+        lo, hi, c = pool.median_interval([8, 1, 7, 2, 6, 3, 5, 4])
+        self.assertEqual((lo, hi), (2, 7))
+        self.assertTrue(math.isclose(c, 1 - 18 / 256))
+        self.assertIsNone(pool.median_interval([1, 2, 3, 4]))
+
+
+class SeenLoad(unittest.TestCase):
+    def test_the_mean_of_each_decisions_candidates(self):
+        out = [
+            {"decision": {"candidates": "a:1/2.0/0/100/400/0/prefix:0.0;load:1.0,"
+                                        "b:1/1.5/0/300/600/0/prefix:0.0;load:0.5"}},
+            {"decision": {"candidates": "a:1/2.0/0/0/300/0/prefix:0.0;load:0.25"}},
+        ]
+        load, queue = tail.seen_load(out)
+        self.assertAlmostEqual(load, (0.75 + 0.25) / 2)
+        self.assertAlmostEqual(queue, (200 + 0) / 2)
+        self.assertIsNone(tail.seen_load([{"decision": {"pod": "a:1"}}]), "an older log")
+
+
+if __name__ == "__main__":
+    unittest.main()
