@@ -63,17 +63,18 @@ def number(cell):
 
 
 def rounds(text, strategy, baseline):
-    """[(hit difference in points, TTFT p99 ratio)] of each round both strategies ran."""
+    """[(hit difference in points, TTFT p99 ratio)] of each round both strategies ran; a run
+    labelled with its replica count (`redis x4 #3`) counts as its strategy's."""
     runs = {}
     for labels, rows in metric_tables(text):
         for k, label in enumerate(labels):
-            m = re.fullmatch(r"(\S+) #(\d+)", label)
+            m = re.fullmatch(r"(.+) #(\d+)", label)
             if m and "hit / pooled" in rows and "TTFT p99" in rows:
                 runs[(m.group(1), int(m.group(2)))] = (
                     number(rows["hit / pooled"][k]), number(rows["TTFT p99"][k]))
     return [(h - runs[(baseline, n)][0], p / runs[(baseline, n)][1])
             for (s, n), (h, p) in sorted(runs.items())
-            if s == strategy and (baseline, n) in runs]
+            if (s == strategy or s.startswith(strategy + " x")) and (baseline, n) in runs]
 
 
 def median_interval(v, confidence=0.9):

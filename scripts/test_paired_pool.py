@@ -38,6 +38,11 @@ class Pool(unittest.TestCase):
         self.assertAlmostEqual(h2, -0.9)
         self.assertAlmostEqual(r2, 1.0)
 
+    def test_a_runs_replica_count_does_not_hide_it(self):
+        table = TABLE.replace("redis #", "redis x4 #").replace("| metric  ", "| metric")
+        self.assertEqual(len(pool.rounds(table, "redis", "weighted")), 2)
+        self.assertEqual(pool.rounds(table, "redis-own-load", "weighted"), [])
+
     def test_a_section_ends_at_the_next_heading_of_its_level(self):
         text = "## A\nx\n### A.1\ny\n## B\nz\n"
         self.assertEqual(pool.section(text, "A"), "x\n### A.1\ny")
