@@ -14,6 +14,10 @@ had served its source. With `--logs DIR` (the `--router-metrics` directory of a 
   elsewhere by load; `spread`: placed as a new conversation.
 - `hit` / `miss`: the pod reported at least half the reusable prefix cached.
 
+With the logs it also says how soon after its source a reuse request was decided, at the
+least: replicas sharing an index whose records reach each other sooner than that cannot lose a
+reuse hit to the lag.
+
 Decision lines carry no request number: they are matched to requests by time and block count
 (`decision_log.py`: a long prompt's line can come after a later short one's). Only block counts
 and pod names are read, never prompt text.
@@ -97,6 +101,11 @@ def main():
                 f"got {got / 1e3:4.0f}k of {potential / 1e3:.0f}k ({got / potential:.0%}), "
                 f"on their source's pod {same}")
         if ds:
+            # How long before a reuse request its source was decided: a shared index whose
+            # replicas apply each other's records within less can lose no hit to that lag.
+            age = min(float(ds[q]["ms"]) - float(ds[i]["ms"]) for q, (_, i, _) in src.items())
+            t["youngest"] = min(t.get("youngest", age), age)
+            line += f", source decided >= {age:.0f} ms before"
             line += "; " + ", ".join(f"{c} {v} ({lost[c] / 1e3:.0f}k lost)" if lost[c] else f"{c} {v}"
                                      for c, v in sorted(cats.items()))
         print(line)
@@ -104,6 +113,8 @@ def main():
     for strategy, t in totals.items():
         k = t["runs"]
         parts = [f"got {t['got'] / k / 1e3:.0f}k", f"on their source's pod {t['same'] / k:.1f}"]
+        if "youngest" in t:
+            parts.append(f"source decided >= {t['youngest']:.0f} ms before (all runs)")
         for key in sorted(x for x in t if x.startswith("n ")):
             c = key[2:]
             parts.append(f"{c} {t[key] / k:.1f} ({t['lost ' + c] / k / 1e3:.0f}k lost)")
