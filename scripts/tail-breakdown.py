@@ -122,13 +122,14 @@ def prediction_report(out, a):
 def seen_load(out):
     """The mean, over a run's decisions, of the candidates' mean load score and mean predicted
     queue (the decision lines' `candidates` field: `pod/total/matched/queue_ms/ttft_ms/
-    saturated/scorer:score;...`), or None for logs without it."""
+    saturated/scorer:score;...`, the best 16 of a larger fleet then `+N`), or None for logs
+    without it."""
     loads, queues = [], []
     for o in out:
         field = o["decision"].get("candidates")
         if not field:
             return None
-        cands = [c.split("/") for c in field.split(",")]
+        cands = [c.split("/") for c in field.split(",") if "/" in c]  # not the `+N` left out
         scores = [dict(x.split(":") for x in c[6].split(";") if x) for c in cands]
         loads.append(statistics.mean(float(s.get("load", 0.0)) for s in scores))
         queues.append(statistics.mean(float(c[3]) for c in cands))

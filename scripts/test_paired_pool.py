@@ -63,7 +63,7 @@ class SeenLoad(unittest.TestCase):
         out = [
             {"decision": {"candidates": "a:1/2.0/0/100/400/0/prefix:0.0;load:1.0,"
                                         "b:1/1.5/0/300/600/0/prefix:0.0;load:0.5"}},
-            {"decision": {"candidates": "a:1/2.0/0/0/300/0/prefix:0.0;load:0.25"}},
+            {"decision": {"candidates": "a:1/2.0/0/0/300/0/prefix:0.0;load:0.25,+3"}},
         ]
         load, queue = tail.seen_load(out)
         self.assertAlmostEqual(load, (0.75 + 0.25) / 2)

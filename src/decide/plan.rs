@@ -421,12 +421,16 @@ pub fn log_decision(plan: &Plan) {
     );
 }
 
-/// Every candidate's inputs in rank order, `pod/total/matched/queue_ms/ttft_ms/saturated/
-/// scorer:score;…` joined by commas (one field, so a log line stays one record).
+/// Candidates a decision line lists at most: a large fleet's debug log stays ~1 KB a line.
+const LOGGED_CANDIDATES: usize = 16;
+
+/// The first [`LOGGED_CANDIDATES`] candidates' inputs in rank order, `pod/total/matched/
+/// queue_ms/ttft_ms/saturated/scorer:score;…` joined by commas (one field, so a log line stays
+/// one record), then `+N` for the N left out.
 fn candidates_field(ranked: &[ScoredPod]) -> String {
     use std::fmt::Write;
     let mut out = String::new();
-    for (i, r) in ranked.iter().enumerate() {
+    for (i, r) in ranked.iter().take(LOGGED_CANDIDATES).enumerate() {
         let sep = if i == 0 { "" } else { "," };
         let _ = write!(
             out,
@@ -442,6 +446,9 @@ fn candidates_field(ranked: &[ScoredPod]) -> String {
             let sep = if j == 0 { "" } else { ";" };
             let _ = write!(out, "{sep}{name}:{score:.3}");
         }
+    }
+    if ranked.len() > LOGGED_CANDIDATES {
+        let _ = write!(out, ",+{}", ranked.len() - LOGGED_CANDIDATES);
     }
     out
 }
@@ -559,5 +566,15 @@ mod tests {
         assert!(rows.iter().all(|r| r.len() == 7), "{field}");
         assert!(!field.contains(' ') && !field.contains('"'), "{field}");
         assert!(rows[0][6].split(';').all(|s| s.contains(':')), "{field}");
+        // A large fleet: the best sixteen, then how many more.
+        let p = plan(
+            &stages,
+            input(4, 64, &[0.0; 40]),
+            &mut StdRng::seed_from_u64(1),
+        );
+        let field = candidates_field(&p.ranked);
+        let entries: Vec<&str> = field.split(',').collect();
+        assert_eq!(entries.len(), LOGGED_CANDIDATES + 1, "{field}");
+        assert_eq!(entries[LOGGED_CANDIDATES], "+24");
     }
 }
