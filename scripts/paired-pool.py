@@ -59,7 +59,9 @@ def metric_tables(text):
 
 
 def number(cell):
-    return float(re.match(r"[-\d.]+", cell).group())
+    """The cell's leading number; None for a skipped run's `-` or any other non-number."""
+    m = re.match(r"-?\d+(\.\d+)?", cell)
+    return float(m.group()) if m else None
 
 
 def rounds(text, strategy, baseline):
@@ -70,8 +72,9 @@ def rounds(text, strategy, baseline):
         for k, label in enumerate(labels):
             m = re.fullmatch(r"(.+) #(\d+)", label)
             if m and "hit / pooled" in rows and "TTFT p99" in rows:
-                runs[(m.group(1), int(m.group(2)))] = (
-                    number(rows["hit / pooled"][k]), number(rows["TTFT p99"][k]))
+                hit, p99 = number(rows["hit / pooled"][k]), number(rows["TTFT p99"][k])
+                if hit is not None and p99:
+                    runs[(m.group(1), int(m.group(2)))] = (hit, p99)
     return [(h - runs[(baseline, n)][0], p / runs[(baseline, n)][1])
             for (s, n), (h, p) in sorted(runs.items())
             if (s == strategy or s.startswith(strategy + " x")) and (baseline, n) in runs]

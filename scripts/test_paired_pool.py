@@ -43,6 +43,11 @@ class Pool(unittest.TestCase):
         self.assertEqual(len(pool.rounds(table, "redis", "weighted")), 2)
         self.assertEqual(pool.rounds(table, "redis-own-load", "weighted"), [])
 
+    def test_a_skipped_run_has_no_round(self):
+        # A run that failed to start shows dashes (as kv-bench's report) and pairs with nothing.
+        table = TABLE.replace("|   96.7 % |", "|        - |").replace("| 1600.0 ms | 1.0 ms |", "|         - | 1.0 ms |")
+        self.assertEqual(len(pool.rounds(table, "redis", "weighted")), 1)
+
     def test_a_section_ends_at_the_next_heading_of_its_level(self):
         text = "## A\nx\n### A.1\ny\n## B\nz\n"
         self.assertEqual(pool.section(text, "A"), "x\n### A.1\ny")
