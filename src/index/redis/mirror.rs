@@ -635,6 +635,8 @@ async fn apply(shared: &Shared, mirror: &Mirror, local: &Local, origin: u64, cha
 async fn read(shared: Arc<Shared>, mirror: Arc<Mirror>, local: Arc<Local>) {
     let started = Instant::now();
     let mut pos: Option<EntryId> = None;
+    // The stream head the last load covered: entries trimmed up to it are in the snapshot.
+    let mut covered = EntryId::default();
     let mut reason = if mirror.loaded.load(Ordering::Acquire) {
         Reload::Reconnect
     } else {
@@ -645,10 +647,12 @@ async fn read(shared: Arc<Shared>, mirror: Arc<Mirror>, local: Arc<Local>) {
     loop {
         let Some(from) = pos else {
             match snapshot::load(&shared, &local).await {
-                Ok((from, n)) => {
+                Ok(loaded) => {
+                    let (from, n) = (loaded.from, loaded.keys);
                     shared.metrics.reloaded(reason, n);
                     info!(entries = n, reason = ?reason, "redis mirror loaded the shared index");
                     pos = Some(from);
+                    covered = loaded.head;
                     mirror.applied.send_replace(from);
                     mirror.loaded.store(true, Ordering::Release);
                     backoff = Duration::from_millis(50);
@@ -668,8 +672,10 @@ async fn read(shared: Arc<Shared>, mirror: Arc<Mirror>, local: Arc<Local>) {
         let read = async {
             let mut con = shared.conn.mirror().await?;
             let entries = read_after(&mut con, &key, from).await?;
-            // A full batch may mean this replica fell behind far enough to lose entries.
-            if entries.len() >= BATCH && trimmed_past(&shared, &mut con, from).await? {
+            // A full batch may mean this replica fell behind far enough to lose entries. Not
+            // those a load's rewind reads again: trimmed, they are the snapshot's (measured from
+            // `from`, a quiet stream trimmed within the rewind reloaded forever).
+            if entries.len() >= BATCH && trimmed_past(&shared, &mut con, from.max(covered)).await? {
                 return Ok(None);
             }
             Ok::<_, IndexError>(Some(entries))

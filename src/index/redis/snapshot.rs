@@ -88,10 +88,20 @@ pub(super) async fn record(
     Ok(())
 }
 
-/// Loads every pod's recorded entries from Redis into `local`, oldest first, and answers the
-/// stream position taken before the load (entries after it are read from the stream) and the
-/// entries loaded.
-pub(super) async fn load(shared: &Shared, local: &Local) -> Result<(EntryId, u64), IndexError> {
+/// Where a load leaves the stream reader.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Loaded {
+    /// Read the stream after this (rewound before `head`).
+    pub from: EntryId,
+    /// The stream's newest entry when the load began: what the snapshot covers.
+    pub head: EntryId,
+    /// Block keys loaded.
+    pub keys: u64,
+}
+
+/// Loads every pod's recorded entries from Redis into `local`, oldest first, and answers where
+/// the stream is to be read from.
+pub(super) async fn load(shared: &Shared, local: &Local) -> Result<Loaded, IndexError> {
     let mut con = shared.conn.write().await?;
     // Rewound: an entry is published before its snapshot is written, so the last seconds of the
     // stream are read again (applying an entry twice only refreshes it).
@@ -145,11 +155,15 @@ pub(super) async fn load(shared: &Shared, local: &Local) -> Result<(EntryId, u64
             start += LOAD_CHUNK;
         }
     }
-    Ok((from, loaded))
+    Ok(Loaded {
+        from,
+        head: newest,
+        keys: loaded,
+    })
 }
 
 /// Keys loaded together, and their expiry.
-type Loaded = Vec<(Vec<BlockKey>, u64)>;
+type Runs = Vec<(Vec<BlockKey>, u64)>;
 
 /// One chunk of `pod`'s snapshot set from `start`, oldest first: members read, and each run's
 /// (keys, expiry). A member of one key (an older replica's) is a run of one.
@@ -158,7 +172,7 @@ async fn scored(
     con: &mut Handle,
     pod: &PodId,
     start: isize,
-) -> Result<(isize, Loaded), IndexError> {
+) -> Result<(isize, Runs), IndexError> {
     let members: Vec<(Vec<u8>, f64)> = redis::cmd("ZRANGE")
         .arg(shared.schema.snapshot(pod))
         .arg(start)
@@ -181,7 +195,7 @@ async fn hashed(
     con: &Handle,
     pod: &PodId,
     start: isize,
-) -> Result<(isize, Loaded), IndexError> {
+) -> Result<(isize, Runs), IndexError> {
     let members: Vec<Vec<u8>> = redis::cmd("ZRANGE")
         .arg(shared.schema.lru(pod))
         .arg(start)
