@@ -57,6 +57,17 @@ async fn sees(index: &RedisIndex, keys: &[BlockKey], candidates: &[PodId], pod: 
     got[pod] == keys.len() as f64
 }
 
+/// Records prompts `0..docs` of `blocks` blocks each, dealt round the pods in turn.
+async fn record_docs(index: &RedisIndex, pods: &[PodId], docs: u64, blocks: usize) {
+    for d in 0..docs {
+        let pod = &pods[(d % pods.len() as u64) as usize];
+        index
+            .record(pod, &doc_keys(d, blocks, BT), 1)
+            .await
+            .unwrap();
+    }
+}
+
 /// Waits (10-s deadline) until `index` says it is ready: it has loaded the snapshot.
 async fn until_ready(index: &RedisIndex) {
     let deadline = Instant::now() + Duration::from_secs(10);
@@ -137,11 +148,7 @@ async fn a_late_replica_loads_the_shared_index_then_follows_the_stream() {
     let cfg = config(&srv.url(), "mirror-late", 100_000);
     let a = replica(&cfg);
     let p = pods(3);
-    for d in 0..200u64 {
-        a.record(&p[(d % 3) as usize], &doc_keys(d, 8, BT), 1)
-            .await
-            .unwrap();
-    }
+    record_docs(&a, &p, 200, 8).await;
     a.flush().await.unwrap();
     let b = replica(&cfg);
     assert!(b.unready().is_some(), "not ready before it loaded");
@@ -231,11 +238,7 @@ async fn a_replica_cut_off_from_redis_converges_from_the_snapshot_once_back() {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     // More than the stream keeps: B cannot catch up from it.
-    for d in 0..3_000u64 {
-        a.record(&p[(d % 2) as usize], &doc_keys(d, 4, BT), 1)
-            .await
-            .unwrap();
-    }
+    record_docs(&a, &p, 3_000, 4).await;
     a.flush().await.unwrap();
     assert!(
         b.lookup(&doc_keys(0, 4, BT), &p, 2).await.unwrap() == vec![0.0, 0.0],
@@ -281,11 +284,7 @@ async fn a_replica_that_loads_past_a_trimmed_stream_reloads_once() {
     let p = pods(2);
     // More than the stream keeps, all within the rewind (A's own reader may lag and reload:
     // not what this is about).
-    for d in 0..3_000u64 {
-        a.record(&p[(d % 2) as usize], &doc_keys(d, 4, BT), 1)
-            .await
-            .unwrap();
-    }
+    record_docs(&a, &p, 3_000, 4).await;
     a.flush().await.unwrap();
     let b = replica(&cfg);
     until_ready(&b).await;
