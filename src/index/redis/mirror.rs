@@ -674,7 +674,7 @@ async fn read(shared: Arc<Shared>, mirror: Arc<Mirror>, local: Arc<Local>) {
             let entries = read_after(&mut con, &key, from).await?;
             // A full batch may mean this replica fell behind far enough to lose entries. Not
             // those a load's rewind reads again: trimmed, they are the snapshot's (measured from
-            // `from`, a quiet stream trimmed within the rewind reloaded forever).
+            // `from`, it reloaded until the stream moved past the rewind; a quiet one never did).
             if entries.len() >= BATCH && trimmed_past(&shared, &mut con, from.max(covered)).await? {
                 return Ok(None);
             }
