@@ -13,6 +13,9 @@ Student's t 95 % interval. Only the metric tables' numbers are read.
 
 Usage: scripts/paired-pool.py [--strategy redis] [--baseline weighted]
            FILE[#HEADING] ...   (HEADING: a section of FILE whose heading contains this text)
+       scripts/paired-pool.py --tsv --sim FLAGS --machine KIND FILE ...
+           (the rounds as lines of the record `kv-bench compare --pool` keeps, for files
+           measured before it kept one: docs/paired-rounds/rounds.tsv was made so)
 """
 
 import argparse
@@ -64,9 +67,8 @@ def number(cell):
     return float(m.group()) if m else None
 
 
-def rounds(text, strategy, baseline):
-    """[(hit difference in points, TTFT p99 ratio)] of each round both strategies ran; a run
-    labelled with its replica count (`redis x4 #3`) counts as its strategy's."""
+def runs_of(text):
+    """{(label, round): (hit / pooled %, TTFT p99 ms)} of every numbered run in the metric tables."""
     runs = {}
     for labels, rows in metric_tables(text):
         for k, label in enumerate(labels):
@@ -75,9 +77,33 @@ def rounds(text, strategy, baseline):
                 hit, p99 = number(rows["hit / pooled"][k]), number(rows["TTFT p99"][k])
                 if hit is not None and p99:
                     runs[(m.group(1), int(m.group(2)))] = (hit, p99)
-    return [(h - runs[(baseline, n)][0], p / runs[(baseline, n)][1])
-            for (s, n), (h, p) in sorted(runs.items())
+    return runs
+
+
+def paired_runs(text, strategy, baseline):
+    """[(label, round, (hit, p99), (baseline's hit, p99))] of each round both strategies ran; a
+    run labelled with its replica count (`redis x4 #3`) counts as its strategy's."""
+    runs = runs_of(text)
+    return [(s, n, v, runs[(baseline, n)]) for (s, n), v in sorted(runs.items())
             if (s == strategy or s.startswith(strategy + " x")) and (baseline, n) in runs]
+
+
+def rounds(text, strategy, baseline):
+    """[(hit difference in points, TTFT p99 ratio)] of each round both strategies ran."""
+    return [(h - bh, p / bp) for _, _, (h, p), (bh, bp) in paired_runs(text, strategy, baseline)]
+
+
+def tsv_rows(text, source, strategy, baseline, sim, machine, epoch):
+    """The rounds as lines of kv-bench's record (`compare --pool`, crates/kv-bench/src/pool.rs):
+    the file's `Workload: … Fleet: …` line names the window; lookups that fell back are 0 where
+    the file's verdict line says so, else unrecorded (`-`)."""
+    workload = next((line for line in text.splitlines() if line.startswith("Workload: ")), None)
+    if workload is None:
+        raise SystemExit(f"{source}: no 'Workload:' line")
+    fell = "0" if re.search(r"\b0 lookups fell back", text) else "-"
+    return ["\t".join([str(epoch), machine, workload, sim, label, baseline, source, str(n),
+                      f"{h:.4f}", f"{bh:.4f}", f"{p:.2f}", f"{bp:.2f}", fell])
+            for label, n, (h, p), (bh, bp) in paired_runs(text, strategy, baseline)]
 
 
 def median_interval(v, confidence=0.9):
@@ -127,6 +153,10 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--strategy", default="redis")
     ap.add_argument("--baseline", default="weighted")
+    ap.add_argument("--tsv", action="store_true", help="print the rounds as record lines")
+    ap.add_argument("--sim", default="", help="with --tsv: the runs' --sim-arg values")
+    ap.add_argument("--machine", default="", help="with --tsv: the machine kind")
+    ap.add_argument("--epoch", type=int, default=1, help="with --tsv: the record's epoch")
     ap.add_argument("files", nargs="+")
     a = ap.parse_args()
     pooled = []
@@ -136,11 +166,18 @@ def main():
             text = f.read()
         if heading:
             text = section(text, heading)
+        if a.tsv:
+            name = path.rsplit("/", 1)[-1]
+            for row in tsv_rows(text, name, a.strategy, a.baseline, a.sim, a.machine, a.epoch):
+                print(row)
+            continue
         pairs = rounds(text, a.strategy, a.baseline)
         if not pairs:
             raise SystemExit(f"{spec}: no paired rounds of {a.strategy} and {a.baseline}")
         print(f"{spec}: {describe(pairs)}")
         pooled += pairs
+    if a.tsv:
+        return
     print(f"pooled: {describe(pooled)}")
 
 

@@ -55,6 +55,21 @@ class Pool(unittest.TestCase):
         with self.assertRaises(SystemExit):
             pool.section(text, "C")
 
+    def test_record_lines_carry_each_rounds_figures_in_kv_benchs_columns(self):
+        text = "Workload: w (d). Fleet: f.\n" + TABLE + "\nGoal …: 0 lookups fell back.\n"
+        rows = pool.tsv_rows(text, "a.md", "redis", "weighted", "--x=1", "CPU, 2 cores", 1)
+        self.assertEqual(rows[0].split("\t"), [
+            "1", "CPU, 2 cores", "Workload: w (d). Fleet: f.", "--x=1", "redis", "weighted",
+            "a.md", "1", "93.9000", "95.3000", "1650.00", "1500.00", "0"])
+        self.assertEqual(len(rows), 2)
+        # 13 columns, as crates/kv-bench/src/pool.rs's HEADER names them.
+        self.assertTrue(all(len(r.split("\t")) == 13 for r in rows))
+        # No verdict line: the fallbacks were not recorded.
+        unrecorded = pool.tsv_rows("Workload: w.\n" + TABLE, "b.md", "redis", "weighted", "", "m", 1)
+        self.assertEqual(unrecorded[1].split("\t")[-1], "-")
+        with self.assertRaises(SystemExit):
+            pool.tsv_rows(TABLE, "c.md", "redis", "weighted", "", "m", 1)
+
     def test_median_intervals_match_kv_bench(self):
         # As paired::median_interval: eight values give the 2nd and 7th at 1 - 2 * 9 / 256.
         lo, hi, c = pool.median_interval([8, 1, 7, 2, 6, 3, 5, 4])

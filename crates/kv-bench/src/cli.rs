@@ -236,6 +236,11 @@ pub struct CompareArgs {
     /// tokens, TTFT): which requests made two runs differ.
     #[arg(long)]
     pub records: Option<PathBuf>,
+    /// Append each paired round of the shared-index strategies (with --repeat) to this record
+    /// (TSV, created when missing) and judge issue 32's goal over every round there of the same
+    /// workload, sim flags, machine kind and epoch, under this invocation's own verdict.
+    #[arg(long)]
+    pub pool: Option<PathBuf>,
     /// Run every strategy this many times, each round in an order rotated by one; the table
     /// gets a column per run (`weighted #2`) and the median and range of each strategy follow.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=20))]

@@ -19,6 +19,7 @@ pub mod overhead;
 pub mod paired;
 pub mod pd_report;
 pub mod pipeline;
+pub mod pool;
 pub mod redis_index;
 pub mod report;
 pub mod results;

@@ -220,27 +220,27 @@ pub fn paired_table(runs: &[Summary], style: Style) -> Option<String> {
     Some(t.render(style))
 }
 
-/// The shared index's goal (issue 32): against one replica of the baseline, over paired rounds,
-/// a median hit ratio at most 1 point of pooled lower, a median TTFT p99 at most 1.05 times, and
-/// no lookup that fell back from the shared index (`fallbacks`, summed over its replicas' runs).
-pub fn shared_index_verdict(runs: &[Summary], strategy: &str, fallbacks: u64) -> Option<String> {
-    const HIT_POINTS: f64 = -1.0;
-    const P99_RATIO: f64 = 1.05;
-    let p = pairings(runs).into_iter().find(|p| p.name == strategy)?;
-    let (hit, ln_p99) = (median(&p.hits), median(&p.ln_p99));
-    if p.rounds < 3 || !hit.is_finite() || !ln_p99.is_finite() {
-        return None;
-    }
+/// The shared index's goal (issue 32): against one replica of the baseline, a median hit ratio
+/// at most 1 point of pooled lower, a median TTFT p99 at most 1.05 times, no lookup that fell
+/// back from the shared index.
+pub const GOAL_HIT_POINTS: f64 = -1.0;
+/// The goal's bound on the median TTFT p99 ratio.
+pub const GOAL_P99_RATIO: f64 = 1.05;
+
+/// Issue 32's goal judged on paired rounds (hit differences in points, log TTFT p99 ratios):
+/// "**met**" or "**not met: …**", then every check's figure.
+pub fn judge(hits: &[f64], ln_p99: &[f64], fallbacks: &str, fell_back: bool) -> String {
+    let (hit, ln) = (median(hits), median(ln_p99));
     let checks = [
         (
-            hit >= HIT_POINTS,
+            hit >= GOAL_HIT_POINTS,
             format!("median hits {} points", points(hit)),
         ),
         (
-            ln_p99.exp() <= P99_RATIO,
-            format!("median TTFT p99 {}", ratio(ln_p99)),
+            ln.exp() <= GOAL_P99_RATIO,
+            format!("median TTFT p99 {:.3}×", ln.exp()),
         ),
-        (fallbacks == 0, format!("{fallbacks} lookups fell back")),
+        (!fell_back, fallbacks.to_string()),
     ];
     let missed: Vec<&str> = checks
         .iter()
@@ -248,34 +248,61 @@ pub fn shared_index_verdict(runs: &[Summary], strategy: &str, fallbacks: u64) ->
         .map(|(_, what)| what.as_str())
         .collect();
     let all: Vec<&str> = checks.iter().map(|(_, what)| what.as_str()).collect();
-    Some(format!(
-        "Goal for `{strategy}` against `{}` over {} paired rounds (median hits ≥ {HIT_POINTS:+.1} \
-         points, median TTFT p99 ≤ {P99_RATIO:.2}×, no lookup falling back): **{}** ({}).{}",
-        p.base,
-        p.rounds,
+    format!(
+        "**{}** ({})",
         match missed.is_empty() {
             true => "met".to_string(),
             false => format!("not met: {}", missed.join(", ")),
         },
-        all.join(", "),
-        precision(&p, HIT_POINTS, P99_RATIO.ln())
+        all.join(", ")
+    )
+}
+
+/// The goal's thresholds as the verdict lines state them.
+pub fn goal_terms() -> String {
+    format!(
+        "median hits ≥ {GOAL_HIT_POINTS:+.1} points, median TTFT p99 ≤ {GOAL_P99_RATIO:.2}×, no \
+         lookup falling back"
+    )
+}
+
+/// The goal for `strategy` over the paired rounds of `runs` (`fallbacks`: its lookups that fell
+/// back, summed over its replicas' runs); None with fewer than three rounds.
+pub fn shared_index_verdict(runs: &[Summary], strategy: &str, fallbacks: u64) -> Option<String> {
+    let p = pairings(runs).into_iter().find(|p| p.name == strategy)?;
+    if p.rounds < 3 || !median(&p.hits).is_finite() || !median(&p.ln_p99).is_finite() {
+        return None;
+    }
+    Some(format!(
+        "Goal for `{strategy}` against `{}` over {} paired rounds ({}): {}.{}",
+        p.base,
+        p.rounds,
+        goal_terms(),
+        judge(
+            &p.hits,
+            &p.ln_p99,
+            &format!("{fallbacks} lookups fell back"),
+            fallbacks > 0
+        ),
+        precision(&p.hits, &p.ln_p99)
     ))
 }
 
 /// How far these rounds decide the two medians: their order-statistic intervals, and which
 /// threshold lies inside its interval (a verdict these rounds cannot tell from noise on a
 /// machine where one strategy's runs spread by several points). Empty with too few rounds.
-fn precision(p: &Pairing, hit_points: f64, ln_p99: f64) -> String {
+pub fn precision(hits: &[f64], ln_p99: &[f64]) -> String {
     const CONFIDENCE: f64 = 0.9;
+    let (hit_points, ln_bound) = (GOAL_HIT_POINTS, GOAL_P99_RATIO.ln());
     let (Some(h), Some(r)) = (
-        median_interval(&p.hits, CONFIDENCE),
-        median_interval(&p.ln_p99, CONFIDENCE),
+        median_interval(hits, CONFIDENCE),
+        median_interval(ln_p99, CONFIDENCE),
     ) else {
         return String::new();
     };
     let inside: Vec<String> = [
         (h.0 < hit_points && hit_points < h.1).then(|| format!("{} points", points(hit_points))),
-        (r.0 < ln_p99 && ln_p99 < r.1).then(|| ratio(ln_p99)),
+        (r.0 < ln_bound && ln_bound < r.1).then(|| ratio(ln_bound)),
     ]
     .into_iter()
     .flatten()
@@ -302,14 +329,14 @@ fn precision(p: &Pairing, hit_points: f64, ln_p99: f64) -> String {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::oracle::{HitTokens, Oracles};
     use kv_testkit::runner::RunResult;
 
     /// A run labelled `label` whose hit ratio is `pooled` of the pooled oracle's and whose
     /// every request took `p99` ms to its first token.
-    fn run(label: &str, pooled: f64, p99: f64) -> Summary {
+    pub(crate) fn run(label: &str, pooled: f64, p99: f64) -> Summary {
         let r = RunResult {
             label: label.into(),
             workload: "w".into(),
@@ -406,7 +433,7 @@ mod tests {
         let v = shared_index_verdict(&runs, "redis", 0).unwrap();
         assert!(v.contains("**met**"), "{v}");
         assert!(
-            v.contains("median hits -0.5 points, median TTFT p99 1.02×"),
+            v.contains("median hits -0.5 points, median TTFT p99 1.020×"),
             "{v}"
         );
         let v = shared_index_verdict(&runs, "redis", 4).unwrap();
@@ -414,7 +441,13 @@ mod tests {
         let runs = rounds(&[(-1.5, 1.00), (-1.2, 1.06), (0.0, 1.07)]);
         let v = shared_index_verdict(&runs, "redis", 0).unwrap();
         assert!(
-            v.contains("not met: median hits -1.2 points, median TTFT p99 1.06×"),
+            v.contains("not met: median hits -1.2 points, median TTFT p99 1.060×"),
+            "{v}"
+        );
+        // Three decimals: a median of 1.047 reads as met, not as a bound of 1.05 it is under.
+        let v = shared_index_verdict(&rounds(&[(0.0, 1.047); 3]), "redis", 0).unwrap();
+        assert!(
+            v.contains("**met** (median hits +0.0 points, median TTFT p99 1.047×"),
             "{v}"
         );
         // Two rounds are not enough to judge, and a strategy that did not run has no verdict.

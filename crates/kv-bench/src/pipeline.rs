@@ -8,7 +8,7 @@ use anyhow::{Context, Result};
 use clap::Parser;
 
 use super::compare::{self, CompareOptions};
-use super::{overhead, results};
+use super::{overhead, pool, results};
 use crate::cli::{Cli, Cmd, CompareArgs, OverheadArgs, ReportArgs};
 use kv_testkit::deploy::Binaries;
 
@@ -84,7 +84,37 @@ pub async fn compare_section(
     if let Some(path) = &a.records {
         write_records(path, &cmp)?;
     }
-    results::comparison_section(title, slug, command, &cmp, started.elapsed().as_secs_f64())
+    let pooled = match &a.pool {
+        Some(path) => pool_rounds(&cmp, &a.sim_args, path)?,
+        None => String::new(),
+    };
+    let secs = started.elapsed().as_secs_f64();
+    results::comparison_section(title, slug, command, &cmp, secs, &pooled)
+}
+
+/// `compare --pool`: this invocation's shared-index rounds appended to the record at `path`,
+/// and the goal judged over every round there that pools with them.
+fn pool_rounds(
+    cmp: &compare::Comparison,
+    sim_args: &[String],
+    path: &std::path::Path,
+) -> Result<String> {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let source = format!("{} {}", pool::utc_minute(now), kv_router::GIT_REVISION);
+    let new = pool::rounds_of(cmp, sim_args, &pool::machine_kind(), &source);
+    if new.is_empty() {
+        return Ok(String::new());
+    }
+    let all = pool::append(path, &new)?;
+    eprintln!(
+        "kv-bench: {} paired rounds added to {} ({} on record)",
+        new.len(),
+        path.display(),
+        all.len()
+    );
+    Ok(pool::verdicts(&all, &new, &path.display().to_string()))
 }
 
 /// Every request of every run of `cmp` as JSON lines (`compare --records`).
@@ -138,8 +168,13 @@ const SYNTHETIC: &str = "compare --workload trace --trace synthetic --trace-skip
 /// goal that three rounds of six strategies cannot (one round spans ±15 % on these windows).
 const SHARED_RUNS: &str = "--repeat 8 --strategies redis,weighted";
 
-fn plan(quick: bool) -> Vec<Planned> {
+/// Where the shared-index sections keep their rounds, under the report's directory: each
+/// report adds its rounds and judges the goal over all of them too (`compare --pool`).
+pub const POOL_FILE: &str = "paired-rounds/rounds.tsv";
+
+fn plan(quick: bool, out: &std::path::Path) -> Vec<Planned> {
     let p = |title, slug, args: String| Planned { title, slug, args };
+    let shared = format!("{SHARED_RUNS} --pool {}", out.join(POOL_FILE).display());
     if quick {
         // Two pods, instant sims, a handful of requests: the pipeline end to end in about a minute.
         let fast = "--pods 2 --gpu-blocks 512 --sim-arg=--prefill-us-per-token=1 \
@@ -148,7 +183,8 @@ fn plan(quick: bool) -> Vec<Planned> {
         return vec![
             p("Mooncake conversation trace", "trace-conversation", format!("{tiny} {fast}")),
             p("Replicas sharing the index: conversation window, two replicas", "shared-conversation-2",
-              format!("{tiny} {fast} --repeat 3 --strategies redis,weighted --redis-replicas 2")),
+              format!("{tiny} {fast} --repeat 3 --strategies redis,weighted --redis-replicas 2 --pool {}",
+                      out.join(POOL_FILE).display())),
             p("Multi-turn chat", "multiturn",
               format!("compare --workload multiturn --sessions 3 --turns 2 --max-tokens 8 {fast}")),
             p("Shared prefix", "shared-prefix",
@@ -165,13 +201,13 @@ fn plan(quick: bool) -> Vec<Planned> {
         p("Mooncake synthetic trace", "trace-synthetic",
           format!("{SYNTHETIC} {TRACE_SIM} {TRACE_RUNS}")),
         p("Replicas sharing the index: conversation window, two replicas", "shared-conversation-2",
-          format!("{CONVERSATION} {TRACE_SIM} {SHARED_RUNS} --redis-replicas 2")),
+          format!("{CONVERSATION} {TRACE_SIM} {shared} --redis-replicas 2")),
         p("Replicas sharing the index: synthetic window, two replicas", "shared-synthetic-2",
-          format!("{SYNTHETIC} {TRACE_SIM} {SHARED_RUNS} --redis-replicas 2")),
+          format!("{SYNTHETIC} {TRACE_SIM} {shared} --redis-replicas 2")),
         p("Replicas sharing the index: conversation window, four replicas", "shared-conversation-4",
-          format!("{CONVERSATION} {TRACE_SIM} {SHARED_RUNS} --redis-replicas 4")),
+          format!("{CONVERSATION} {TRACE_SIM} {shared} --redis-replicas 4")),
         p("Replicas sharing the index: synthetic window, four replicas", "shared-synthetic-4",
-          format!("{SYNTHETIC} {TRACE_SIM} {SHARED_RUNS} --redis-replicas 4")),
+          format!("{SYNTHETIC} {TRACE_SIM} {shared} --redis-replicas 4")),
         p("Multi-turn chat", "multiturn",
           "compare --workload multiturn --sessions 32 --turns 6 --pods 8 --gpu-blocks 4096".into()),
         p("Shared prefix", "shared-prefix",
@@ -186,7 +222,7 @@ fn plan(quick: bool) -> Vec<Planned> {
 pub async fn report_all(a: &ReportArgs) -> Result<()> {
     let machine = results::machine();
     let mut sections = Vec::new();
-    for item in plan(a.quick) {
+    for item in plan(a.quick, &a.out) {
         let command = format!(
             "kv-bench {}",
             item.args.split_whitespace().collect::<Vec<_>>().join(" ")

@@ -67,13 +67,15 @@ pub fn machine() -> String {
     format!("{cpu}, {cores} cores, {mem_gib:.0} GiB RAM, Linux {kernel}")
 }
 
-/// The section of a strategy comparison: table, skipped strategies, three charts.
+/// The section of a strategy comparison: table, skipped strategies, three charts; `pooled`: the
+/// goal judged over the rounds on record (`compare --pool`), under this invocation's verdict.
 pub fn comparison_section(
     title: &str,
     slug: &str,
     command: &str,
     cmp: &Comparison,
     seconds: f64,
+    pooled: &str,
 ) -> Result<Section> {
     let summaries = cmp.summaries();
     let mut body = format!(
@@ -95,6 +97,10 @@ pub fn comparison_section(
         if !verdicts.is_empty() {
             body.push('\n');
             body.push_str(&verdicts);
+        }
+        if !pooled.is_empty() {
+            body.push('\n');
+            body.push_str(pooled);
         }
     }
     let note = cmp.skipped_note();

@@ -106,6 +106,17 @@ fn quick_report_is_produced_and_well_formed() {
         md.contains("Goal for `redis` against `weighted` over 3 paired rounds"),
         "the verdict line"
     );
+    // The rounds join the record under the report's directory, and the goal is judged over it.
+    let record = std::fs::read_to_string(out.path().join("paired-rounds/rounds.tsv")).unwrap();
+    let rows: Vec<&str> = record.lines().skip(1).collect();
+    assert_eq!(rows.len(), 3, "{record}");
+    assert!(rows
+        .iter()
+        .all(|r| r.contains("\tredis\tweighted\t") && r.ends_with("\t0")));
+    assert!(
+        md.contains("(`") && md.contains("paired-rounds/rounds.tsv`: 3 rounds from 1 invocations"),
+        "the pooled verdict line"
+    );
 }
 
 /// `kv-bench compare --endpoint … --json` against one pod started here; returns the JSON.
