@@ -101,6 +101,12 @@ impl Round {
             anyhow::ensure!(x.is_finite() && x >= 0.0, "{name} {v:?} is not a figure");
             Ok(x)
         };
+        // A ratio's divisor: a p99 of 0 ms is no run's.
+        let positive = |name: &str, v: &str| -> Result<f64> {
+            let x = num(name, v)?;
+            anyhow::ensure!(x > 0.0, "{name} {v:?} is not a latency");
+            Ok(x)
+        };
         Ok(Self {
             epoch: epoch.parse().with_context(|| format!("epoch {epoch:?}"))?,
             machine: machine.to_string(),
@@ -112,8 +118,8 @@ impl Round {
             round: round.parse().with_context(|| format!("round {round:?}"))?,
             strategy_hit: num("strategy_hit_pooled_pct", sh)?,
             baseline_hit: num("baseline_hit_pooled_pct", bh)?,
-            strategy_p99_ms: num("strategy_ttft_p99_ms", sp)?,
-            baseline_p99_ms: num("baseline_ttft_p99_ms", bp)?,
+            strategy_p99_ms: positive("strategy_ttft_p99_ms", sp)?,
+            baseline_p99_ms: positive("baseline_ttft_p99_ms", bp)?,
             fallbacks: match *fb {
                 "-" => None,
                 n => Some(n.parse().with_context(|| format!("fallbacks {n:?}"))?),
@@ -270,10 +276,11 @@ pub fn verdicts(all: &[Round], new: &[Round], record: &str) -> String {
         let _ = write!(
             out,
             "Pooled with every round on record for this window, machine kind and epoch {EPOCH} \
-             (`{record}`: {} rounds from {} invocations, this one's {} among them), goal for \
-             `{}` against `{}` ({}): {}.{}",
+             (`{record}`: {} rounds from {} invocation{}, this one's {} among them), goal \
+             for `{}` against `{}` ({}): {}.{}",
             pooled.len(),
             sources.len(),
+            if sources.len() == 1 { "" } else { "s" },
             new.iter().filter(|x| x.pools_with(r)).count(),
             r.strategy,
             r.baseline,

@@ -48,6 +48,9 @@ fn a_bad_line_is_an_error_that_names_it() {
     let e = format!("{:#}", parse("1\ttoo\tfew").unwrap_err());
     assert!(e.contains("3 fields"), "{e}");
     assert_eq!(parse(&format!("{HEADER}\n{good}\n")).unwrap().len(), 1);
+    let zero = good.replace("\t1000.00\t", "\t0.00\t");
+    let e = format!("{:#}", parse(&zero).unwrap_err());
+    assert!(e.contains("\"0.00\" is not a latency"), "{e}");
 }
 
 #[test]
@@ -88,6 +91,11 @@ fn the_pooled_verdict_takes_only_rounds_of_the_same_setting() {
     all.push(off(&|r| r.strategy = "redis".into()));
     let v = verdicts(&all, &new, "rounds.tsv");
     assert_eq!(v.lines().count(), 1, "{v}");
+    let one = verdicts(&new, &new, "r");
+    assert!(
+        one.contains("4 rounds from 1 invocation, this one's 4"),
+        "{one}"
+    );
     assert!(
         v.contains("12 rounds from 3 invocations, this one's 4"),
         "{v}"

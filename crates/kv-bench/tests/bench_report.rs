@@ -114,7 +114,7 @@ fn quick_report_is_produced_and_well_formed() {
         .iter()
         .all(|r| r.contains("\tredis\tweighted\t") && r.ends_with("\t0")));
     assert!(
-        md.contains("(`") && md.contains("paired-rounds/rounds.tsv`: 3 rounds from 1 invocations"),
+        md.contains("(`") && md.contains("paired-rounds/rounds.tsv`: 3 rounds from 1 invocation,"),
         "the pooled verdict line"
     );
 }
