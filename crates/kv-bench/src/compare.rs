@@ -279,6 +279,14 @@ pub struct Comparison {
 }
 
 impl Comparison {
+    /// The report's line naming the workload and the fleet (the shared-index record's window).
+    pub fn workload_line(&self) -> String {
+        format!(
+            "Workload: {} ({}). Fleet: {}.",
+            self.workload, self.description, self.fleet
+        )
+    }
+
     /// Summaries of the strategies that ran.
     pub fn summaries(&self) -> Vec<Summary> {
         self.runs.iter().filter_map(|r| r.summary.clone()).collect()

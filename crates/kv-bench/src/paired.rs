@@ -107,6 +107,8 @@ pub struct Pairing<'a> {
     pub hits: Vec<f64>,
     /// ln(strategy's TTFT p99 / baseline's), one per round.
     pub ln_p99: Vec<f64>,
+    /// The runs behind them: (round, strategy's run, baseline's run), by round.
+    pub runs: Vec<(usize, &'a Summary, &'a Summary)>,
 }
 
 /// Every strategy other than the baseline paired with it by round; empty without rounds or with
@@ -128,11 +130,12 @@ pub fn pairings(runs: &[Summary]) -> Vec<Pairing<'_>> {
     };
     let mut out = Vec::new();
     for &name in order.iter().filter(|&&n| n != base) {
-        let pairs: Vec<(&Summary, &Summary)> = by
+        let runs: Vec<(usize, &Summary, &Summary)> = by
             .iter()
             .filter(|((n, _), _)| *n == name)
-            .filter_map(|(&(_, r), &s)| by.get(&(base, r)).map(|&b| (s, b)))
+            .filter_map(|(&(_, r), &s)| by.get(&(base, r)).map(|&b| (r, s, b)))
             .collect();
+        let pairs: Vec<(&Summary, &Summary)> = runs.iter().map(|&(_, s, b)| (s, b)).collect();
         out.push(Pairing {
             name,
             base,
@@ -147,6 +150,7 @@ pub fn pairings(runs: &[Summary]) -> Vec<Pairing<'_>> {
                 .map(|(s, b)| (s.ttft_p99_ms / b.ttft_p99_ms).ln())
                 .filter(|d| d.is_finite())
                 .collect(),
+            runs,
         });
     }
     out

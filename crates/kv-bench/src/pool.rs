@@ -161,9 +161,10 @@ pub fn read(path: &Path) -> Result<Vec<Round>> {
 /// it now holds.
 pub fn append(path: &Path, rounds: &[Round]) -> Result<Vec<Round>> {
     let mut all = read(path)?;
-    let mut text = match all.is_empty() && !path.exists() {
-        true => format!("{HEADER}\n"),
-        false => String::new(),
+    let mut text = if path.exists() {
+        String::new()
+    } else {
+        format!("{HEADER}\n")
     };
     for r in rounds {
         text.push_str(&r.line());
@@ -199,20 +200,12 @@ pub fn utc_minute(secs: u64) -> String {
 /// against the baseline, as records of `source`.
 pub fn rounds_of(cmp: &Comparison, sim: &[String], machine: &str, source: &str) -> Vec<Round> {
     let summaries = cmp.summaries();
-    let workload = format!(
-        "Workload: {} ({}). Fleet: {}.",
-        cmp.workload, cmp.description, cmp.fleet
-    );
+    let workload = cmp.workload_line();
     let fallbacks = |label: &str| cmp.runs.iter().find(|r| r.label == label)?.redis_fallbacks;
-    let by_label = |label: &str| summaries.iter().find(|s| s.label == label);
     let mut out = Vec::new();
     for p in paired::pairings(&summaries) {
-        for round in 1..=summaries.len() {
-            let (s, b) = (
-                format!("{} #{round}", p.name),
-                format!("{} #{round}", p.base),
-            );
-            let (Some(fb), Some(ss), Some(bs)) = (fallbacks(&s), by_label(&s), by_label(&b)) else {
+        for &(round, ss, bs) in &p.runs {
+            let Some(fb) = fallbacks(&ss.label) else {
                 continue;
             };
             let figures = [

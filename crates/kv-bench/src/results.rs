@@ -78,10 +78,7 @@ pub fn comparison_section(
     pooled: &str,
 ) -> Result<Section> {
     let summaries = cmp.summaries();
-    let mut body = format!(
-        "Workload: {} ({}). Fleet: {}.\n\n",
-        cmp.workload, cmp.description, cmp.fleet
-    );
+    let mut body = format!("{}\n\n", cmp.workload_line());
     body.push_str(&report::table(&summaries, Style::Markdown));
     if let Some(spread) = report::spread_table(&summaries, Style::Markdown) {
         body.push_str("\nMedian (min–max) of each strategy's runs:\n\n");
