@@ -1,6 +1,6 @@
 //! Fault runs through the REAL Envoy 1.40, the real kv-router and real vllm-sim processes on
 //! 127.0.0.1 (random ports), each under load, bounded in count and time, each asserting what the
-//! clients saw (issue 13).
+//! clients saw.
 //!
 //! | fault | test |
 //! |---|---|

@@ -237,7 +237,7 @@ pub struct CompareArgs {
     #[arg(long)]
     pub records: Option<PathBuf>,
     /// Append each paired round of the shared-index strategies (with --repeat) to this record
-    /// (TSV, created when missing) and judge issue 32's goal over every round there of the same
+    /// (TSV, created when missing) and judge the shared index's goal over every round there of the same
     /// workload, sim flags, machine kind and epoch, under this invocation's own verdict.
     #[arg(long)]
     pub pool: Option<PathBuf>,
@@ -344,7 +344,7 @@ pub struct SmallFleetArgs {
     /// --sessionless: one 2-pod cell of 6 conversations, weighted).
     #[arg(long)]
     pub quick: bool,
-    /// Issue 34's shape: no session id, a 6 KB system prompt, then each conversation's own
+    /// Sessionless conversations on a long shared prompt: no session id, a 6 KB system prompt, then each conversation's own
     /// ~1.2 KB document and ~100 B questions, 16-token answers, 2 clients in a closed loop; cells
     /// 2x6,4x12; goals hit ratio ≥ 0.85, TTFT p50 ≤ 0.6 × and p99 ≤ round robin's, balance.
     #[arg(long)]

@@ -1,4 +1,4 @@
-//! `kv-bench hostile --attacks`: the connection and upload floods of issue 33, each against a
+//! `kv-bench hostile --attacks`: the connection and upload floods, each against a
 //! fresh kv-router (and, for held uploads, a real Envoy in front), with a health probe beside it:
 //! every 100 ms a fresh connection asks `/healthz` on the admin port and gRPC `readiness` on the
 //! gRPC port. For each attack: the router's peak RSS and open fds (sampled every 50 ms from

@@ -224,14 +224,14 @@ pub fn paired_table(runs: &[Summary], style: Style) -> Option<String> {
     Some(t.render(style))
 }
 
-/// The shared index's goal (issue 32): against one replica of the baseline, a median hit ratio
+/// The shared index's goal: against one replica of the baseline, a median hit ratio
 /// at most 1 point of pooled lower, a median TTFT p99 at most 1.05 times, no lookup that fell
 /// back from the shared index.
 pub const GOAL_HIT_POINTS: f64 = -1.0;
 /// The goal's bound on the median TTFT p99 ratio.
 pub const GOAL_P99_RATIO: f64 = 1.05;
 
-/// Issue 32's goal judged on paired rounds (hit differences in points, log TTFT p99 ratios):
+/// The shared index's goal judged on paired rounds (hit differences in points, log TTFT p99 ratios):
 /// "**met**" or "**not met: …**", then every check's figure.
 pub fn judge(hits: &[f64], ln_p99: &[f64], fallbacks: &str, fell_back: bool) -> String {
     let (hit, ln) = (median(hits), median(ln_p99));

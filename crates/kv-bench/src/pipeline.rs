@@ -163,7 +163,7 @@ const SYNTHETIC: &str = "compare --workload trace --trace synthetic --trace-skip
      --trace-requests 600 --speedup 6 --spread-clumps --output-scale 0.25 --pods 8 \
      --gpu-blocks 32768";
 
-/// Replicas sharing the index against one router (issue 32's goal): the two strategies alone,
+/// Replicas sharing the index against one router (the shared index's goal): the two strategies alone,
 /// eight rounds in alternating order, so the paired medians and intervals can settle a 5 % p99
 /// goal that three rounds of six strategies cannot (one round spans ±15 % on these windows).
 const SHARED_RUNS: &str = "--repeat 8 --strategies redis,weighted";

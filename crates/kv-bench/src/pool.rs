@@ -1,4 +1,4 @@
-//! Paired rounds on record (issue 32): `compare --repeat N --pool FILE` appends each round of a
+//! Paired rounds on record: `compare --repeat N --pool FILE` appends each round of a
 //! shared-index strategy and its baseline to FILE, then judges the goal over every round there
 //! of the same workload, sim flags, machine kind and [`EPOCH`].
 //!
@@ -18,7 +18,7 @@ use super::compare::Comparison;
 use super::paired;
 
 /// Rounds of different epochs never pool: bump it with any change that moves what the router
-/// decides for either strategy (1: stop 63's busy-scrape fix `4e3968b` and everything since).
+/// decides for either strategy (1: the busy-scrape fix `4e3968b` and everything since).
 pub const EPOCH: u32 = 1;
 /// The file's header (its first line).
 pub const HEADER: &str = "epoch\tmachine\tworkload\tsim\tstrategy\tbaseline\tsource\tround\t\

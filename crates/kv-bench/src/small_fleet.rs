@@ -108,10 +108,9 @@ impl Default for SmallFleetOptions {
 }
 
 impl SmallFleetOptions {
-    /// Issue 34's shape: clients that send no session id, a ~1,500-token system prompt, then each
+    /// The sessionless shape: clients that send no session id, a ~1,500-token system prompt, then each
     /// conversation's own ~300-token document and ~25-token questions, 16-token answers, two
-    /// clients in a closed loop; 6 conversations on 2 pods and 12 on 4. Held to that issue's
-    /// goals: hit ratio ≥ 0.85, TTFT p50 ≤ 0.6 × and p99 ≤ round robin's, no pod above 2/3.
+    /// clients in a closed loop; 6 conversations on 2 pods and 12 on 4. Held to its goals: hit ratio ≥ 0.85, TTFT p50 ≤ 0.6 × and p99 ≤ round robin's, no pod above 2/3.
     pub fn sessionless() -> Self {
         Self {
             cells: vec![(2, 6), (4, 12)],

@@ -70,7 +70,7 @@ fn two_sessions_on_two_pods_do_not_pile_onto_one() {
     );
 }
 
-/// Issue 34's shape on slow vllm-sim pods (`small-fleet --quick --sessionless`): two pods, two
+/// The sessionless shape on slow vllm-sim pods (`small-fleet --quick --sessionless`): two pods, two
 /// clients in a closed loop, six conversations of four turns that name no session and open with
 /// one long system prompt, then each its own shorter document. Before, kv-router sent all 24
 /// requests to the system prompt's first holder; now the second pod takes conversations too.

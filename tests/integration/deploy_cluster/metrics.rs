@@ -544,7 +544,7 @@ async fn alerts_and_dashboards_use_only_metrics_and_labels_that_exist() {
         }
     }
     assert!(problems.is_empty(), "{}", problems.join("\n"));
-    // The rule covers what an operator needs (issue 31).
+    // The rule covers what an operator needs (docs/operations.md).
     for m in [
         "kube_pod_status_ready",
         "envoy_http_.*ext_proc_failure_mode_allowed",

@@ -20,7 +20,7 @@ pub(crate) const BUFFERED: &str = "override-host-buffered.yaml";
 pub(crate) const FULL_DUPLEX: &str = "gie-full-duplex.yaml";
 /// How long any polled condition may take on a loaded 2-core machine.
 pub(crate) const POLL: Duration = Duration::from_secs(10);
-/// Every test must finish within this (issue 13: bounded in time).
+/// Every test must finish within this: a fault run is bounded in time.
 pub(crate) const TEST_BUDGET: Duration = Duration::from_secs(30);
 
 /// Fails a fault run that took longer than [`TEST_BUDGET`].

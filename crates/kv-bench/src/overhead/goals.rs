@@ -29,7 +29,7 @@ pub struct Goal {
     pub met: bool,
 }
 
-/// The goals of issue 11 over `cells`: added p50 at c=1 (≤ +0.1 ms for 1–8 KB, ≤ +0.3 ms at
+/// The router-overhead goals over `cells`: added p50 at c=1 (≤ +0.1 ms for 1–8 KB, ≤ +0.3 ms at
 /// 400 KB), p50/p99 at c=32 (≤ 1.1 × no-op), CPU per 400 KB request (≤ 2 ms approximate, ≤ 10 ms
 /// precise). Cells a run did not measure are skipped.
 pub fn check(cells: &[Cell]) -> Vec<Goal> {
