@@ -113,7 +113,10 @@ fmt: ## format the code (cargo fmt --all)
 
 # clippy under the release profile: the build scripts (libzmq's cmake build) and proc macros it
 # compiles are the ones `make test` and `make build` reuse, not a second, debug-profile set.
-lint: ## cargo fmt --check + clippy -D warnings (release profile)
+# scripts/check-docs.py: docs/results.md at most 700 lines, no work-log references ("stop"/"issue"
+# and a number) in tracked files, every relative link in README.md and docs/ resolving.
+lint: ## docs check + cargo fmt --check + clippy -D warnings (release profile)
+	$(PYTHON) scripts/check-docs.py
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --release --workspace --all-targets -- -D warnings
 
