@@ -257,6 +257,7 @@ pub async fn report_all(a: &ReportArgs) -> Result<()> {
                     title: item.title.into(),
                     command: command.clone(),
                     body: r.markdown(),
+                    detail: String::new(),
                     charts: Vec::new(),
                     json: serde_json::to_value(&r)?,
                     seconds: started.elapsed().as_secs_f64(),
