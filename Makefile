@@ -77,7 +77,7 @@ test: redis-server $(VENV)/bin/envoy $(ENVOY_MIN) $(VENV)/.deploy-tools ## run a
 demo: build $(VENV)/bin/envoy ## run the kv-bench demo (kv-router vs round robin, simulated vLLM)
 	./target/release/kv-bench demo --envoy $(ENVOY)
 
-bench: build redis-server $(VENV)/bin/envoy ## regenerate docs/results.md, docs/results.json, docs/images/ (~60 min)
+bench: build redis-server $(VENV)/bin/envoy ## regenerate docs/results.md, results-details.md, results.json, images/ (~60 min)
 	KV_ROUTER_REDIS_SERVER="$$(cat $(REDIS_SERVER_FILE))" ./target/release/kv-bench report --envoy $(ENVOY) --out docs
 
 bench-quick: build redis-server $(VENV)/bin/envoy ## the same pipeline on tiny fleets (~1 min) into target/bench-quick
