@@ -11,20 +11,22 @@ use crate::index::{build_index, KvIndex, RedisMetrics};
 use crate::ingest::{self, CatchUp, IngestMetrics};
 use crate::pods::PodRegistry;
 use crate::scoring::SessionStore;
+use crate::share::LoadShare;
 use crate::supervise::Supervisor;
 
-/// Builds the index and the session store. Fails only on a Redis setting that cannot work.
-pub(super) fn build(
-    cfg: &Config,
-    redis: Option<RedisMetrics>,
-) -> anyhow::Result<(Arc<dyn KvIndex>, Arc<SessionStore>)> {
-    let built = build_index(cfg, redis)?;
+/// The index, its replica load sharing and the session store.
+type Built = (Arc<dyn KvIndex>, Arc<dyn LoadShare>, Arc<SessionStore>);
+
+/// Builds the index, its replica load sharing and the session store. Fails only on a Redis
+/// setting that cannot work.
+pub(super) fn build(cfg: &Config, redis: Option<RedisMetrics>) -> anyhow::Result<Built> {
+    let built = build_index(&cfg.index, &cfg.kv_events, &cfg.blocks, redis)?;
     let mut sessions = SessionStore::new(cfg.scorers.session.capacity, cfg.scorers.session.ttl_ms);
     if let Some(shared) = built.sessions {
         let budget = Duration::from_millis(cfg.index.redis.lookup_budget_ms);
         sessions = sessions.with_shared(shared, budget);
     }
-    Ok((built.index, Arc::new(sessions)))
+    Ok((built.index, built.share, Arc::new(sessions)))
 }
 
 /// Precise mode: starts the `kv_events` loop and returns the start-up catch-ups readiness waits

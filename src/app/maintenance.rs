@@ -147,7 +147,12 @@ async fn maintenance(
 /// (`managed`) is set from the default, so a scale back at 1 restores it.
 fn pod_capacity(cfg: &Config, sample: &LoadSample, scale: f64, managed: bool) -> Option<usize> {
     let cap = match sample.num_gpu_blocks {
-        Some(blocks) => index_capacity(cfg, blocks, sample.block_size.unwrap_or(16)),
+        Some(blocks) => index_capacity(
+            &cfg.index,
+            &cfg.blocks,
+            blocks,
+            sample.block_size.unwrap_or(16),
+        ),
         None if scale != 1.0 || managed => cfg.index.default_capacity_blocks,
         None => return None,
     };
@@ -187,7 +192,7 @@ mod tests {
             block_size: Some(16),
             ..LoadSample::default()
         };
-        let full = index_capacity(&cfg, 1000, 16);
+        let full = index_capacity(&cfg.index, &cfg.blocks, 1000, 16);
         assert_eq!(pod_capacity(&cfg, &sized, 1.0, false), Some(full));
         assert_eq!(pod_capacity(&cfg, &sized, 2.0, true), Some(full * 2));
     }

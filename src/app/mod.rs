@@ -64,19 +64,22 @@ struct Shared {
 pub async fn run(cfg: Config, tokenizers: TokenizerRegistry) -> anyhow::Result<()> {
     let telemetry = Telemetry::register(&cfg);
     let pods = Arc::new(PodRegistry::with_engines(EngineResolver::new(&cfg.pods)));
-    let (index, sessions) = index::build(&cfg, telemetry.redis)?;
+    let (index, share, sessions) = index::build(&cfg, telemetry.redis)?;
     let mode = mode(&cfg);
-    let decider = Arc::new(Decider::new(
-        &cfg,
-        Arc::new(tokenizers),
-        pods.clone(),
-        index.clone(),
-        sessions.clone(),
-        telemetry.decisions.clone(),
-    ));
+    let decider = Arc::new(
+        Decider::new(
+            &cfg,
+            Arc::new(tokenizers),
+            pods.clone(),
+            index.clone(),
+            sessions.clone(),
+            telemetry.decisions.clone(),
+        )
+        .with_load_share(share.clone()),
+    );
     // The other replicas' decisions count as load here too, and in conversation memory (a
     // shared index's mirror with `mirror_load`).
-    index.attach_remote_load(Arc::new(crate::decide::RemoteDecisions {
+    share.attach(Arc::new(crate::decide::RemoteDecisions {
         load: pods.clone(),
         conversations: decider.conversations(),
     }));

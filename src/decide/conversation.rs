@@ -228,7 +228,7 @@ impl Conversations {
         &self,
         keys: &[BlockKey],
         pod: &PodId,
-        mark: crate::index::ConversationMark,
+        mark: crate::share::ConversationMark,
         now_ms: u64,
     ) {
         let new_on = mark.new_conversation.then_some(pod);
@@ -278,23 +278,23 @@ fn continues(ends: &LruCache<BlockKey, ()>, keys: &[BlockKey], matched: usize) -
 /// pods' in-flight accounting, their conversation marks to this router's conversation memory.
 pub struct RemoteDecisions {
     /// Where the load goes.
-    pub load: std::sync::Arc<dyn crate::index::RemoteLoad>,
+    pub load: std::sync::Arc<dyn crate::share::RemoteLoad>,
     /// Where the marks go.
     pub conversations: std::sync::Arc<Conversations>,
 }
 
-impl crate::index::RemoteLoad for RemoteDecisions {
+impl crate::share::RemoteLoad for RemoteDecisions {
     fn charge(
         &self,
         pod: &PodId,
-        charge: crate::index::Charge,
+        charge: crate::share::Charge,
         age: std::time::Duration,
-        hold: Option<crate::index::Hold>,
+        hold: Option<crate::share::Hold>,
     ) {
         self.load.charge(pod, charge, age, hold);
     }
 
-    fn release(&self, pod: &PodId, hold: crate::index::Hold, how: crate::index::Release) {
+    fn release(&self, pod: &PodId, hold: crate::share::Hold, how: crate::share::Release) {
         self.load.release(pod, hold, how);
     }
 
@@ -302,7 +302,7 @@ impl crate::index::RemoteLoad for RemoteDecisions {
         &self,
         pod: &PodId,
         keys: &[BlockKey],
-        mark: crate::index::ConversationMark,
+        mark: crate::share::ConversationMark,
         now_ms: u64,
     ) {
         self.conversations.record_mark(keys, pod, mark, now_ms);
@@ -438,7 +438,7 @@ mod tests {
     fn placements_on_pods_from_other_replicas_marks_are_bounded() {
         let c = Conversations::new(16, 300_000);
         let k = keys(0..3);
-        let new = crate::index::ConversationMark {
+        let new = crate::share::ConversationMark {
             best_match: 1,
             new_conversation: true,
         };

@@ -26,7 +26,7 @@ use tracing::{debug, warn};
 
 use crate::blocks::{BlockKey, BlockScheme};
 use crate::config::{Config, GateConfig};
-use crate::index::{Charge, KvIndex};
+use crate::index::KvIndex;
 use crate::keys::{Keyer, Keys};
 use crate::pods::{
     prefill_models, prefill_time, InflightGuard, Pod, PodId, PodLoad, PodRegistry, PrefillVerdict,
@@ -34,6 +34,7 @@ use crate::pods::{
 };
 use crate::request::{self, RequestError, RoutingRequest};
 use crate::scoring::{SessionKey, SessionStore};
+use crate::share::{Charge, LoadShare, NoShare};
 use crate::telemetry::ErrorKind;
 use crate::tokenize::TokenizerRegistry;
 use metrics::DecisionLabels;
@@ -174,6 +175,8 @@ pub struct Decider {
     use_user_field: bool,
     registry: Arc<PodRegistry>,
     index: Arc<dyn KvIndex>,
+    /// Replica load sharing (a shared index's), [`NoShare`] unless [`Decider::with_load_share`].
+    share: Arc<dyn LoadShare>,
     /// Conversations, sessions and decisions answered before their index record landed.
     state: DecisionState,
     stages: Stages,
@@ -262,6 +265,7 @@ impl Decider {
             use_user_field: s.session.use_user_field,
             registry,
             index,
+            share: Arc::new(NoShare),
             state: DecisionState::new(cfg, sessions, Recording::AfterReply),
             stages: Stages::new(cfg),
             metrics,
@@ -273,6 +277,12 @@ impl Decider {
             gate: cfg.gate.clone(),
             committing: parking_lot::Mutex::new(()),
         }
+    }
+
+    /// Shares this router's load with the other replicas through `share` (the shared index's).
+    pub fn with_load_share(mut self, share: Arc<dyn LoadShare>) -> Self {
+        self.share = share;
+        self
     }
 
     /// The request header that names the prefill pod (`disaggregation.header`).
@@ -390,13 +400,14 @@ impl Decider {
 
     /// Teaches the index a decision's keys on its pod; a failure is counted and logged.
     pub async fn record(&self, p: PendingRecord) {
-        let recorded = self
-            .index
+        if !self
+            .share
             .record_decision(&p.pod, &p.keys, p.now_ms, p.charge)
-            .await;
-        if let Err(e) = recorded {
-            debug!(error = %e, "index record failed");
-            self.metrics.errors.inc(ErrorKind::Index);
+        {
+            if let Err(e) = self.index.record(&p.pod, &p.keys, p.now_ms).await {
+                debug!(error = %e, "index record failed");
+                self.metrics.errors.inc(ErrorKind::Index);
+            }
         }
         if let Some(prefill) = p.prefill.as_ref().filter(|q| **q != p.pod) {
             if let Err(e) = self.index.record(prefill, &p.keys, p.now_ms).await {
@@ -476,11 +487,11 @@ impl Decider {
                 announced: None,
             };
             // The other replicas count it now, not once its record (after the reply) reaches them.
-            charge.announced = self.index.announce(&pod, &charge);
+            charge.announced = self.share.announce(&pod, &charge);
             // ... and count its tokens until this replica sees the response start.
             if let Some(seq) = charge.announced {
-                let (index, pod) = (self.index.clone(), pod.clone());
-                guard.on_release(move |how| index.release(&pod, seq, how));
+                let (share, pod) = (self.share.clone(), pod.clone());
+                guard.on_release(move |how| share.release(&pod, seq, how));
             }
             PendingRecord {
                 pod,
@@ -632,7 +643,7 @@ impl Decider {
             None => None,
         };
         // Loads the other replicas sent that have arrived count before this decision reads load.
-        self.index.catch_up_load();
+        self.share.catch_up();
         let now = Instant::now();
         let models = prefill_models(&pods, self.stages.ttft_prior());
         let pod_facts = pods

@@ -165,8 +165,8 @@ pub struct Plan {
 
 impl Plan {
     /// What conversation memory records of this decision besides its keys and pod.
-    pub fn conversation_mark(&self) -> crate::index::ConversationMark {
-        crate::index::ConversationMark {
+    pub fn conversation_mark(&self) -> crate::share::ConversationMark {
+        crate::share::ConversationMark {
             best_match: self.best_match.clamp(0.0, f64::from(u32::MAX)) as u32,
             new_conversation: self.new_conversation,
         }

@@ -57,6 +57,11 @@ impl MemoryIndex {
 }
 
 impl MemoryIndex {
+    /// [`KvIndex::record`], which never fails or waits.
+    pub(crate) fn learn(&self, pod: &PodId, keys: &[BlockKey], now_ms: u64) {
+        self.record_each(pod, keys, now_ms.saturating_add(self.ttl_ms), |_, _| {});
+    }
+
     /// Records like `record` and says, per key of `keys`, whether the pod's entry of it had been
     /// refreshed less than `within_ms` before `now_ms` (by any decision this index applied): a
     /// writer of the shared index may leave such an entry as that decision wrote it.
@@ -134,7 +139,7 @@ impl KvIndex for MemoryIndex {
     }
 
     async fn record(&self, pod: &PodId, keys: &[BlockKey], now_ms: u64) -> Result<(), IndexError> {
-        self.record_each(pod, keys, now_ms.saturating_add(self.ttl_ms), |_, _| {});
+        self.learn(pod, keys, now_ms);
         Ok(())
     }
 

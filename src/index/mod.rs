@@ -40,62 +40,6 @@ pub use redis::{
 
 use crate::events::KvEventBatch;
 
-/// A decision's load on its pod: the tokens it has to prefill and for how long they count.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Charge {
-    /// Prompt tokens the pod was predicted not to hold.
-    pub uncached_tokens: u64,
-    /// The deciding replica's estimate of their prefill time, in milliseconds.
-    pub prefill_ms: u64,
-    /// What the deciding replica's conversation memory recorded of it.
-    pub mark: Option<ConversationMark>,
-    /// Its number on the deciding replica's load stream, when it was sent ahead of the record
-    /// ([`KvIndex::announce`]): a replica charges whichever copy reaches it first.
-    pub announced: Option<u64>,
-}
-
-/// Another replica's announced load that it will release itself: its tokens count until the
-/// deciding replica says the pod's response started, not only for their predicted prefill (which
-/// leaves out the wait in the pod's queue).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct Hold {
-    /// The deciding replica.
-    pub origin: u64,
-    /// The load's number on its load stream.
-    pub seq: u64,
-}
-
-/// How a held load ends ([`KvIndex::release`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Release {
-    /// The pod's response started: its prefill is over, the tokens no longer count.
-    Started,
-    /// The request ended unobserved: the tokens count until their predicted prefill ends.
-    Settled,
-}
-
-/// A decision as conversation memory records it, besides its keys and pod.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct ConversationMark {
-    /// The longest match over the candidates, in blocks.
-    pub best_match: u32,
-    /// The request started a new conversation.
-    pub new_conversation: bool,
-}
-
-/// Where a shared backend hands the decisions other replicas made, so that every replica counts
-/// them as in-flight load between scrapes (the pods' in-flight accounting implements it), and
-/// records them in its conversation memory.
-pub trait RemoteLoad: Send + Sync {
-    /// Another replica sent a request to `pod` `age` ago; with `hold`, its tokens count until
-    /// that replica releases them ([`Self::release`]), within a bound.
-    fn charge(&self, pod: &PodId, charge: Charge, age: std::time::Duration, hold: Option<Hold>);
-    /// The replica that sent a held load on `pod` released it.
-    fn release(&self, _pod: &PodId, _hold: Hold, _how: Release) {}
-    /// Another replica sent `keys` to `pod` at `now_ms` (this router's clock), marked `mark`.
-    fn mark(&self, _pod: &PodId, _keys: &[BlockKey], _mark: ConversationMark, _now_ms: u64) {}
-}
-
 /// What applying an event batch did (for metrics).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
 pub struct ApplyStats {
@@ -177,32 +121,6 @@ pub trait KvIndex: Send + Sync + 'static {
     /// backend's TTL after `now_ms`, refreshed by each record. Under the pod's capacity the
     /// least recently recorded keys go first, and a prompt's head counts as its most recent.
     async fn record(&self, pod: &PodId, keys: &[BlockKey], now_ms: u64) -> Result<(), IndexError>;
-    /// [`Self::record`] for a routed request, with its load: a shared backend passes `charge`
-    /// on to the other replicas ([`Self::attach_remote_load`]); the others ignore it.
-    async fn record_decision(
-        &self,
-        pod: &PodId,
-        keys: &[BlockKey],
-        now_ms: u64,
-        _charge: Charge,
-    ) -> Result<(), IndexError> {
-        self.record(pod, keys, now_ms).await
-    }
-    /// Where the other replicas' charges go; backends that share nothing ignore it.
-    fn attach_remote_load(&self, _sink: std::sync::Arc<dyn RemoteLoad>) {}
-    /// Sends a routed request's load to the other replicas now, at commit and ahead of its
-    /// record, and answers its number there (never waits); backends that share nothing answer
-    /// `None`.
-    fn announce(&self, _pod: &PodId, _charge: &Charge) -> Option<u64> {
-        None
-    }
-    /// Tells the other replicas how the load announced as `seq` on `pod` ended (never waits):
-    /// they count its tokens until then.
-    fn release(&self, _pod: &PodId, _seq: u64, _how: Release) {}
-    /// Charges the other replicas' loads that reached this process but were not applied yet,
-    /// before a decision reads the pods' load (never waits); backends that share nothing have
-    /// nothing to apply.
-    fn catch_up_load(&self) {}
     /// Drops everything about `pod` (it left the fleet).
     async fn forget_pod(&self, pod: &PodId) -> Result<(), IndexError>;
     /// Sets how many blocks `pod` can hold (its KV-cache size); extra entries are evicted.

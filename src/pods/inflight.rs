@@ -17,7 +17,7 @@ use parking_lot::Mutex;
 use tokio::time::Instant;
 
 use super::{Pod, PodId, PodRegistry};
-use crate::index::{Charge, Hold, Release, RemoteLoad};
+use crate::share::{Charge, Hold, Release, RemoteLoad};
 
 /// A point in time on some monotonic clock: the router's, or a simulation's virtual one.
 pub trait Timestamp: Copy + Ord {

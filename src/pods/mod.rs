@@ -16,7 +16,6 @@ mod source;
 mod ttft;
 
 use std::collections::BTreeMap;
-use std::fmt;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::Arc;
@@ -49,33 +48,7 @@ pub use role::{role_of, PodRole, ROLE_LABEL};
 pub use source::{DnsSource, PodSource, PodSourceError, StaticSource};
 pub use ttft::{fleet_models, TtftLearner, TtftModel, TtftPrior};
 
-/// A pod's identity: the `ip:port` Envoy knows it by.
-#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
-pub struct PodId(Arc<str>);
-
-impl PodId {
-    /// Wraps an address string.
-    pub fn new(s: impl Into<Arc<str>>) -> Self {
-        Self(s.into())
-    }
-
-    /// The `ip:port` text.
-    pub fn as_str(&self) -> &str {
-        &self.0
-    }
-}
-
-impl fmt::Display for PodId {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.0)
-    }
-}
-
-impl From<SocketAddr> for PodId {
-    fn from(addr: SocketAddr) -> Self {
-        Self::new(addr.to_string())
-    }
-}
+pub use crate::pod_id::PodId;
 
 /// What a source says about a pod.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -307,7 +307,7 @@ vllm:prefix_cache_hits_total{engine="0",model_name="m"} 100.0
         pod.record_sample(t0 + Duration::from_millis(10), LoadSample::default());
         assert!(!is_busy(&pod));
         // Held tokens keep it busy until they stop counting.
-        let hold = crate::index::Hold { origin: 1, seq: 1 };
+        let hold = crate::share::Hold { origin: 1, seq: 1 };
         pod.charge_remote(
             t0 + Duration::from_millis(20),
             500,
@@ -316,7 +316,7 @@ vllm:prefix_cache_hits_total{engine="0",model_name="m"} 100.0
         );
         pod.record_sample(t0 + Duration::from_millis(30), LoadSample::default());
         assert!(is_busy(&pod));
-        pod.release_remote(hold, crate::index::Release::Started);
+        pod.release_remote(hold, crate::share::Release::Started);
         assert!(!is_busy(&pod));
     }
 

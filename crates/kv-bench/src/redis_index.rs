@@ -279,7 +279,12 @@ async fn measure(opts: &RedisIndexOptions, server: &Server, mode: Mode) -> Resul
     cfg.index.ttl_ms = 3_600_000;
     cfg.kv_events.speculative_ttl_ms = 3_600_000;
     let metrics = RedisMetrics::unregistered();
-    let built = build_index(&cfg, Some(metrics.clone()))?;
+    let built = build_index(
+        &cfg.index,
+        &cfg.kv_events,
+        &cfg.blocks,
+        Some(metrics.clone()),
+    )?;
     let index: Arc<dyn KvIndex> = built.index;
     let seed = namespace_seed(MODEL, None);
     let block = cfg.kv_events.block_tokens;
@@ -409,7 +414,13 @@ async fn mirror_memory(cfg: &Config, entries: usize) -> Result<f64> {
     cfg.index.default_capacity_blocks = entries;
     let pid = std::process::id();
     let before = crate::hostile::rss(pid)?.0;
-    let index = build_index(&cfg, Some(RedisMetrics::unregistered()))?.index;
+    let index = build_index(
+        &cfg.index,
+        &cfg.kv_events,
+        &cfg.blocks,
+        Some(RedisMetrics::unregistered()),
+    )?
+    .index;
     let deadline = Instant::now() + Duration::from_secs(600);
     while index.unready().is_some() || index.stats().entries < entries {
         ensure!(

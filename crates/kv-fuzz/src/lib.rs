@@ -277,8 +277,8 @@ pub fn config(data: &[u8]) {
         cfg.admin_addr(),
         kv_router::app::mode(&cfg),
     );
-    let _ = kv_router::index::index_capacity(&cfg, u64::MAX, 1);
-    let _ = kv_router::index::index_capacity(&cfg, 1 << 20, 16);
+    let _ = kv_router::index::index_capacity(&cfg.index, &cfg.blocks, u64::MAX, 1);
+    let _ = kv_router::index::index_capacity(&cfg.index, &cfg.blocks, 1 << 20, 16);
     assert!(
         cfg.clone().validate().is_ok(),
         "a validated config fails validation"

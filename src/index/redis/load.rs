@@ -33,8 +33,9 @@ use super::metrics::Dropped;
 use super::mirror::{read_after, supervise, EntryId, MAX_CHARGE_MS, MAX_CHARGE_TOKENS, MAX_POD};
 use super::peers::Peers;
 use super::Shared;
-use crate::index::{Charge, IndexError, Release};
+use crate::index::IndexError;
 use crate::pods::PodId;
+use crate::share::{Charge, Release};
 
 /// Entries the stream keeps (`MAXLEN ~`): far more than the loads of `mirror_max_lag_ms`.
 pub(super) const MAX_LEN: usize = 10_000;

@@ -40,8 +40,9 @@ use super::snapshot;
 use super::{Local, Shared};
 use crate::blocks::BlockKey;
 use crate::config::RedisConfig;
-use crate::index::{Charge, ConversationMark, Hold, IndexError, KvIndex, RemoteLoad};
+use crate::index::{IndexError, KvIndex};
 use crate::pods::PodId;
+use crate::share::{Charge, ConversationMark, Hold, RemoteLoad};
 
 /// Entries read per `XREAD`.
 const BATCH: usize = 512;

@@ -13,11 +13,9 @@ use super::schema::RUN;
 use crate::blocks::BlockKey;
 use crate::config::RedisConfig;
 use crate::index::contract::{doc_keys, pods};
-use crate::index::{
-    Charge, ConversationMark, KvIndex, Local, MemoryIndex, RedisIndex, RedisMetrics, RedisReload,
-    Tuning,
-};
+use crate::index::{KvIndex, Local, MemoryIndex, RedisIndex, RedisMetrics, RedisReload, Tuning};
 use crate::pods::{PodId, PodRegistry, PodSpec};
+use crate::share::{Charge, ConversationMark, LoadShare};
 use kv_testkit::deploy::{find_redis_server, RedisProc};
 
 const BT: usize = 4;
@@ -387,11 +385,11 @@ async fn another_replicas_requests_count_as_load_here() {
     // As the router attaches it: load to the pods, conversation marks to conversation memory.
     let memory = || Arc::new(crate::decide::Conversations::new(1_000, 300_000));
     let (b_memory, c_memory) = (memory(), memory());
-    c.attach_remote_load(Arc::new(crate::decide::RemoteDecisions {
+    c.attach(Arc::new(crate::decide::RemoteDecisions {
         load: unshared.clone(),
         conversations: c_memory.clone(),
     }));
-    b.attach_remote_load(Arc::new(crate::decide::RemoteDecisions {
+    b.attach(Arc::new(crate::decide::RemoteDecisions {
         load: registry.clone(),
         conversations: b_memory.clone(),
     }));
@@ -414,15 +412,11 @@ async fn another_replicas_requests_count_as_load_here() {
         announced: None,
     };
     // B's own decisions are its guards' to count; a plain record (no request) charges nothing.
-    b.record_decision(&p[2], &doc_keys(1, 8, BT), now_ms(&b), charge)
-        .await
-        .unwrap();
+    assert!(b.record_decision(&p[2], &doc_keys(1, 8, BT), now_ms(&b), charge));
     a.record(&p[1], &doc_keys(2, 8, BT), now_ms(&a))
         .await
         .unwrap();
-    a.record_decision(&p[0], &doc_keys(3, 8, BT), now_ms(&a), charge)
-        .await
-        .unwrap();
+    assert!(a.record_decision(&p[0], &doc_keys(3, 8, BT), now_ms(&a), charge));
     let t = Instant::now();
     while load(0) == (0.0, 0.0) {
         assert!(t.elapsed() < BOUND * 5, "A's request never counted on B");
@@ -446,9 +440,7 @@ async fn another_replicas_requests_count_as_load_here() {
     let late = cfg.mirror_max_lag_ms + 300;
     tokio::time::sleep_until((a.shared.created + Duration::from_millis(late + 100)).into()).await;
     let old = now_ms(&a) - late;
-    a.record_decision(&p[1], &doc_keys(4, 8, BT), old, charge)
-        .await
-        .unwrap();
+    assert!(a.record_decision(&p[1], &doc_keys(4, 8, BT), old, charge));
     a.flush().await.unwrap();
     b.flush().await.unwrap();
     assert!(sees(&b, &doc_keys(4, 8, BT), &p, 1).await);
@@ -486,7 +478,7 @@ async fn a_decisions_load_reaches_the_others_ahead_of_its_record_and_counts_once
     let registry = Arc::new(PodRegistry::default());
     registry.update(registry_specs(&p));
     let memory = Arc::new(crate::decide::Conversations::new(1_000, 300_000));
-    b.attach_remote_load(Arc::new(crate::decide::RemoteDecisions {
+    b.attach(Arc::new(crate::decide::RemoteDecisions {
         load: registry.clone(),
         conversations: memory.clone(),
     }));
@@ -508,6 +500,10 @@ async fn a_decisions_load_reaches_the_others_ahead_of_its_record_and_counts_once
         announced: None,
     };
     assert_eq!(off.announce(&p[0], &charge), None, "mirror_load off");
+    assert!(
+        !off.record_decision(&p[0], &doc_keys(9, 8, BT), now_ms(&off), charge),
+        "mirror_load off: the record is the caller's"
+    );
     // Announced at commit, recorded never (yet): B counts it from the load stream alone.
     charge.announced = a.announce(&p[0], &charge);
     assert!(charge.announced.is_some());
@@ -519,9 +515,7 @@ async fn a_decisions_load_reaches_the_others_ahead_of_its_record_and_counts_once
     assert_eq!(load(0), (1.0, 4_000.0));
     assert_eq!(b.metrics().load_charges.get(), 1);
     // Its record follows: its keys and conversation mark land, its load is not counted again.
-    a.record_decision(&p[0], &doc_keys(1, 8, BT), now_ms(&a), charge)
-        .await
-        .unwrap();
+    assert!(a.record_decision(&p[0], &doc_keys(1, 8, BT), now_ms(&a), charge));
     a.flush().await.unwrap();
     b.flush().await.unwrap();
     assert!(sees(&b, &doc_keys(1, 8, BT), &p, 0).await);
@@ -533,9 +527,7 @@ async fn a_decisions_load_reaches_the_others_ahead_of_its_record_and_counts_once
         announced: Some(u64::MAX),
         ..charge
     };
-    a.record_decision(&p[1], &doc_keys(2, 8, BT), now_ms(&a), lost)
-        .await
-        .unwrap();
+    assert!(a.record_decision(&p[1], &doc_keys(2, 8, BT), now_ms(&a), lost));
     a.flush().await.unwrap();
     b.flush().await.unwrap();
     assert_eq!(load(1), (1.0, 4_000.0));

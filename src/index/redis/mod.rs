@@ -27,6 +27,7 @@ mod prop_tests;
 mod recovery_tests;
 mod schema;
 mod sessions;
+mod share;
 mod snapshot;
 #[cfg(test)]
 mod tls_tests;
@@ -48,15 +49,13 @@ use self::mirror::{Change, Mirror};
 pub use self::schema::{decode_lookup_reply, member, parse_member, parse_run, run_member, RUN};
 use self::schema::{Schema, Scripts};
 use self::writer::WriteOp;
-use super::{
-    ApplyStats, Charge, EventIndex, IndexError, IndexStats, KvIndex, MemoryIndex, Release,
-    RemoteLoad,
-};
+use super::{ApplyStats, EventIndex, IndexError, IndexStats, KvIndex, MemoryIndex};
 use crate::blocks::BlockKey;
 use crate::config::{RedisConfig, RedisLookups, RedisMode};
 use crate::events::KvEventBatch;
 use crate::pods::PodId;
 use crate::scoring::SharedSessions;
+use crate::share::Charge;
 
 /// Buckets (by block key) of the write generations that invalidate cached lookups.
 const GENERATIONS: usize = 4_096;
@@ -79,6 +78,16 @@ impl Local {
         match self {
             Local::Memory(m) => m,
             Local::Events(e) => e,
+        }
+    }
+
+    /// [`KvIndex::record`], which neither in-process index can fail or wait on.
+    fn record(&self, pod: &PodId, keys: &[BlockKey], now_ms: u64) {
+        match self {
+            Local::Memory(m) => m.learn(pod, keys, now_ms),
+            Local::Events(e) => {
+                e.record_past(pod, keys, e.held_prefix(pod, keys), now_ms);
+            }
         }
     }
 }
@@ -436,15 +445,11 @@ impl RedisIndex {
     }
 
     /// A record, published to the other replicas with its `charge` when it was a routed request.
-    async fn record_with(
-        &self,
-        pod: &PodId,
-        keys: &[BlockKey],
-        now_ms: u64,
-        charge: Option<Charge>,
-    ) -> Result<(), IndexError> {
+    /// Never waits: the in-process record is immediate and the Redis writes are queued.
+    fn record_with(&self, pod: &PodId, keys: &[BlockKey], now_ms: u64, charge: Option<Charge>) {
         let Some(first) = keys.first() else {
-            return self.local.index().record(pod, keys, now_ms).await;
+            self.local.record(pod, keys, now_ms);
+            return;
         };
         let root = first.0;
         let wall = self.shared.wall(now_ms);
@@ -469,7 +474,7 @@ impl RedisIndex {
                     if charge.is_some() {
                         publish(keys);
                     }
-                    return Ok(());
+                    return;
                 }
                 keys.to_vec()
             }
@@ -484,7 +489,7 @@ impl RedisIndex {
                     .collect()
             }
             Local::Memory(m) => {
-                m.record(pod, keys, now_ms).await?;
+                m.learn(pod, keys, now_ms);
                 keys.to_vec()
             }
         };
@@ -495,7 +500,7 @@ impl RedisIndex {
         let skipped = keys.len() - stale.len();
         self.shared.metrics.record_skipped.inc_by(skipped as u64);
         if stale.is_empty() {
-            return Ok(());
+            return;
         }
         self.enqueue(WriteOp::Record {
             pod: pod.clone(),
@@ -503,7 +508,6 @@ impl RedisIndex {
             keys: stale,
             expiry: wall.saturating_add(self.shared.tuning.record_ttl_ms),
         });
-        Ok(())
     }
 
     fn cache_key(keys: &[BlockKey], pods: &[PodId]) -> u64 {
@@ -591,42 +595,8 @@ impl KvIndex for RedisIndex {
     }
 
     async fn record(&self, pod: &PodId, keys: &[BlockKey], now_ms: u64) -> Result<(), IndexError> {
-        self.record_with(pod, keys, now_ms, None).await
-    }
-
-    async fn record_decision(
-        &self,
-        pod: &PodId,
-        keys: &[BlockKey],
-        now_ms: u64,
-        charge: Charge,
-    ) -> Result<(), IndexError> {
-        let share = self.mirror.as_ref().is_some_and(|m| m.share_load);
-        self.record_with(pod, keys, now_ms, share.then_some(charge))
-            .await
-    }
-
-    fn announce(&self, pod: &PodId, charge: &Charge) -> Option<u64> {
-        let load = self.mirror.as_ref()?.load.as_ref()?;
-        Some(load.announce(&self.shared, pod, Shared::wall_now_us(), charge))
-    }
-
-    fn release(&self, pod: &PodId, seq: u64, how: Release) {
-        if let Some(load) = self.mirror.as_ref().and_then(|m| m.load.as_ref()) {
-            load.release(&self.shared, pod, seq, Shared::wall_now_us(), how);
-        }
-    }
-
-    fn catch_up_load(&self) {
-        if let Some(m) = &self.mirror {
-            m.catch_up_load(&self.shared);
-        }
-    }
-
-    fn attach_remote_load(&self, sink: Arc<dyn RemoteLoad>) {
-        if let Some(m) = &self.mirror {
-            m.attach(sink);
-        }
+        self.record_with(pod, keys, now_ms, None);
+        Ok(())
     }
 
     async fn forget_pod(&self, pod: &PodId) -> Result<(), IndexError> {

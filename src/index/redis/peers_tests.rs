@@ -11,8 +11,9 @@ use super::mirror_tests::{config, registry_specs, replica, server};
 use super::peers::{seal, unhex, Key};
 use crate::config::RedisConfig;
 use crate::index::contract::pods;
-use crate::index::{Charge, KvIndex, RedisIndex, Release};
+use crate::index::RedisIndex;
 use crate::pods::{PodId, PodRegistry};
+use crate::share::{Charge, LoadShare, Release};
 
 /// Waits (deadline 10 s) until `done` holds.
 async fn until(what: &str, done: impl Fn() -> bool) {
@@ -70,7 +71,7 @@ impl Pair {
         let pods = pods(n_pods);
         let registry = Arc::new(PodRegistry::default());
         registry.update(registry_specs(&pods));
-        b.attach_remote_load(Arc::new(crate::decide::RemoteDecisions {
+        b.attach(Arc::new(crate::decide::RemoteDecisions {
             load: registry.clone(),
             conversations: Arc::new(crate::decide::Conversations::new(1_000, 300_000)),
         }));
@@ -189,12 +190,12 @@ async fn a_load_waiting_in_the_socket_counts_before_the_next_decision_reads_load
             "never charged by the catch-up"
         );
         std::thread::sleep(Duration::from_millis(1));
-        b.catch_up_load();
+        b.catch_up();
     }
     // (The charged tokens drain as the modelled prefill runs: compare requests.)
     assert_eq!(load().0, 1.0);
     assert_eq!(b.metrics().load_peer_charges.get(), 1);
-    b.catch_up_load();
+    b.catch_up();
     assert_eq!(load().0, 1.0, "an empty socket changes nothing");
     assert_eq!(b.metrics().load_peer_charges.get(), 1);
 }

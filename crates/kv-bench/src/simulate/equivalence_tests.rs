@@ -54,13 +54,23 @@ async fn the_simulator_hands_plan_what_the_live_decider_hands_it() {
         &cfg,
         Arc::default(),
         registry.clone(),
-        build_index(&cfg, None).unwrap().index,
+        build_index(&cfg.index, &cfg.kv_events, &cfg.blocks, None)
+            .unwrap()
+            .index,
         Arc::new(sessions),
         DecisionMetrics::register(&mut Registry::default(), Errors::default()),
     );
 
     let ids: Vec<PodId> = pods.pods().iter().map(|p| p.id().clone()).collect();
-    let mut sim = SimRouter::new(&cfg, Some(build_index(&cfg, None).unwrap().index), ids);
+    let mut sim = SimRouter::new(
+        &cfg,
+        Some(
+            build_index(&cfg.index, &cfg.kv_events, &cfg.blocks, None)
+                .unwrap()
+                .index,
+        ),
+        ids,
+    );
     for (v, s) in sim.views.iter_mut().zip(samples) {
         v.sample = Some((SimTime(0), s));
         v.settling.observed_scrape(SimTime(0));

@@ -196,9 +196,14 @@ pub(super) fn simulate_replicas(
     let ids: Vec<PodId> = (0..pods).map(|i| PodId::new(format!("pod-{i}"))).collect();
     // As the router's maintenance loop does from the pods' `cache_config_info`.
     let told = ecfg.num_gpu_blocks as f64 * opts.divergence.capacity_belief;
-    let cap = index_capacity(&cfg, told.round().max(1.0) as u64, BLOCK_TOKENS as u64);
+    let cap = index_capacity(
+        &cfg.index,
+        &cfg.blocks,
+        told.round().max(1.0) as u64,
+        BLOCK_TOKENS as u64,
+    );
     let new_index = || {
-        let index = build_index(&cfg, None)
+        let index = build_index(&cfg.index, &cfg.kv_events, &cfg.blocks, None)
             .expect("simulated fleets use in-process indexes")
             .index;
         for id in &ids {

@@ -331,7 +331,10 @@ fn two_replicas(
     };
     let routers = (0..2)
         .map(|_| {
-            let index = kv_router::index::build_index(&cfg, None).unwrap().index;
+            let index =
+                kv_router::index::build_index(&cfg.index, &cfg.kv_events, &cfg.blocks, None)
+                    .unwrap()
+                    .index;
             super::router::SimRouter::new(&cfg, Some(index), ids.clone())
         })
         .collect();
