@@ -112,10 +112,11 @@ async fn sigterm_goes_not_serving_then_exits_0_despite_an_idle_stream() {
     .await
     .expect("readiness SERVING");
 
-    let pid = r.process().pid().expect("running") as i32;
+    let pid = rustix::process::Pid::from_raw(r.process().pid().expect("running") as i32)
+        .expect("a child's pid is positive");
     let sent = Instant::now();
-    // SAFETY: a plain kill(2) of our own child.
-    assert_eq!(unsafe { libc::kill(pid, libc::SIGTERM) }, 0);
+    rustix::process::kill_process(pid, rustix::process::Signal::TERM)
+        .expect("kill(2) our own child");
     let next = tokio::time::timeout(Duration::from_secs(1), health.next())
         .await
         .expect("readiness changed within 1 s of SIGTERM")

@@ -13,7 +13,6 @@ use crate::common;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -89,13 +88,7 @@ impl Redis {
                 .stdin(Stdio::null())
                 .stdout(Stdio::null())
                 .stderr(Stdio::null());
-            // SAFETY: prctl is async-signal-safe; nothing else runs between fork and exec.
-            unsafe {
-                cmd.pre_exec(|| {
-                    libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
-                    Ok(())
-                });
-            }
+            deploy::die_with_parent(&mut cmd);
             let mut child = cmd
                 .spawn()
                 .unwrap_or_else(|e| panic!("cannot start {}: {e}", bin.display()));

@@ -123,8 +123,7 @@ impl NoopServer {
         let thread = std::thread::Builder::new()
             .name("noop-extproc".into())
             .spawn(move || {
-                // SAFETY: gettid has no preconditions.
-                let _ = tid_tx.send(unsafe { libc::gettid() });
+                let _ = tid_tx.send(rustix::thread::gettid().as_raw_nonzero().get());
                 rt.block_on(async move {
                     let Ok(listener) = tokio::net::TcpListener::from_std(listener) else {
                         return;

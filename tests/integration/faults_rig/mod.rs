@@ -373,10 +373,11 @@ impl Rig {
     pub(crate) async fn terminate(&mut self, i: usize) -> Duration {
         let grace = Duration::from_millis(self.cfgs[i].server.shutdown_grace_ms);
         let mut r = self.routers[i].take().expect("router running");
-        let pid = r.process().pid().expect("running") as i32;
+        let pid = rustix::process::Pid::from_raw(r.process().pid().expect("running") as i32)
+            .expect("a child's pid is positive");
         let sent = Instant::now();
-        // SAFETY: a plain kill(2) of our own child.
-        assert_eq!(unsafe { libc::kill(pid, libc::SIGTERM) }, 0);
+        rustix::process::kill_process(pid, rustix::process::Signal::TERM)
+            .expect("kill(2) our own child");
         let status = loop {
             if let Some(s) = r.process().exited() {
                 break s;

@@ -59,13 +59,11 @@ impl CpuSource {
     }
 }
 
+/// `sysconf(_SC_CLK_TCK)`: the unit of `/proc/…/stat`'s CPU times (100 where none is known).
 pub fn clock_ticks_per_s() -> u64 {
-    // SAFETY: sysconf has no preconditions.
-    let t = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
-    if t > 0 {
-        t as u64
-    } else {
-        100
+    match rustix::param::clock_ticks_per_second() {
+        0 => 100,
+        t => t,
     }
 }
 
@@ -97,6 +95,28 @@ mod tests {
             Err(CpuStatError::Malformed)
         ));
         assert!(parse_stat_ticks("no parenthesis").is_err());
+    }
+
+    /// A thread's own id names its `/proc/self/task/<tid>/stat` (the no-op processor's CPU).
+    #[test]
+    fn own_thread_stat_is_found_by_its_tid() {
+        let tid = std::thread::spawn(|| {
+            let tid = rustix::thread::gettid().as_raw_nonzero().get();
+            CpuSource::own_thread(tid).ticks().map(|_| tid)
+        })
+        .join()
+        .unwrap();
+        assert!(
+            tid.as_ref().is_ok_and(|&t| t != std::process::id() as i32),
+            "{tid:?}"
+        );
+    }
+
+    /// USER_HZ, the unit of `/proc/…/stat`, is 100 on these architectures.
+    #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+    #[test]
+    fn clock_ticks_are_user_hz() {
+        assert_eq!(clock_ticks_per_s(), 100);
     }
 
     #[test]

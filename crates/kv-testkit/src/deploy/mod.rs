@@ -34,6 +34,25 @@ pub use redis::{command as redis_command, find_redis_server, RedisCluster, Redis
 pub use router::{local_router_config, RouterProc};
 pub use sim_pod::{reset_caches, EventPod, SimPod};
 
+/// The child `cmd` starts gets SIGKILL when the thread that started it dies (`PR_SET_PDEATHSIG`),
+/// so that an interrupted test or benchmark leaves no process behind.
+#[allow(
+    unsafe_code,
+    reason = "std offers no safe way to run code between fork and exec (CommandExt::pre_exec)"
+)]
+pub fn die_with_parent(cmd: &mut Command) {
+    // SAFETY: the hook makes one prctl system call (async-signal-safe, no allocation, no lock);
+    // nothing else runs between fork and exec.
+    unsafe {
+        cmd.pre_exec(|| {
+            let _ = rustix::process::set_parent_process_death_signal(Some(
+                rustix::process::Signal::KILL,
+            ));
+            Ok(())
+        });
+    }
+}
+
 /// How long a process may take to become ready before start-up fails.
 pub const START_TIMEOUT: Duration = Duration::from_secs(20);
 
@@ -196,13 +215,7 @@ impl ChildProc {
         } else {
             cmd.stdout(std::fs::File::create(dir.path().join("stdout.log"))?);
         }
-        // SAFETY: prctl is async-signal-safe; nothing else runs between fork and exec.
-        unsafe {
-            cmd.pre_exec(|| {
-                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
-                Ok(())
-            });
-        }
+        die_with_parent(&mut cmd);
         let child = cmd
             .spawn()
             .with_context(|| format!("cannot start {name} ({:?})", cmd.get_program()))?;
@@ -305,6 +318,32 @@ fn http() -> reqwest::Client {
 #[cfg(test)]
 mod tests {
     use std::time::{Duration, Instant};
+
+    /// The child dies with the thread that started it, not 30 s later.
+    #[test]
+    fn a_child_dies_with_the_thread_that_started_it() {
+        use std::os::unix::process::ExitStatusExt;
+        let mut child = std::thread::spawn(|| {
+            let mut cmd = std::process::Command::new("sleep");
+            cmd.arg("30");
+            super::die_with_parent(&mut cmd);
+            cmd.spawn().expect("sleep")
+        })
+        .join()
+        .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let status = loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                break status;
+            }
+            if Instant::now() > deadline {
+                let _ = child.kill();
+                panic!("the child outlived the thread that started it by 10 s");
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        };
+        assert_eq!(status.signal(), Some(9), "{status}");
+    }
 
     #[test]
     fn cpu_seconds_grow_with_the_work_a_process_does() {
