@@ -23,6 +23,7 @@
 
 pub(crate) mod admin;
 mod admin_serve;
+pub mod allocator;
 pub mod app;
 pub mod blocks;
 pub mod config;
