@@ -9,89 +9,40 @@
 //! the same scorers (prefix cache, load) and gate among the prefill pods; when even the best
 //! one is saturated the decode pod prefills itself.
 
-use std::sync::Arc;
-
 use rand::Rng;
-use serde::Serialize;
 
-use super::input::{DecisionState, Planned, PodFacts, Recording, RequestFacts};
-use super::plan::{plan, Body, Plan, PlanInput, ScoredPod, Stages};
-use crate::blocks::BlockKey;
-use crate::pods::{Pod, PodId, PodRole};
+use super::plan::{rank, Body, PdOutcome, PdPlan, Plan, PlanInput, Stages};
+use crate::pods::PodRole;
 
-/// Why a request on a model with prefill pods was (or was not) disaggregated.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum PdOutcome {
-    /// Prefilled on a prefill pod, decoded on the primary.
-    Disaggregated,
-    /// Fewer uncached prompt tokens on the decode pod than the threshold.
-    ShortOrCached,
-    /// Every prefill pod is saturated: the decode pod prefills.
-    PrefillSaturated,
-    /// Every prefill pod is excluded for prefills that never showed in its counters (see
-    /// `pods::PrefillWatch`): the decode pod prefills.
-    PrefillFailing,
-    /// No parsed body, so no prompt to measure.
-    NoPrompt,
+/// Everything the pure planner decides on: the candidates that take the request (the decode
+/// pods of a P/D model) and, for a P/D model, its prefill candidates (empty: every prefill pod
+/// is excluded).
+#[derive(Debug, Clone)]
+pub struct PlanInputs {
+    /// The candidates that take the request.
+    pub decode: PlanInput,
+    /// The prefill candidates of a P/D model (`None`: an aggregated model).
+    pub prefill: Option<PlanInput>,
 }
 
-impl PdOutcome {
-    /// Every outcome (metric series).
-    pub const ALL: [PdOutcome; 5] = [
-        Self::Disaggregated,
-        Self::ShortOrCached,
-        Self::PrefillSaturated,
-        Self::PrefillFailing,
-        Self::NoPrompt,
-    ];
-
-    /// The label value.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Disaggregated => "disaggregated",
-            Self::ShortOrCached => "short_or_cached",
-            Self::PrefillSaturated => "prefill_saturated",
-            Self::PrefillFailing => "prefill_failing",
-            Self::NoPrompt => "no_prompt",
-        }
+/// Plans a request: base-model and adapter requests are ranked by [`rank`], a P/D model's by
+/// [`plan_pd`]. Pure: the same inputs and rng state give the same plan; its `primary` indexes
+/// `input.decode`'s candidates.
+pub fn plan(stages: &Stages, input: PlanInputs, rng: &mut impl Rng) -> Plan {
+    match input.prefill {
+        None => rank(stages, input.decode, rng),
+        Some(prefill) => plan_pd(stages, input.decode, prefill, rng),
     }
-}
-
-/// The P/D half of a plan.
-#[derive(Debug, Clone, Serialize)]
-pub struct PdPlan {
-    /// What was decided.
-    pub outcome: PdOutcome,
-    /// The prefill pod (`ip:port`) when disaggregated.
-    pub prefill: Option<PodId>,
-    /// Prompt tokens the decode pod would compute itself.
-    pub decode_uncached_tokens: u64,
-    /// The threshold they were compared with.
-    pub threshold_tokens: u64,
-    /// The prefill candidates, best first.
-    pub prefill_ranked: Vec<ScoredPod>,
-    /// Prompt tokens the prefill pod computes (charged to it on commit).
-    #[serde(skip)]
-    pub prefill_uncached_tokens: u64,
-    /// The prefill pod's predicted prefill speed (tokens/s), for its load charge.
-    #[serde(skip)]
-    pub prefill_tokens_per_sec: f64,
 }
 
 /// Plans a request on a P/D model: `decode` ranks the decode candidates (primary and
 /// fallbacks), `prefill` the prefill candidates (none: every prefill pod is excluded). Pure,
 /// like [`plan`].
-pub fn plan_pd(
-    stages: &Stages,
-    threshold_tokens: u64,
-    decode: PlanInput,
-    prefill: PlanInput,
-    rng: &mut impl Rng,
-) -> Plan {
+pub fn plan_pd(stages: &Stages, decode: PlanInput, prefill: PlanInput, rng: &mut impl Rng) -> Plan {
+    let threshold_tokens = stages.pd_threshold();
     let body = decode.body;
-    let mut p = plan(stages, decode, rng);
-    let pre = (!prefill.candidates.is_empty()).then(|| plan(stages, prefill, rng));
+    let mut p = rank(stages, decode, rng);
+    let pre = (!prefill.candidates.is_empty()).then(|| rank(stages, prefill, rng));
     let best = pre
         .as_ref()
         .and_then(|pre| pre.ranked.first())
@@ -120,48 +71,12 @@ pub fn plan_pd(
     p
 }
 
-/// Splits candidates into (decode, prefill) positions when the model has prefill pods and
-/// something to decode on; `None`: plan as before (no roles, or only prefill pods).
-pub fn split_roles(pods: &[Arc<Pod>]) -> Option<(Vec<usize>, Vec<usize>)> {
+/// Splits candidates by role into (decode, prefill) positions when the model has prefill pods
+/// and something to decode on; `None`: plan as before (no roles, or only prefill pods).
+pub fn split_roles(roles: &[PodRole]) -> Option<(Vec<usize>, Vec<usize>)> {
     let (prefill, decode): (Vec<usize>, Vec<usize>) =
-        (0..pods.len()).partition(|&i| pods[i].role() == PodRole::Prefill);
+        (0..roles.len()).partition(|&i| roles[i] == PodRole::Prefill);
     (!prefill.is_empty() && !decode.is_empty()).then_some((decode, prefill))
-}
-
-impl DecisionState {
-    /// [`DecisionState::plan`] for a P/D model: the decode pods' plan with its prefill choice.
-    /// Only the primary joins the unrecorded set; the prefill pod's record follows the reply.
-    #[allow(clippy::too_many_arguments)]
-    pub fn plan_pd(
-        &self,
-        stages: &Stages,
-        threshold_tokens: u64,
-        req: RequestFacts,
-        decode: &[PodFacts],
-        prefill: &[PodFacts],
-        now_ms: u64,
-        commit: bool,
-        rng: &mut impl Rng,
-    ) -> Planned {
-        let mut held = self.unrecorded().hold();
-        let deferred = commit && self.recording() == Recording::AfterReply;
-        let keys: Option<Arc<[BlockKey]>> =
-            (deferred && !req.keys.keys.is_empty()).then(|| req.keys.keys.as_slice().into());
-        let turn = self.turn(commit);
-        // The session pins the decode pod; prefill pods are chosen by cache and load alone.
-        let prefill_req = RequestFacts {
-            session: None,
-            session_pod: None,
-            ..req.clone()
-        };
-        let d = self.input_at(&mut held, req, decode, now_ms, turn);
-        let mut p = self.input_at(&mut held, prefill_req, prefill, now_ms, turn);
-        // Spreading new conversations is about where they decode; a prefill follows the cache.
-        (p.new_conversation, p.shares_prefix) = (false, false);
-        let plan = plan_pd(stages, threshold_tokens, d, p, rng);
-        let unrecorded = keys.map(|k| (held.add(plan.ranked[0].pod.clone(), k.clone()), k));
-        Planned { plan, unrecorded }
-    }
 }
 
 #[cfg(test)]
@@ -170,8 +85,9 @@ mod tests {
     use rand::SeedableRng;
 
     use super::*;
-    use crate::config::Config;
+    use crate::config::{DisaggConfig, GateConfig};
     use crate::keys::Keys;
+    use crate::pods::PodId;
     use crate::pods::PodLoad;
     use crate::scoring::Candidate;
 
@@ -207,6 +123,7 @@ mod tests {
             turn: 0,
             new_conversation: false,
             shares_prefix: false,
+            lora: None,
         }
     }
 
@@ -218,11 +135,10 @@ mod tests {
 
     #[test]
     fn a_short_prompt_is_not_disaggregated() {
-        let stages = Stages::new(&Config::default());
+        let stages = Stages::defaults(&DisaggConfig::default());
         let prefill = &[("p:1", 0.0, 0.0)];
         let p = plan_pd(
             &stages,
-            512,
             input(160, DECODE),
             input(160, prefill),
             &mut StdRng::seed_from_u64(1),
@@ -235,13 +151,12 @@ mod tests {
 
     #[test]
     fn a_long_prompt_cached_on_its_decode_pod_is_not_disaggregated() {
-        let stages = Stages::new(&Config::default());
+        let stages = Stages::defaults(&DisaggConfig::default());
         // 2048 tokens, 120 of 128 blocks held by d:2: 128 uncached tokens.
         let decode = &[("d:1", 0.0, 0.0), ("d:2", 120.0, 0.0)];
         let prefill = &[("p:1", 0.0, 0.0)];
         let p = plan_pd(
             &stages,
-            512,
             input(2048, decode),
             input(2048, prefill),
             &mut StdRng::seed_from_u64(1),
@@ -253,12 +168,11 @@ mod tests {
 
     #[test]
     fn a_long_uncached_prompt_goes_to_the_prefill_pod_with_the_best_match() {
-        let stages = Stages::new(&Config::default());
+        let stages = Stages::defaults(&DisaggConfig::default());
         let prefill = &[("p:1", 10.0, 0.0), ("p:2", 100.0, 0.0), ("p:3", 0.0, 0.0)];
         for seed in 0..16 {
             let p = plan_pd(
                 &stages,
-                512,
                 input(2048, DECODE),
                 input(2048, prefill),
                 &mut StdRng::seed_from_u64(seed),
@@ -274,10 +188,9 @@ mod tests {
 
     #[test]
     fn with_every_prefill_pod_excluded_the_decode_pod_prefills() {
-        let stages = Stages::new(&Config::default());
+        let stages = Stages::defaults(&DisaggConfig::default());
         let p = plan_pd(
             &stages,
-            512,
             input(2048, DECODE),
             input(2048, &[]),
             &mut StdRng::seed_from_u64(1),
@@ -290,11 +203,10 @@ mod tests {
 
     #[test]
     fn with_equal_matches_the_less_loaded_prefill_pod_wins() {
-        let stages = Stages::new(&Config::default());
+        let stages = Stages::defaults(&DisaggConfig::default());
         let prefill = &[("p:1", 0.0, 6.0), ("p:2", 0.0, 0.0)];
         let p = plan_pd(
             &stages,
-            512,
             input(4096, DECODE),
             input(4096, prefill),
             &mut StdRng::seed_from_u64(7),
@@ -304,12 +216,11 @@ mod tests {
 
     #[test]
     fn saturated_prefill_pods_or_no_prompt_keep_the_prefill_on_the_decode_pod() {
-        let stages = Stages::new(&Config::default());
-        let busy = Config::default().gate.max_waiting + 1.0;
+        let stages = Stages::defaults(&DisaggConfig::default());
+        let busy = GateConfig::default().max_waiting + 1.0;
         let prefill = &[("p:1", 0.0, busy)];
         let p = plan_pd(
             &stages,
-            512,
             input(4096, DECODE),
             input(4096, prefill),
             &mut StdRng::seed_from_u64(1),
@@ -320,7 +231,6 @@ mod tests {
         none.body = Body::Missing;
         let p = plan_pd(
             &stages,
-            512,
             none,
             input(4096, &[("p:1", 0.0, 0.0)]),
             &mut StdRng::seed_from_u64(1),
@@ -330,12 +240,14 @@ mod tests {
 
     #[test]
     fn the_threshold_is_inclusive_and_zero_disaggregates_any_uncached_prompt() {
-        let stages = Stages::new(&Config::default());
         let prefill = &[("p:1", 0.0, 0.0)];
-        let at = |threshold, tokens| {
+        let at = |threshold_tokens, tokens| {
+            let stages = Stages::defaults(&DisaggConfig {
+                threshold_tokens,
+                ..DisaggConfig::default()
+            });
             let p = plan_pd(
                 &stages,
-                threshold,
                 input(tokens, DECODE),
                 input(tokens, prefill),
                 &mut StdRng::seed_from_u64(1),

@@ -1,9 +1,10 @@
-//! The one way into [`plan`]: [`DecisionState`] builds a decision's [`PlanInput`] from what the
-//! caller gathered (the request's keys and session, each candidate's load and prefill model, the
-//! index's matches) and the state consecutive decisions share (decisions answered but not yet
-//! recorded, recent conversations, pinned sessions, the round-robin turn); it plans, and
-//! commits. The live [`Decider`](super::Decider) and `kv-bench simulate` both go through it; the
-//! one way they differ on purpose is [`Recording`].
+//! The one way into [`plan`](super::disagg::plan): [`DecisionState::gather`] turns what a caller
+//! read (the request, each candidate pod's own readings) into a [`DecisionInput`] (index
+//! matches, the session's pod, prefill models), and [`DecisionState::plan`] builds the plan's
+//! input from it and the state consecutive decisions share (decisions answered but not yet
+//! recorded, recent conversations, pinned sessions, the round-robin turn), plans, and commits.
+//! The live [`Decider`](super::Decider) and `kv-bench simulate` both go through it; the one way
+//! they differ on purpose is [`Recording`].
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -11,13 +12,14 @@ use std::sync::Arc;
 use rand::Rng;
 
 use super::conversation::{Conversations, SessionSeen, PROMPT_ENDS};
-use super::plan::{commit, plan_with, Body, Committed, Plan, PlanInput, Stages, Stores};
+use super::disagg::{plan, split_roles, PlanInputs};
+use super::plan::{commit, Body, Committed, Plan, PlanInput, Stages, Stores};
 use super::unrecorded::{Held, Unrecorded};
 use crate::blocks::BlockKey;
-use crate::config::Config;
-use crate::index::KvIndex;
+use crate::config::GateConfig;
+use crate::index::{IndexError, KvIndex};
 use crate::keys::Keys;
-use crate::pods::{LoraFit, PodId, PodLoad, TtftModel};
+use crate::pods::{fleet_models, LoraFit, PodId, PodLoad, PodRole, TtftLearner, TtftModel};
 use crate::scoring::{Candidate, SessionKey, SessionStore};
 
 /// When a decision's keys reach the index: the one place the live router and the simulator
@@ -31,6 +33,24 @@ pub enum Recording {
     /// Simulated: [`DecisionState::commit`] records it in the same step (virtual time has no gap
     /// between an answer and its record), so the unrecorded set stays empty.
     InCommit,
+}
+
+/// One candidate pod's own readings at decision time: what the live router reads from its
+/// `Pod`, and the simulator from its view of a simulated pod ([`DecisionState::gather`]'s seam).
+#[derive(Debug, Clone)]
+pub struct PodReading {
+    /// Its load now (last scrape and this router's in-flight charges).
+    pub load: PodLoad,
+    /// Its prefill learner (fitted against the fleet's).
+    pub ttft: TtftLearner,
+    /// The weight its matches get (see [`PodFacts::confidence`]).
+    pub confidence: f64,
+    /// Its P/D role.
+    pub role: PodRole,
+    /// A prefill pod excluded from prefill picks (its prefills never showed in its counters).
+    pub prefill_excluded: bool,
+    /// How it would take the request's adapter (`None`: a base-model request).
+    pub lora: Option<LoraFit>,
 }
 
 /// One candidate pod as the caller sees it when it decides.
@@ -47,6 +67,12 @@ pub struct PodFacts {
     /// The weight its matches get (1; less for a precise-mode pod whose prefix-cache counters
     /// report far fewer hits than its KV events promise: lost or misconfigured events).
     pub confidence: f64,
+    /// Its P/D role: a model with `prefill` pods and others is disaggregated.
+    pub role: PodRole,
+    /// A prefill pod left out of prefill picks.
+    pub prefill_excluded: bool,
+    /// How it would take the request's adapter (`None`: a base-model request).
+    pub lora: Option<LoraFit>,
 }
 
 /// The request as the caller understood it.
@@ -58,14 +84,37 @@ pub struct RequestFacts {
     pub body: Body,
     /// Its session, if it names one.
     pub session: Option<SessionKey>,
+    /// The LoRA adapter it names (`None`: a base-model request).
+    pub adapter: Option<String>,
+}
+
+/// Everything a decision is planned from: the request, where its session went, and each
+/// candidate pod's facts (load, prefill model, index match, role, adapter fit).
+#[derive(Debug, Clone)]
+pub struct DecisionInput {
+    /// The request.
+    pub request: RequestFacts,
     /// Where the session store says the session's last request went.
     pub session_pod: Option<PodId>,
+    /// The candidates, in the caller's order (the plan's `primary` indexes them).
+    pub pods: Vec<PodFacts>,
+}
+
+impl DecisionInput {
+    /// (decode, prefill) positions of a P/D model ([`split_roles`]; prefill pods excluded from
+    /// prefill picks left out), `None` for an aggregated one.
+    pub fn roles(&self) -> Option<(Vec<usize>, Vec<usize>)> {
+        let roles: Vec<PodRole> = self.pods.iter().map(|p| p.role).collect();
+        let (decode, mut prefill) = split_roles(&roles)?;
+        prefill.retain(|&i| !self.pods[i].prefill_excluded);
+        Some((decode, prefill))
+    }
 }
 
 /// A planned decision; with [`Recording::AfterReply`] and `commit`, its entry in the unrecorded
 /// set and the keys its record must write.
 pub struct Planned {
-    /// The ranked decision.
+    /// The ranked decision (`primary` indexes [`DecisionInput::pods`]).
     pub plan: Plan,
     /// `(entry, keys)` for the deferred record.
     pub unrecorded: Option<(u64, Arc<[BlockKey]>)>,
@@ -81,13 +130,11 @@ pub struct DecisionState {
 }
 
 impl DecisionState {
-    /// Fresh state over a session store (local, or backed by the shared index).
-    pub fn new(cfg: &Config, sessions: Arc<SessionStore>, recording: Recording) -> Self {
+    /// Fresh state over a session store (local, or backed by the shared index); `gate` sets how
+    /// fast new conversations' placements fade.
+    pub fn new(gate: &GateConfig, sessions: Arc<SessionStore>, recording: Recording) -> Self {
         Self {
-            conversations: Arc::new(Conversations::new(
-                PROMPT_ENDS,
-                cfg.gate.spread_half_life_ms,
-            )),
+            conversations: Arc::new(Conversations::new(PROMPT_ENDS, gate.spread_half_life_ms)),
             sessions,
             unrecorded: Arc::default(),
             turns: AtomicU64::new(0),
@@ -115,36 +162,127 @@ impl DecisionState {
         self.recording
     }
 
-    /// The plan's input: each pod's matched blocks with the unrecorded decisions overlaid, whether
-    /// the request starts a new conversation, and each candidate's commitments, load, model and
-    /// session flag. Its round-robin turn is the one the next committed decision takes; reading
-    /// it moves nothing.
-    pub fn input(
+    /// Gathers a decision's input: the index's matches for the candidates `ids` (none without an
+    /// index or keys), the session's pod, then `read()` (each candidate's readings, in `ids`
+    /// order, read after the lookups so its loads are the newest) with the prefill models
+    /// fitted over them. A failed lookup scores without matches and is returned.
+    pub async fn gather(
         &self,
-        held: &mut Held<'_>,
-        req: RequestFacts,
-        pods: &[PodFacts],
+        index: Option<&dyn KvIndex>,
+        stages: &Stages,
+        request: RequestFacts,
+        ids: Vec<PodId>,
         now_ms: u64,
-    ) -> PlanInput {
-        let turn = self.turns.load(Ordering::Relaxed);
-        self.input_at(held, req, pods, now_ms, turn)
+        read: impl FnOnce() -> Vec<PodReading>,
+    ) -> (DecisionInput, Option<IndexError>) {
+        let (matched, error) = match index {
+            Some(index) if !request.keys.keys.is_empty() => {
+                match index.lookup(&request.keys.keys, &ids, now_ms).await {
+                    Ok(m) => (m, None),
+                    Err(e) => (vec![0.0; ids.len()], Some(e)),
+                }
+            }
+            _ => (vec![0.0; ids.len()], None),
+        };
+        let session_pod = match request.session {
+            Some(s) => self.sessions.find(s, now_ms).await,
+            None => None,
+        };
+        let readings = read();
+        let learners: Vec<TtftLearner> = readings.iter().map(|r| r.ttft).collect();
+        let models = fleet_models(&learners, stages.ttft_prior());
+        let pods = ids
+            .into_iter()
+            .zip(readings)
+            .zip(models.into_iter().zip(matched))
+            .map(|((id, r), (model, matched_blocks))| PodFacts {
+                id,
+                load: r.load,
+                model,
+                matched_blocks,
+                confidence: r.confidence,
+                role: r.role,
+                prefill_excluded: r.prefill_excluded,
+                lora: r.lora,
+            })
+            .collect();
+        let input = DecisionInput {
+            request,
+            session_pod,
+            pods,
+        };
+        (input, error)
     }
 
-    pub(super) fn input_at(
+    /// The plan's input for `input` now: each pod's matched blocks with the unrecorded decisions
+    /// overlaid, whether the request starts a new conversation, and each candidate's
+    /// commitments, load, model and session flag. Its round-robin turn is the one the next
+    /// committed decision takes; reading it moves nothing.
+    pub fn input(&self, input: &DecisionInput, now_ms: u64) -> PlanInputs {
+        let mut held = self.unrecorded.hold();
+        let turn = self.turns.load(Ordering::Relaxed);
+        self.inputs_at(&mut held, input, now_ms, turn)
+    }
+
+    fn inputs_at(
         &self,
         held: &mut Held<'_>,
-        req: RequestFacts,
-        pods: &[PodFacts],
+        input: &DecisionInput,
+        now_ms: u64,
+        turn: u64,
+    ) -> PlanInputs {
+        match input.roles() {
+            None => {
+                let all: Vec<usize> = (0..input.pods.len()).collect();
+                let mut decode = self.set_input(held, input, &all, true, now_ms, turn);
+                decode.lora = input
+                    .request
+                    .adapter
+                    .as_ref()
+                    .map(|_| input.pods.iter().map(lora_fit).collect());
+                PlanInputs {
+                    decode,
+                    prefill: None,
+                }
+            }
+            Some((decode, prefill)) => {
+                let decode = self.set_input(held, input, &decode, true, now_ms, turn);
+                // The session pins the decode pod; prefill pods are chosen by cache and load.
+                let mut prefill = self.set_input(held, input, &prefill, false, now_ms, turn);
+                // Spreading new conversations is about where they decode; a prefill follows the
+                // cache.
+                (prefill.new_conversation, prefill.shares_prefix) = (false, false);
+                PlanInputs {
+                    decode,
+                    prefill: Some(prefill),
+                }
+            }
+        }
+    }
+
+    /// The plan input over the pods at positions `at`; `session`: the request's session counts.
+    fn set_input(
+        &self,
+        held: &mut Held<'_>,
+        input: &DecisionInput,
+        at: &[usize],
+        session: bool,
         now_ms: u64,
         turn: u64,
     ) -> PlanInput {
+        let req = &input.request;
+        let (session, session_pod) = match session {
+            true => (req.session, input.session_pod.as_ref()),
+            false => (None, None),
+        };
+        let pods: Vec<&PodFacts> = at.iter().map(|&i| &input.pods[i]).collect();
         let ids: Vec<PodId> = pods.iter().map(|p| p.id.clone()).collect();
         let mut matched: Vec<f64> = pods
             .iter()
             .map(|p| p.matched_blocks * p.confidence)
             .collect();
         held.overlay(&req.keys.keys, &ids, &mut matched);
-        let seen = match (&req.session, &req.session_pod) {
+        let seen = match (&session, session_pod) {
             (None, _) => SessionSeen::None,
             (Some(_), Some(pod)) if ids.contains(pod) => SessionSeen::Pinned,
             (Some(_), _) => SessionSeen::Unpinned,
@@ -167,24 +305,25 @@ impl DecisionState {
                 pod: p.id.clone(),
                 matched_blocks,
                 load: p.load,
-                session_pod: req.session_pod.as_ref() == Some(&p.id),
+                session_pod: session_pod == Some(&p.id),
                 conversations,
                 model: p.model,
             })
             .collect();
         PlanInput {
-            keys: req.keys,
+            keys: req.keys.clone(),
             body: req.body,
             candidates,
-            session: req.session,
+            session,
             turn,
             new_conversation,
             shares_prefix,
+            lora: None,
         }
     }
 
     /// The round-robin turn of a decision; a committed one moves it on.
-    pub(super) fn turn(&self, commit: bool) -> u64 {
+    fn turn(&self, commit: bool) -> u64 {
         if commit {
             self.turns.fetch_add(1, Ordering::Relaxed)
         } else {
@@ -192,44 +331,33 @@ impl DecisionState {
         }
     }
 
-    /// Builds the input and plans it. A decision to `commit` joins the unrecorded set
-    /// ([`Recording::AfterReply`]) in the same held step that overlaid it, so two decisions
-    /// never miss each other however close together they run.
+    /// Plans a decision: base-model, adapter and P/D requests alike. Builds the input and plans
+    /// it; a decision to `commit` takes the round-robin turn and joins the unrecorded set
+    /// ([`Recording::AfterReply`]) in the same held step that overlaid it, so two decisions never
+    /// miss each other however close together they run. Time and randomness come in.
     pub fn plan(
         &self,
         stages: &Stages,
-        req: RequestFacts,
-        pods: &[PodFacts],
-        now_ms: u64,
-        commit: bool,
-        rng: &mut impl Rng,
-    ) -> Planned {
-        self.plan_lora(stages, req, pods, None, now_ms, commit, rng)
-    }
-
-    /// [`Self::plan`] with each pod's [`LoraFit`] for the request's adapter, in `pods` order
-    /// (`crate::pods::lora_fits`; `None` for base-model requests).
-    #[allow(clippy::too_many_arguments)]
-    pub fn plan_lora(
-        &self,
-        stages: &Stages,
-        req: RequestFacts,
-        pods: &[PodFacts],
-        lora: Option<&[LoraFit]>,
+        input: &DecisionInput,
         now_ms: u64,
         commit: bool,
         rng: &mut impl Rng,
     ) -> Planned {
         let mut held = self.unrecorded.hold();
+        let keys = &input.request.keys.keys;
         let deferred = commit && self.recording == Recording::AfterReply;
         let keys: Option<Arc<[BlockKey]>> =
-            (deferred && !req.keys.keys.is_empty()).then(|| req.keys.keys.as_slice().into());
+            (deferred && !keys.is_empty()).then(|| keys.as_slice().into());
         // Only a decision that will be committed takes a turn: a rank-only Pick or an explain
         // must not shift where the next request lands.
         let turn = self.turn(commit);
-        let input = self.input_at(&mut held, req, pods, now_ms, turn);
-        let plan = plan_with(stages, input, lora, rng);
-        // Without keys to record the set is released here, unchanged.
+        let inputs = self.inputs_at(&mut held, input, now_ms, turn);
+        let mut plan = plan(stages, inputs, rng);
+        if let Some((decode, _)) = input.roles() {
+            plan.primary = decode[plan.primary];
+        }
+        // Without keys to record the set is released here, unchanged. Only the primary joins
+        // it; a prefill pod's record follows the reply.
         let unrecorded = keys.map(|k| (held.add(plan.ranked[0].pod.clone(), k.clone()), k));
         Planned { plan, unrecorded }
     }
@@ -272,6 +400,11 @@ impl DecisionState {
     }
 }
 
+/// A pod's fit for the request's adapter; a pod without one counts as unreported.
+fn lora_fit(p: &PodFacts) -> LoraFit {
+    p.lora.unwrap_or(LoraFit::Unreported)
+}
+
 #[cfg(test)]
 mod lora_tests {
     use std::time::Duration;
@@ -281,6 +414,7 @@ mod lora_tests {
     use tokio::time::Instant;
 
     use super::*;
+    use crate::config::DisaggConfig;
     use crate::pods::{lora_fits, serving, LoraResidency, Pod, PodSpec};
 
     fn pod(addr: &str, running: &str, listed: &[&str]) -> Arc<Pod> {
@@ -315,10 +449,9 @@ mod lora_tests {
     // The live path's steps in order (docs/lora.md, Wiring): filter, fits, plan.
     #[test]
     fn an_adapter_request_is_planned_onto_the_pod_running_it() {
-        let cfg = Config::default();
-        let stages = Stages::new(&cfg);
+        let stages = Stages::defaults(&DisaggConfig::default());
         let sessions = Arc::new(SessionStore::new(100, 10_000));
-        let state = DecisionState::new(&cfg, sessions, Recording::InCommit);
+        let state = DecisionState::new(&GateConfig::default(), sessions, Recording::InCommit);
         let pods = [
             pod("10.0.0.1:8000", "chat", &["sql", "chat"]),
             pod("10.0.0.2:8000", "sql", &["sql", "chat"]),
@@ -330,9 +463,11 @@ mod lora_tests {
             let cands = serving(pods.iter().collect(), Some("sql"), stages.lora_adapters());
             assert_eq!(cands.len(), 2, "the pod not listing the adapter is out");
             let fits = lora_fits(Some("sql"), &cands, stages.lora_adapters(), now, stale);
+            let fits = fits.expect("an adapter request");
             let facts: Vec<PodFacts> = cands
                 .iter()
-                .map(|p| PodFacts {
+                .zip(fits)
+                .map(|(p, fit)| PodFacts {
                     id: p.id().clone(),
                     load: PodLoad {
                         fresh: true,
@@ -341,16 +476,23 @@ mod lora_tests {
                     model: TtftModel::default(),
                     matched_blocks: 0.0,
                     confidence: 1.0,
+                    role: PodRole::Both,
+                    prefill_excluded: false,
+                    lora: Some(fit),
                 })
                 .collect();
-            let req = RequestFacts {
-                keys: Keys::default(),
-                body: Body::Parsed,
-                session: None,
+            let input = DecisionInput {
+                request: RequestFacts {
+                    keys: Keys::default(),
+                    body: Body::Parsed,
+                    session: None,
+                    adapter: Some("sql".into()),
+                },
                 session_pod: None,
+                pods: facts,
             };
             let mut rng = StdRng::seed_from_u64(seed);
-            let p = state.plan_lora(&stages, req, &facts, fits.as_deref(), 0, false, &mut rng);
+            let p = state.plan(&stages, &input, 0, false, &mut rng);
             assert_eq!(p.plan.ranked[0].pod, PodId::new("10.0.0.2:8000"));
         }
     }
@@ -359,9 +501,8 @@ mod lora_tests {
     // quarter of its match in the plan; the unrecorded overlay (this router's own) is not scaled.
     #[test]
     fn a_pods_matches_are_weighted_by_its_confidence() {
-        let cfg = Config::default();
         let sessions = Arc::new(SessionStore::new(100, 10_000));
-        let state = DecisionState::new(&cfg, sessions, Recording::InCommit);
+        let state = DecisionState::new(&GateConfig::default(), sessions, Recording::InCommit);
         let facts = |id: &str, matched_blocks: f64, confidence: f64| PodFacts {
             id: PodId::new(id),
             load: PodLoad {
@@ -371,20 +512,32 @@ mod lora_tests {
             model: TtftModel::default(),
             matched_blocks,
             confidence,
+            role: PodRole::Both,
+            prefill_excluded: false,
+            lora: None,
         };
         let pods = [
             facts("10.0.0.1:8000", 20.0, 0.25),
             facts("10.0.0.2:8000", 8.0, 1.0),
         ];
-        let req = RequestFacts {
-            keys: Keys::default(),
-            body: Body::Parsed,
-            session: None,
+        let input = DecisionInput {
+            request: RequestFacts {
+                keys: Keys::default(),
+                body: Body::Parsed,
+                session: None,
+                adapter: None,
+            },
             session_pod: None,
+            pods: pods.to_vec(),
         };
-        let mut held = state.unrecorded().hold();
-        let input = state.input(&mut held, req, &pods, 0);
-        let matched: Vec<f64> = input.candidates.iter().map(|c| c.matched_blocks).collect();
+        let input = state.input(&input, 0);
+        assert!(input.prefill.is_none() && input.decode.lora.is_none());
+        let matched: Vec<f64> = input
+            .decode
+            .candidates
+            .iter()
+            .map(|c| c.matched_blocks)
+            .collect();
         assert_eq!(matched, vec![5.0, 8.0]);
     }
 }

@@ -2,13 +2,20 @@
 //! `kv-bench simulate`, in two halves:
 //!
 //! * [`plan`]: a pure function of its inputs (the [`Stages`], the request's block keys, the
-//!   candidates with their matched blocks, load and session flag, a round-robin turn and an rng)
-//!   that scores and ranks the candidates. It does no I/O and reads no clock.
+//!   candidates with their matched blocks, load, session flag and adapter fit, for a P/D model
+//!   the prefill candidates too, a round-robin turn and an rng) that scores and ranks the
+//!   candidates. It does no I/O and reads no clock.
 //! * [`commit`]: records a plan: the primary pod learns the prompt in the index, the session is
 //!   pinned to it, and its load is charged until the request ends (the in-flight guard).
 //!
-//! [`Decider`] is the live front: parse → pods → keys → index lookup → [`DecisionState`] (the
-//! one input builder, shared with `kv-bench simulate`) → [`plan`] → [`commit`].
+//! [`Decider`] is the live front: parse → pods → keys → [`DecisionState::gather`] (index
+//! lookup, session, each pod's readings: the one gatherer, shared with `kv-bench simulate`) →
+//! [`DecisionState::plan`] (the one planning entry point: base-model, LoRA and P/D requests) →
+//! [`commit`].
+//!
+//! Files, bottom up: `plan.rs` (the plan's types, [`rank`], [`commit`]), `disagg.rs` ([`plan`]:
+//! P/D on top of `rank`), `input.rs` ([`DecisionInput`], its gatherer and the entry point), this
+//! file (the live front, and the only one that reads the whole [`Config`]).
 
 mod conversation;
 mod disagg;
@@ -25,12 +32,11 @@ use tokio::time::Instant;
 use tracing::{debug, warn};
 
 use crate::blocks::{BlockKey, BlockScheme};
-use crate::config::{Config, GateConfig};
+use crate::config::{Config, GateConfig, PodRole};
 use crate::index::KvIndex;
 use crate::keys::{Keyer, Keys};
 use crate::pods::{
-    prefill_models, prefill_time, InflightGuard, Pod, PodId, PodLoad, PodRegistry, PrefillVerdict,
-    TtftPrior,
+    prefill_time, InflightGuard, Pod, PodId, PodLoad, PodRegistry, PrefillVerdict, TtftPrior,
 };
 use crate::request::{self, RequestError, RoutingRequest};
 use crate::scoring::{SessionKey, SessionStore};
@@ -41,12 +47,28 @@ use metrics::DecisionLabels;
 use unrecorded::Unrecorded;
 
 pub use conversation::{Conversations, RemoteDecisions, SessionSeen, PROMPT_ENDS};
-pub use disagg::{plan_pd, split_roles, PdOutcome, PdPlan};
-pub use input::{DecisionState, Planned, PodFacts, Recording, RequestFacts};
+pub use disagg::{plan, plan_pd, split_roles, PlanInputs};
+pub use input::{
+    DecisionInput, DecisionState, Planned, PodFacts, PodReading, Recording, RequestFacts,
+};
 pub use metrics::DecisionMetrics;
 pub use plan::{
-    commit, log_decision, plan, Body, Committed, Plan, PlanInput, ScoredPod, Stages, Stores,
+    commit, log_decision, rank, Body, Committed, PdOutcome, PdPlan, Plan, PlanInput, ScoredPod,
+    Stages, Stores,
 };
+
+impl Stages {
+    /// The stages `cfg` configures (policy, scorers, gate, retry list, P/D threshold).
+    pub fn new(cfg: &Config) -> Self {
+        Self::from_sections(
+            cfg.policy,
+            cfg.fallbacks,
+            &cfg.scorers,
+            &cfg.gate,
+            &cfg.disaggregation,
+        )
+    }
+}
 
 /// A request as every front end hands it in.
 #[derive(Debug, Clone, Copy)]
@@ -182,8 +204,6 @@ pub struct Decider {
     stages: Stages,
     metrics: DecisionMetrics,
     epoch: Instant,
-    /// `disaggregation.threshold_tokens`.
-    pd_threshold: u64,
     pd_unserved_after: Duration,
     /// KV events feed the index: a pod's matches are weighted by the confidence its counters
     /// earn (`HitAccuracy::correct`), where approximate mode scales its capacity instead.
@@ -198,19 +218,17 @@ pub struct Decider {
 
 /// What a live decision gathered before it plans.
 struct Gathered {
-    facts: RequestFacts,
-    pod_facts: Vec<PodFacts>,
+    input: DecisionInput,
     model: Option<String>,
+    /// The candidates, in `input.pods` order.
     pods: Vec<Arc<Pod>>,
     now: Instant,
     now_ms: u64,
-    /// Each pod's fit for the request's LoRA adapter (None: not an adapter request).
-    lora: Option<Vec<crate::pods::LoraFit>>,
 }
 
 impl Gathered {
     fn loads(&self) -> Vec<&PodLoad> {
-        self.pod_facts.iter().map(|f| &f.load).collect()
+        self.input.pods.iter().map(|f| &f.load).collect()
     }
 }
 
@@ -218,13 +236,12 @@ impl Gathered {
 struct Prepared {
     plan: Plan,
     model: Option<String>,
+    /// The candidates (`plan.primary` and `plan.pd`'s prefill pod among them).
     pods: Vec<Arc<Pod>>,
     now: Instant,
     now_ms: u64,
     /// Its entry among the unrecorded decisions, and its keys (decisions to commit only).
     unrecorded: Option<(u64, Arc<[BlockKey]>)>,
-    /// The prefill candidates of a P/D model (`plan.pd` names the chosen one).
-    prefill_pods: Vec<Arc<Pod>>,
     /// The request names a LoRA adapter.
     adapter: bool,
 }
@@ -266,11 +283,10 @@ impl Decider {
             registry,
             index,
             share: Arc::new(NoShare),
-            state: DecisionState::new(cfg, sessions, Recording::AfterReply),
+            state: DecisionState::new(&cfg.gate, sessions, Recording::AfterReply),
             stages: Stages::new(cfg),
             metrics,
             epoch: Instant::now(),
-            pd_threshold: cfg.disaggregation.threshold_tokens,
             pd_unserved_after: Duration::from_millis(cfg.disaggregation.prefill_unserved_after_ms),
             precise: cfg.kv_events.enabled,
             prefill_header: cfg.disaggregation.header.clone(),
@@ -388,7 +404,8 @@ impl Decider {
     /// The gate's room test over the pods that would take the request: the decode pods of a
     /// P/D model (a saturated prefill pod only moves the prefill to the decode pod).
     fn room_among(&self, pods: &[Arc<Pod>], loads: &[&PodLoad]) -> bool {
-        let loads: Vec<&PodLoad> = match split_roles(pods) {
+        let roles: Vec<PodRole> = pods.iter().map(|p| p.role()).collect();
+        let loads: Vec<&PodLoad> = match split_roles(&roles) {
             None => loads.to_vec(),
             Some((decode, _)) => decode
                 .iter()
@@ -445,7 +462,7 @@ impl Decider {
     fn plan_and_commit(&self, mut g: Gathered) -> (Decision, Option<PendingRecord>) {
         let _one_at_a_time = self.committing.lock();
         g.now = Instant::now();
-        for (facts, pod) in g.pod_facts.iter_mut().zip(&g.pods) {
+        for (facts, pod) in g.input.pods.iter_mut().zip(&g.pods) {
             facts.load = pod.load(g.now, self.stale_after);
         }
         self.commit(self.plan_gathered(g, true))
@@ -470,7 +487,7 @@ impl Decider {
         }
         let prefill_guard = p.plan.pd.as_ref().and_then(|pd| {
             let id = pd.prefill.as_ref()?;
-            let pod = p.prefill_pods.iter().find(|q| q.id() == id)?;
+            let pod = pods.iter().find(|q| q.id() == id)?;
             pod.prefill_sent(now, keys.prompt_tokens);
             Some(pod.begin_request(pd.prefill_uncached_tokens, now, pd.prefill_tokens_per_sec))
         });
@@ -514,10 +531,9 @@ impl Decider {
 
     /// What [`Decider::plan`] would hand to [`plan`] now (moves no round-robin turn, records
     /// nothing): the live half of the check that the simulator builds the same input.
-    pub async fn plan_input(&self, req: DecideRequest<'_>) -> Result<PlanInput, DecideError> {
+    pub async fn plan_input(&self, req: DecideRequest<'_>) -> Result<PlanInputs, DecideError> {
         let g = self.gather(req).await?;
-        let mut held = self.state.unrecorded().hold();
-        Ok(self.state.input(&mut held, g.facts, &g.pod_facts, g.now_ms))
+        Ok(self.state.input(&g.input, g.now_ms))
     }
 
     /// Parses, looks up and plans; with `commit`, the plan joins the unrecorded decisions in
@@ -528,40 +544,10 @@ impl Decider {
     }
 
     /// Plans what [`Self::gather`] found.
-    fn plan_gathered(&self, mut g: Gathered, commit: bool) -> Prepared {
-        let mut prefill_pods = Vec::new();
-        let adapter = g.lora.is_some();
-        let planned = match split_roles(&g.pods) {
-            None => self.state.plan_lora(
-                &self.stages,
-                g.facts,
-                &g.pod_facts,
-                g.lora.as_deref(),
-                g.now_ms,
-                commit,
-                &mut rand::rng(),
-            ),
-            Some((decode, mut prefill)) => {
-                prefill.retain(|&i| self.prefill_usable(&g.pods[i], g.now));
-                let pick = |v: &[usize]| -> Vec<PodFacts> {
-                    v.iter().map(|&i| g.pod_facts[i].clone()).collect()
-                };
-                let (decode_facts, prefill_facts) = (pick(&decode), pick(&prefill));
-                prefill_pods = prefill.iter().map(|&i| g.pods[i].clone()).collect();
-                // The plan's primary indexes the decode candidates: commit charges among them.
-                g.pods = decode.iter().map(|&i| g.pods[i].clone()).collect();
-                self.state.plan_pd(
-                    &self.stages,
-                    self.pd_threshold,
-                    g.facts,
-                    &decode_facts,
-                    &prefill_facts,
-                    g.now_ms,
-                    commit,
-                    &mut rand::rng(),
-                )
-            }
-        };
+    fn plan_gathered(&self, g: Gathered, commit: bool) -> Prepared {
+        let planned = self
+            .state
+            .plan(&self.stages, &g.input, g.now_ms, commit, &mut rand::rng());
         let plan = planned.plan;
         log_decision(&plan);
         for e in &plan.scorer_errors {
@@ -570,13 +556,12 @@ impl Decider {
         }
         Prepared {
             plan,
+            adapter: g.input.request.adapter.is_some(),
             model: g.model,
             pods: g.pods,
             now: g.now,
             now_ms: g.now_ms,
             unrecorded: planned.unrecorded,
-            prefill_pods,
-            adapter,
         }
     }
 
@@ -618,75 +603,86 @@ impl Decider {
             debug!(kind, "tokenization failed; approximate keys");
             self.metrics.errors.inc(ErrorKind::Tokenize);
         }
-        let ids: Vec<PodId> = pods.iter().map(|p| p.id().clone()).collect();
-        let now_ms = self.now_ms();
-        let matched = if keys.keys.is_empty() {
-            vec![0.0; ids.len()]
-        } else {
-            self.index
-                .lookup(&keys.keys, &ids, now_ms)
-                .await
-                .unwrap_or_else(|e| {
-                    debug!(error = %e, "index lookup failed; scoring without it");
-                    self.metrics.errors.inc(ErrorKind::Index);
-                    vec![0.0; ids.len()]
-                })
-        };
         let session = SessionKey::find(
             |name| req.header(name),
             &self.session_headers,
             parsed.as_ref().and_then(|r| r.user.as_deref()),
             self.use_user_field,
         );
-        let session_pod = match session {
-            Some(s) => self.state.sessions().find(s, now_ms).await,
-            None => None,
-        };
-        // Loads the other replicas sent that have arrived count before this decision reads load.
-        self.share.catch_up();
-        let now = Instant::now();
-        let models = prefill_models(&pods, self.stages.ttft_prior());
-        let pod_facts = pods
-            .iter()
-            .zip(matched)
-            .zip(models)
-            .map(|((p, matched_blocks), model)| PodFacts {
-                id: p.id().clone(),
-                load: p.load(now, self.stale_after),
-                model,
-                matched_blocks,
-                confidence: if self.precise {
-                    p.index_confidence()
-                } else {
-                    1.0
-                },
-            })
-            .collect();
         let body = match (&parsed, req.body) {
             (Some(_), _) => Body::Parsed,
             (None, None) => Body::Missing,
             (None, Some(_)) => Body::Unparsable,
         };
+        let ids: Vec<PodId> = pods.iter().map(|p| p.id().clone()).collect();
+        let now_ms = self.now_ms();
+        let mut now = Instant::now();
+        let mut adapter = None;
+        let read = || {
+            // Loads the other replicas sent that have arrived count before this decision reads
+            // load.
+            self.share.catch_up();
+            now = Instant::now();
+            self.readings(&pods, model.as_deref(), now, &mut adapter)
+        };
+        let request = RequestFacts {
+            keys,
+            body,
+            session,
+            adapter: None,
+        };
+        let (mut input, error) = self
+            .state
+            .gather(Some(&*self.index), &self.stages, request, ids, now_ms, read)
+            .await;
+        if let Some(e) = error {
+            debug!(error = %e, "index lookup failed; scoring without it");
+            self.metrics.errors.inc(ErrorKind::Index);
+        }
+        input.request.adapter = adapter;
         Ok(Gathered {
-            facts: RequestFacts {
-                keys,
-                body,
-                session,
-                session_pod,
-            },
-            lora: crate::pods::lora_fits(
-                model.as_deref(),
-                &pods,
-                self.stages.lora_adapters(),
-                now,
-                self.stale_after,
-            ),
-            pod_facts,
+            input,
             model,
             pods,
             now,
             now_ms,
         })
+    }
+
+    /// Each candidate's readings at `now`; `adapter` is set to `model` when it names an adapter
+    /// (the readings then carry each pod's fit for it).
+    fn readings(
+        &self,
+        pods: &[Arc<Pod>],
+        model: Option<&str>,
+        now: Instant,
+        adapter: &mut Option<String>,
+    ) -> Vec<PodReading> {
+        let adapters = self.stages.lora_adapters();
+        let fits = crate::pods::lora_fits(model, pods, adapters, now, self.stale_after);
+        if fits.is_some() {
+            *adapter = model.map(str::to_string);
+        }
+        let roles: Vec<PodRole> = pods.iter().map(|p| p.role()).collect();
+        let disaggregated = split_roles(&roles).is_some();
+        pods.iter()
+            .zip(roles)
+            .enumerate()
+            .map(|(i, (p, role))| PodReading {
+                load: p.load(now, self.stale_after),
+                ttft: p.ttft_learner(),
+                confidence: if self.precise {
+                    p.index_confidence()
+                } else {
+                    1.0
+                },
+                role,
+                prefill_excluded: disaggregated
+                    && role == PodRole::Prefill
+                    && !self.prefill_usable(p, now),
+                lora: fits.as_ref().map(|f| f[i]),
+            })
+            .collect()
     }
 
     /// Parses the body and computes its keys. Bodies of [`OFFLOAD_BYTES`] or more

@@ -1,11 +1,12 @@
-//! The pure half of a decision: [`plan`] scores and ranks the candidates from plain inputs, and
-//! [`commit`] records a plan in the index, the session store and the primary's load.
+//! The bottom of a decision: the plan's types, [`rank`] (scores and ranks one set of candidates
+//! from plain inputs; pure), and [`commit`] (records a plan in the index, the session store and
+//! the primary's load). Nothing here reads the pods, the clock or the whole config.
 
 use rand::Rng;
 use serde::Serialize;
 
 use super::conversation::Conversations;
-use crate::config::{Config, Policy};
+use crate::config::{DisaggConfig, GateConfig, Policy, ScorersConfig};
 use crate::index::{IndexError, KvIndex};
 use crate::keys::Keys;
 use crate::picker::{Picker, Reason};
@@ -27,19 +28,27 @@ pub struct Stages {
     prefill_tokens_per_sec: f64,
     max_prompt_tokens: u64,
     prior: TtftPrior,
+    /// `disaggregation.threshold_tokens`.
+    pd_threshold: u64,
 }
 
 impl Stages {
-    /// The prefix, session and load scorers with their configured weights, the policy's picker.
-    pub fn new(cfg: &Config) -> Self {
-        let s = &cfg.scorers;
+    /// The prefix, session and load scorers with their configured weights, the policy's picker
+    /// (`policy`, gated by `gate`, `fallbacks` retry pods) and the P/D threshold.
+    pub fn from_sections(
+        policy: Policy,
+        fallbacks: usize,
+        s: &ScorersConfig,
+        gate: &GateConfig,
+        disagg: &DisaggConfig,
+    ) -> Self {
         let load = LoadScorer::new(s.load.clone());
         let scorers: Vec<Box<dyn Scorer>> = vec![
             Box::new(PrefixScorer),
             Box::new(SessionScorer),
             Box::new(load.clone()),
         ];
-        // The LoRA column comes last and only for adapter requests (see `plan_with`).
+        // The LoRA column comes last and only for adapter requests (see `rank`).
         let weights = vec![
             s.prefix.weight,
             s.session.weight,
@@ -50,9 +59,9 @@ impl Stages {
             scorers,
             load,
             lora: LoraScorer::new(s.lora.clone()),
-            picker: Picker::new(cfg.policy, weights, cfg.gate.clone()).with_ties(s.ttft.clone()),
-            least_loaded: Picker::new(Policy::LeastLoaded, vec![], cfg.gate.clone()),
-            fallbacks: cfg.fallbacks,
+            picker: Picker::new(policy, weights, gate.clone()).with_ties(s.ttft.clone()),
+            least_loaded: Picker::new(Policy::LeastLoaded, vec![], gate.clone()),
+            fallbacks,
             prefill_tokens_per_sec: s.load.prefill_tokens_per_sec,
             max_prompt_tokens: s.load.max_prompt_tokens,
             prior: TtftPrior::new(
@@ -60,7 +69,26 @@ impl Stages {
                 s.ttft.prior_overhead_ms,
                 s.ttft.prior_weight,
             ),
+            pd_threshold: disagg.threshold_tokens,
         }
+    }
+
+    /// The default configuration's stages with `disagg` (tests).
+    #[cfg(test)]
+    pub(crate) fn defaults(disagg: &DisaggConfig) -> Self {
+        Self::from_sections(
+            Policy::Weighted,
+            2,
+            &ScorersConfig::default(),
+            &GateConfig::default(),
+            disagg,
+        )
+    }
+
+    /// `disaggregation.threshold_tokens`: the decode pod's uncached prompt tokens from which a
+    /// prompt is prefilled on a prefill pod.
+    pub fn pd_threshold(&self) -> u64 {
+        self.pd_threshold
     }
 
     /// Where every pod's TTFT model starts, and what it is pulled toward while data is scarce.
@@ -108,6 +136,9 @@ pub struct PlanInput {
     /// It names no session and shares only a prefix with what the pods hold
     /// ([`Conversations::shares_prefix`]): placed on an idle pod while the holders queue.
     pub shares_prefix: bool,
+    /// Each candidate's [`LoraFit`] for the request's adapter (`None`: a base-model request, or
+    /// LoRA unknown): an adapter request gets a `lora` column weighted `scorers.lora.weight`.
+    pub lora: Option<Vec<LoraFit>>,
 }
 
 /// One candidate with everything that went into its rank.
@@ -128,6 +159,66 @@ pub struct ScoredPod {
     pub predicted: Prediction,
 }
 
+/// Why a request on a model with prefill pods was (or was not) disaggregated.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PdOutcome {
+    /// Prefilled on a prefill pod, decoded on the primary.
+    Disaggregated,
+    /// Fewer uncached prompt tokens on the decode pod than the threshold.
+    ShortOrCached,
+    /// Every prefill pod is saturated: the decode pod prefills.
+    PrefillSaturated,
+    /// Every prefill pod is excluded for prefills that never showed in its counters (see
+    /// `pods::PrefillWatch`): the decode pod prefills.
+    PrefillFailing,
+    /// No parsed body, so no prompt to measure.
+    NoPrompt,
+}
+
+impl PdOutcome {
+    /// Every outcome (metric series).
+    pub const ALL: [PdOutcome; 5] = [
+        Self::Disaggregated,
+        Self::ShortOrCached,
+        Self::PrefillSaturated,
+        Self::PrefillFailing,
+        Self::NoPrompt,
+    ];
+
+    /// The label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Disaggregated => "disaggregated",
+            Self::ShortOrCached => "short_or_cached",
+            Self::PrefillSaturated => "prefill_saturated",
+            Self::PrefillFailing => "prefill_failing",
+            Self::NoPrompt => "no_prompt",
+        }
+    }
+}
+
+/// The P/D half of a plan.
+#[derive(Debug, Clone, Serialize)]
+pub struct PdPlan {
+    /// What was decided.
+    pub outcome: PdOutcome,
+    /// The prefill pod (`ip:port`) when disaggregated.
+    pub prefill: Option<PodId>,
+    /// Prompt tokens the decode pod would compute itself.
+    pub decode_uncached_tokens: u64,
+    /// The threshold they were compared with.
+    pub threshold_tokens: u64,
+    /// The prefill candidates, best first.
+    pub prefill_ranked: Vec<ScoredPod>,
+    /// Prompt tokens the prefill pod computes (charged to it on commit).
+    #[serde(skip)]
+    pub prefill_uncached_tokens: u64,
+    /// The prefill pod's predicted prefill speed (tokens/s), for its load charge.
+    #[serde(skip)]
+    pub prefill_tokens_per_sec: f64,
+}
+
 /// A ranked decision, not yet recorded anywhere.
 #[derive(Debug, Clone, Serialize)]
 pub struct Plan {
@@ -139,7 +230,8 @@ pub struct Plan {
     pub reason: Reason,
     /// Full blocks in the prompt.
     pub total_blocks: usize,
-    /// Index of the primary among the input's candidates.
+    /// Index of the primary among the decision's pods (`DecisionInput::pods`; among the
+    /// candidates of the [`PlanInput`] when [`rank`] is called alone).
     #[serde(skip)]
     pub primary: usize,
     /// Estimated prompt tokens the primary does not hold (charged to it on commit).
@@ -160,7 +252,7 @@ pub struct Plan {
     pub(super) new_conversation: bool,
     /// The prefill/decode choice, for models with prefill-role pods.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub pd: Option<super::disagg::PdPlan>,
+    pub pd: Option<PdPlan>,
 }
 
 impl Plan {
@@ -187,21 +279,9 @@ impl Plan {
     }
 }
 
-/// Scores and ranks the candidates of one request (at least one candidate). Pure: the same
+/// Scores and ranks one set of candidates of a request (at least one candidate). Pure: the same
 /// inputs and rng state give the same plan.
-pub fn plan(stages: &Stages, input: PlanInput, rng: &mut impl Rng) -> Plan {
-    plan_with(stages, input, None, rng)
-}
-
-/// [`plan`] with each candidate's [`LoraFit`] for the request's adapter (`None`: a base-model
-/// request, or LoRA unknown): an adapter request gets a `lora` column weighted
-/// `scorers.lora.weight`.
-pub fn plan_with(
-    stages: &Stages,
-    input: PlanInput,
-    lora: Option<&[LoraFit]>,
-    rng: &mut impl Rng,
-) -> Plan {
+pub fn rank(stages: &Stages, input: PlanInput, rng: &mut impl Rng) -> Plan {
     let PlanInput {
         keys,
         body,
@@ -210,8 +290,9 @@ pub fn plan_with(
         turn,
         new_conversation,
         shares_prefix,
+        lora,
     } = input;
-    let lora_scores = stages.lora.scores(lora, candidates.len());
+    let lora_scores = stages.lora.scores(lora.as_deref(), candidates.len());
     // An adapter request is ranked by its scores, LoRA fit included, not spread by commitments
     // like a new conversation: a pod without the adapter pays a load and evicts another.
     let spreadable = lora_scores.is_none();
@@ -490,15 +571,20 @@ mod tests {
             turn: 0,
             new_conversation: false,
             shares_prefix: false,
+            lora: None,
         }
+    }
+
+    fn stages() -> Stages {
+        Stages::defaults(&DisaggConfig::default())
     }
 
     #[test]
     fn plan_is_a_function_of_its_inputs() {
-        let stages = Stages::new(&Config::default());
+        let stages = stages();
         let input = || input(8, 130, &[0.0, 0.0, 5.0, 0.0]);
-        let a = plan(&stages, input(), &mut StdRng::seed_from_u64(3));
-        let b = plan(&stages, input(), &mut StdRng::seed_from_u64(3));
+        let a = rank(&stages, input(), &mut StdRng::seed_from_u64(3));
+        let b = rank(&stages, input(), &mut StdRng::seed_from_u64(3));
         assert_eq!(
             serde_json::to_value(&a).unwrap(),
             serde_json::to_value(&b).unwrap()
@@ -507,7 +593,7 @@ mod tests {
         assert_eq!(a.uncached_tokens, 130 - 5 * 16);
         let mut huge = input();
         huge.keys.prompt_tokens = 16 << 20; // a 64 MiB prompt
-        let h = plan(&stages, huge, &mut StdRng::seed_from_u64(3));
+        let h = rank(&stages, huge, &mut StdRng::seed_from_u64(3));
         assert_eq!(
             h.uncached_tokens,
             131_072 - 5 * 16,
@@ -517,16 +603,13 @@ mod tests {
 
     #[test]
     fn an_adapter_request_prefers_the_pod_running_it() {
-        let stages = Stages::new(&Config::default());
+        let stages = stages();
         let input = || input(4, 64, &[0.0; 3]);
         let fits = [LoraFit::Evicts, LoraFit::FreeSlot, LoraFit::Resident];
         for seed in 0..8 {
-            let p = plan_with(
-                &stages,
-                input(),
-                Some(&fits),
-                &mut StdRng::seed_from_u64(seed),
-            );
+            let mut adapter = input();
+            adapter.lora = Some(fits.to_vec());
+            let p = rank(&stages, adapter, &mut StdRng::seed_from_u64(seed));
             assert_eq!(p.primary, 2);
             assert_eq!(p.ranked[0].scores.last(), Some(&("lora", 1.0)));
             assert_eq!(
@@ -535,25 +618,20 @@ mod tests {
                 "a free slot before an eviction"
             );
         }
-        // A base-model request: no LoRA column, the same totals as before.
-        let base = plan_with(&stages, input(), None, &mut StdRng::seed_from_u64(1));
-        let plain = plan(&stages, input(), &mut StdRng::seed_from_u64(1));
+        // A base-model request: no LoRA column.
+        let base = rank(&stages, input(), &mut StdRng::seed_from_u64(1));
         assert!(base
             .ranked
             .iter()
             .all(|r| r.scores.iter().all(|(n, _)| *n != "lora")));
-        assert_eq!(
-            serde_json::to_value(&base).unwrap(),
-            serde_json::to_value(&plain).unwrap()
-        );
     }
 
     /// The decision line's candidates field: every candidate, rank order, one token per field
     /// and nothing a log parser splits on besides its own separators.
     #[test]
     fn the_candidates_field_lists_every_candidates_inputs_in_rank_order() {
-        let stages = Stages::new(&Config::default());
-        let p = plan(
+        let stages = stages();
+        let p = rank(
             &stages,
             input(4, 64, &[0.0, 3.0]),
             &mut StdRng::seed_from_u64(1),
@@ -567,7 +645,7 @@ mod tests {
         assert!(!field.contains(' ') && !field.contains('"'), "{field}");
         assert!(rows[0][6].split(';').all(|s| s.contains(':')), "{field}");
         // A large fleet: the best sixteen, then how many more.
-        let p = plan(
+        let p = rank(
             &stages,
             input(4, 64, &[0.0; 40]),
             &mut StdRng::seed_from_u64(1),

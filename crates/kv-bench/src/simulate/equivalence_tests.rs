@@ -104,14 +104,19 @@ async fn the_simulator_hands_plan_what_the_live_decider_hands_it() {
             subset: None,
         };
         let live_input = live.plan_input(req).await.unwrap();
-        let sim_input = sim.input(0, live_input.keys.clone(), live_input.session);
+        let sim_input = sim.input(0, live_input.decode.keys.clone(), live_input.decode.session);
         assert_eq!(
             format!("{live_input:?}"),
             format!("{sim_input:?}"),
             "request {n}: the simulator's plan input differs from the live one"
         );
         let (decision, record) = live.decide_reply_first(req).await.unwrap();
-        let planned = sim.decide(0, live_input.keys.clone(), live_input.session, &mut rng);
+        let planned = sim.decide(
+            0,
+            live_input.decode.keys.clone(),
+            live_input.decode.session,
+            &mut rng,
+        );
         assert_eq!(
             decision.plan.endpoints[0], planned.endpoints[0],
             "request {n}: a different primary"

@@ -8,15 +8,16 @@ use std::time::Duration;
 use kv_router::config::Config;
 use kv_router::config::CorrectionConfig;
 #[cfg(test)]
-use kv_router::decide::PlanInput;
+use kv_router::decide::PlanInputs;
 use kv_router::decide::{
-    log_decision, Body, DecisionState, Plan, PodFacts, Recording, RequestFacts, Stages,
+    log_decision, Body, DecisionInput, DecisionState, Plan, PodReading, Recording, RequestFacts,
+    Stages,
 };
 use kv_router::index::KvIndex;
 use kv_router::keys::Keys;
 use kv_router::pods::{
     fleet_models, predicted_hit_tokens, prefill_time, scaled_capacity, HitAccuracy, LoadSample,
-    PodId, PodLoad, PrefixCounters, Settling, Timestamp, TtftLearner,
+    PodId, PodLoad, PodRole, PrefixCounters, Settling, Timestamp, TtftLearner,
 };
 use kv_router::scoring::{SessionKey, SessionStore};
 use rand::Rng;
@@ -151,7 +152,7 @@ impl SimRouter {
         let sessions = SessionStore::new(cfg.scorers.session.capacity, cfg.scorers.session.ttl_ms);
         Self {
             stages: Stages::new(cfg),
-            state: DecisionState::new(cfg, Arc::new(sessions), Recording::InCommit),
+            state: DecisionState::new(&cfg.gate, Arc::new(sessions), Recording::InCommit),
             index,
             views: ids.iter().map(|_| PodView::default()).collect(),
             applied: vec![0; ids.len()],
@@ -201,57 +202,50 @@ impl SimRouter {
         self.views.iter().map(|v| v.accuracy.scale()).collect()
     }
 
-    /// What the router knows of a request arriving at `t` (µs): its session's pod, each pod's
-    /// load, prefill model and the index's matches.
-    fn gather(
-        &mut self,
-        t: u64,
-        keys: Keys,
-        session: Option<SessionKey>,
-    ) -> (RequestFacts, Vec<PodFacts>) {
-        let now_ms = t / 1000;
-        let matched = match &self.index {
-            Some(index) if !keys.keys.is_empty() => {
-                ready(index.lookup(&keys.keys, &self.ids, now_ms)).expect("in-memory index")
-            }
-            _ => vec![0.0; self.ids.len()],
-        };
-        let session_pod = session.and_then(|s| ready(self.state.sessions().find(s, now_ms)));
-        let learners: Vec<_> = self.views.iter().map(|v| v.ttft).collect();
-        let models = fleet_models(&learners, self.stages.ttft_prior());
-        let (stale_after, precise) = (self.stale_after, self.precise);
-        let pods = self
-            .views
-            .iter_mut()
-            .zip(&self.ids)
-            .zip(models.into_iter().zip(matched))
-            .map(|((v, id), (model, matched_blocks))| PodFacts {
-                id: id.clone(),
-                load: v.load(SimTime(t), stale_after),
-                model,
-                matched_blocks,
-                confidence: if precise {
-                    v.accuracy.confidence()
-                } else {
-                    1.0
-                },
-            })
-            .collect();
-        let req = RequestFacts {
+    /// What the router knows of a request arriving at `t` (µs), gathered as the live router
+    /// gathers it: the index's matches, its session's pod, each pod's readings.
+    fn gather(&mut self, t: u64, keys: Keys, session: Option<SessionKey>) -> DecisionInput {
+        let request = RequestFacts {
             keys,
             body: Body::Parsed,
             session,
-            session_pod,
+            adapter: None,
         };
-        (req, pods)
+        let (views, stale_after, precise) = (&mut self.views, self.stale_after, self.precise);
+        let read = || {
+            views
+                .iter_mut()
+                .map(|v| PodReading {
+                    load: v.load(SimTime(t), stale_after),
+                    ttft: v.ttft,
+                    confidence: if precise {
+                        v.accuracy.confidence()
+                    } else {
+                        1.0
+                    },
+                    role: PodRole::Both,
+                    prefill_excluded: false,
+                    lora: None,
+                })
+                .collect()
+        };
+        let gathered = self.state.gather(
+            self.index.as_deref(),
+            &self.stages,
+            request,
+            self.ids.clone(),
+            t / 1000,
+            read,
+        );
+        // In-memory indexes answer at once and never fail a lookup.
+        ready(gathered).0
     }
 
-    /// The input a decision at `t` hands to `plan` (takes a round-robin turn, records nothing).
+    /// The input a decision at `t` hands to `plan` (takes no round-robin turn, records nothing).
     #[cfg(test)]
-    pub(super) fn input(&mut self, t: u64, keys: Keys, session: Option<SessionKey>) -> PlanInput {
-        let (req, pods) = self.gather(t, keys, session);
-        let mut held = self.state.unrecorded().hold();
-        self.state.input(&mut held, req, &pods, t / 1000)
+    pub(super) fn input(&mut self, t: u64, keys: Keys, session: Option<SessionKey>) -> PlanInputs {
+        let input = self.gather(t, keys, session);
+        self.state.input(&input, t / 1000)
     }
 
     /// Decides and commits a request arriving at `t` (µs): index, session, conversations and
@@ -265,10 +259,10 @@ impl SimRouter {
     ) -> Plan {
         let now_ms = t / 1000;
         let (per_block, prompt) = (keys.tokens_per_block, keys.prompt_tokens);
-        let (req, pods) = self.gather(t, keys, session);
+        let input = self.gather(t, keys, session);
         let plan = self
             .state
-            .plan(&self.stages, req, &pods, now_ms, true, rng)
+            .plan(&self.stages, &input, now_ms, true, rng)
             .plan;
         // The live router's per-decision debug line (`RUST_LOG=kv_router=debug`).
         log_decision(&plan);
