@@ -832,6 +832,15 @@ pub struct SimulateArgs {
     /// Turns `gate.replicate_to_idle` off (it is on by default), to measure what it changes.
     #[arg(long)]
     pub no_replicate_to_idle: bool,
+    /// Requests name one of N LoRA adapters (drawn per conversation); 0: the base model only.
+    #[arg(long, default_value_t = 0)]
+    pub adapters: usize,
+    /// Adapter slots per pod (vLLM's --max-loras) with --adapters.
+    #[arg(long, default_value_t = 1)]
+    pub adapter_slots: usize,
+    /// A prefill/decode fleet: the first N pods prefill, the rest decode; 0: aggregated.
+    #[arg(long, default_value_t = 0)]
+    pub prefill_pods: usize,
     /// Seed of tie-breaks and the random policy.
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
@@ -901,6 +910,9 @@ impl SimulateArgs {
             shared_conversations: self.shared_conversations,
             spread_clumps: self.spread_clumps,
             replicate_to_idle: !self.no_replicate_to_idle,
+            adapters: self.adapters,
+            adapter_slots: self.adapter_slots,
+            prefill_pods: self.prefill_pods,
         };
         if self.quick {
             opts.quick()

@@ -1,5 +1,14 @@
 //! One run: a strategy's router (index, plan, commit) over a fleet of engines, driven by one
 //! discrete-event loop over virtual microseconds.
+//!
+//! Adapter workloads (`adapters`): each request names an adapter, and every engine schedules
+//! adapters in `adapter_slots` slots (vllm-sim's LoRA model: a request whose adapter is not
+//! resident takes a free slot or evicts the least recently used idle one, paying a load time).
+//! Prompts keep their block keys whatever the adapter (the simulated caches do not separate
+//! adapters). P/D fleets (`prefill_pods`): a disaggregated request runs a one-token request on
+//! its prefill pod; when it ends, the decode pod imports the prompt's blocks (the KV transfer,
+//! which takes no time here) and runs the request, its cache hits counting the transferred
+//! blocks. Its TTFT runs from arrival to the decode pod's first token.
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, VecDeque};
@@ -10,9 +19,9 @@ use kv_router::events::{KvEvent, KvEventBatch};
 use kv_router::index::{build_index, index_capacity, ApplyStats};
 use kv_router::keys::Keys;
 use kv_router::picker::Reason;
-use kv_router::pods::PodId;
+use kv_router::pods::{PodId, PodRole};
 use kv_testkit::splitmix::SplitMix64;
-use vllm_sim::engine::{Engine, EngineConfig, Output, Submission};
+use vllm_sim::engine::{AdapterName, Engine, EngineConfig, LoraConfig, Output, Submission};
 use vllm_sim::translate::{Hashes, Translator};
 
 use super::convergence::ScaleTrack;
@@ -65,6 +74,10 @@ pub(super) struct RunOutcome {
     pub(super) writes: Writes,
     /// The first replica's capacity correction over time, when `index.correction` is on.
     pub(super) scale_track: Option<ScaleTrack>,
+    /// Requests prefilled on a prefill pod (P/D fleets).
+    pub(super) disaggregated: usize,
+    /// Adapters the engines loaded into a slot.
+    pub(super) adapter_loads: u64,
 }
 
 /// The fleet side of one run: engines, their event schedule, and what they reported.
@@ -94,13 +107,24 @@ pub(super) struct Fleet<'a> {
     pub(super) finished: Vec<usize>,
     /// Requests whose first token came since the run loop last looked, and when.
     pub(super) started: Vec<(usize, u64)>,
+    /// Disaggregated requests whose prefill ended since the run loop last looked, and when.
+    pub(super) prefilled_remotely: Vec<(usize, u64)>,
 }
 
 impl Fleet<'_> {
     /// After pod `p` was touched at `now`: its outputs, its cache events, its next wake-up.
     pub(super) fn settle(&mut self, p: usize, now: u64) {
+        let n = self.prep.at_us.len();
         for out in self.engines[p].step(now) {
             match out {
+                // A disaggregated request's prefill (its id past the requests'): its prompt
+                // counts as computed here, its timings on the decode pod.
+                Output::Finished { id, usage, at } if id as usize >= n => {
+                    self.prefilled[p] +=
+                        u64::from(usage.prompt_tokens.saturating_sub(usage.cached_tokens));
+                    self.prefilled_remotely.push((id as usize - n, at));
+                }
+                Output::Token { id, .. } if id as usize >= n => {}
                 Output::Token { id, index: 0, at } => {
                     let i = id as usize;
                     self.ttft_us[i] = at - self.prep.at_us[i];
@@ -153,6 +177,21 @@ impl Fleet<'_> {
         }
         None
     }
+}
+
+/// Each request's adapter: `adapters` names, drawn from the prompt's first block (a
+/// conversation keeps its adapter); none when `adapters` is 0.
+fn adapters(prep: &Prepared, adapters: usize, seed: u64) -> Vec<Option<AdapterName>> {
+    let names: Vec<AdapterName> = (0..adapters)
+        .map(|a| AdapterName::from(format!("adapter-{a}")))
+        .collect();
+    (0..prep.at_us.len())
+        .map(|i| {
+            let first = prep.oracle[i].keys.first().map_or(i as u64, |k| k.0);
+            let draw = SplitMix64::new(first ^ seed).next_u64();
+            names.get((draw % adapters.max(1) as u64) as usize).cloned()
+        })
+        .collect()
 }
 
 /// Request `i` as its pod receives it.
@@ -212,13 +251,25 @@ pub(super) fn simulate_replicas(
         index
     };
     let shared = (one_index && uses_index(strategy)).then(new_index);
+    // The first pods prefill, as `kv-bench compare --pd-prefill` lays a fleet out.
+    let prefill_pods = opts.prefill_pods.min(pods.saturating_sub(1));
+    let roles: Vec<PodRole> = (0..pods)
+        .map(|p| match p < prefill_pods {
+            true => PodRole::Prefill,
+            false if prefill_pods > 0 => PodRole::Decode,
+            false => PodRole::Both,
+        })
+        .collect();
+    let adapter = adapters(prep, opts.adapters, opts.seed);
     let routers = (0..how.replicas.max(1))
         .map(|_| {
             let index = match &shared {
                 Some(index) => Some(index.clone()),
                 None => uses_index(strategy).then(new_index),
             };
-            SimRouter::new(&cfg, index, ids.clone()).with_capacity(cap)
+            SimRouter::new(&cfg, index, ids.clone())
+                .with_capacity(cap)
+                .with_roles(roles.clone())
         })
         .collect();
     let mut router = Replicas::new(
@@ -252,7 +303,14 @@ pub(super) fn simulate_replicas(
                 if p < opts.slow_pods {
                     e.prefill_us_per_token *= opts.slow_factor;
                 }
-                Engine::new(e)
+                let engine = Engine::new(e);
+                match opts.adapters {
+                    0 => engine,
+                    _ => engine.with_lora(LoraConfig {
+                        max_loras: opts.adapter_slots.max(1),
+                        ..LoraConfig::default()
+                    }),
+                }
             })
             .collect(),
         heap: BinaryHeap::new(),
@@ -272,6 +330,7 @@ pub(super) fn simulate_replicas(
         makespan_us: 0,
         finished: Vec::new(),
         started: Vec::new(),
+        prefilled_remotely: Vec::new(),
     };
     let mut per_pod = vec![0usize; pods];
     let mut all_saturated = 0usize;
@@ -280,6 +339,9 @@ pub(super) fn simulate_replicas(
     let (mut next_req, mut next_tick, mut ticks) = (0usize, 0u64, 0u64);
     // The pod each request was routed to (a bypassed one has none): its router's charge.
     let mut routed_to: Vec<Option<usize>> = vec![None; n];
+    // A disaggregated request's prefill pod, until its prefill ends.
+    let mut prefill_on: Vec<Option<usize>> = vec![None; n];
+    let mut disaggregated = 0usize;
 
     loop {
         for (i, at) in fleet.started.drain(..) {
@@ -289,6 +351,18 @@ pub(super) fn simulate_replicas(
             if let Some(p) = routed_to[i] {
                 router.finished(i, p);
             }
+        }
+        let transfers: Vec<(usize, u64)> = fleet.prefilled_remotely.drain(..).collect();
+        for (i, at) in transfers {
+            if let Some(q) = prefill_on[i].take() {
+                router.finished(i, q);
+            }
+            // The prompt's KV reaches the decode pod, which runs the request from it.
+            let p = routed_to[i].expect("a disaggregated request has its decode pod");
+            let sub = submission(prep, i);
+            fleet.engines[p].import(&sub);
+            fleet.engines[p].submit_lora(at, i as u64, sub, adapter[i].clone());
+            fleet.settle(p, at);
         }
         let wake = fleet.next_wakeup();
         let t_pod = wake.map(|w| w.0);
@@ -344,7 +418,8 @@ pub(super) fn simulate_replicas(
             restarts += 1;
             next_restart = t + restart_us.expect("scheduled");
             for (id, sub) in fleet.engines[p].restart(t) {
-                fleet.engines[p].submit(t, id, sub);
+                let a = adapter[id as usize % n].clone();
+                fleet.engines[p].submit_lora(t, id, sub, a);
             }
             fleet.settle(p, t);
             continue;
@@ -355,7 +430,7 @@ pub(super) fn simulate_replicas(
         let (bypassed, pod) = (bypass_rng.unit(), bypass_rng.range(0, pods - 1));
         if bypassed < opts.divergence.bypass {
             // Another replica or a direct client: the pod caches it, this router never knows.
-            fleet.engines[pod].submit(t, i as u64, submission(prep, i));
+            fleet.engines[pod].submit_lora(t, i as u64, submission(prep, i), adapter[i].clone());
             fleet.settle(pod, t);
             continue;
         }
@@ -368,14 +443,29 @@ pub(super) fn simulate_replicas(
             precise: cfg.kv_events.enabled,
             tokenize_error: None,
         };
-        let plan = router.decide(i, t, keys, &mut rng);
+        let plan = router.decide(i, t, keys, adapter[i].as_deref(), &mut rng);
         if plan.reason == Reason::AllSaturated {
             all_saturated += 1;
         }
         let p = plan.primary;
         per_pod[p] += 1;
         routed_to[i] = Some(p);
-        fleet.engines[p].submit(t, i as u64, submission(prep, i));
+        let prefill = plan
+            .prefill_pod()
+            .and_then(|q| ids.iter().position(|id| id == q));
+        if let Some(q) = prefill {
+            // Prefill only: one token, then the transfer (`prefilled_remotely`).
+            disaggregated += 1;
+            prefill_on[i] = Some(q);
+            let sub = Submission {
+                max_tokens: 1,
+                ..submission(prep, i)
+            };
+            fleet.engines[q].submit_lora(t, (n + i) as u64, sub, adapter[i].clone());
+            fleet.settle(q, t);
+            continue;
+        }
+        fleet.engines[p].submit_lora(t, i as u64, submission(prep, i), adapter[i].clone());
         fleet.settle(p, t);
     }
     if fleet.done != n {
@@ -400,5 +490,7 @@ pub(super) fn simulate_replicas(
         replication: how,
         writes: router.writes,
         scale_track,
+        disaggregated,
+        adapter_loads: fleet.engines.iter().map(|e| e.stats().lora_loads).sum(),
     })
 }

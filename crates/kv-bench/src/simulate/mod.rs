@@ -16,6 +16,11 @@
 //! * **Maintenance** as the router does it once a second: index capacity from the pods' KV size
 //!   (`kv_router::index::index_capacity`), TTL sweep.
 //!
+//! * **Adapters and P/D** (`adapters`, `prefill_pods`): requests name LoRA adapters that the
+//!   engines hold in a few slots, and some pods prefill while the others decode; the router
+//!   plans both through the live entry point, with adapter residency scraped from the engines
+//!   ([`fleet`] says what is modelled).
+//!
 //! Everything is deterministic: the same options (seed included) give the same report, whatever
 //! the thread count. Strategies (and capacity-planning fleet sizes) run in parallel threads.
 //!
@@ -38,6 +43,8 @@ mod report;
 mod router;
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod workload_tests;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
@@ -95,6 +102,15 @@ pub struct SimParams {
     pub seed: u64,
     /// Where the pods' caches drift from the router's record.
     pub divergence: Divergence,
+    /// LoRA adapters the requests name (0: base model only).
+    #[serde(skip_serializing_if = "outcome::is_zero")]
+    pub adapters: u64,
+    /// Adapter slots per pod (0 without adapters).
+    #[serde(skip_serializing_if = "outcome::is_zero")]
+    pub adapter_slots: u64,
+    /// Pods with the P/D role `prefill` (0: an aggregated fleet).
+    #[serde(skip_serializing_if = "outcome::is_zero")]
+    pub prefill_pods: u64,
 }
 
 /// Everything `kv-bench simulate` reports.
@@ -270,6 +286,13 @@ pub fn run_trace(trace: &Trace, opts: &SimulateOptions) -> Result<SimulateReport
             output_scale: opts.output_scale,
             seed: opts.seed,
             divergence: opts.divergence,
+            adapters: opts.adapters as u64,
+            adapter_slots: if opts.adapters > 0 {
+                opts.adapter_slots as u64
+            } else {
+                0
+            },
+            prefill_pods: opts.prefill_pods.min(opts.pods.saturating_sub(1)) as u64,
         },
         oracles,
         strategies,

@@ -34,6 +34,9 @@ pub enum SimulateError {
     /// A replica count or propagation delay out of its range.
     #[error("{0}")]
     BadReplication(&'static str),
+    /// An adapter or prefill/decode option out of its range.
+    #[error("{0}")]
+    BadWorkload(&'static str),
     /// The trace (after `--requests`) has no request.
     #[error("the trace has no request to simulate")]
     EmptyTrace,
@@ -142,6 +145,13 @@ pub struct SimulateOptions {
     pub spread_clumps: bool,
     /// `gate.replicate_to_idle` (on by default): off measures what the rule changes.
     pub replicate_to_idle: bool,
+    /// LoRA adapters the requests name (0: every request is for the base model); a request's
+    /// adapter is drawn from its prompt's first block, so a conversation keeps its adapter.
+    pub adapters: usize,
+    /// Adapter slots per pod (vLLM's `--max-loras`) when `adapters` is set.
+    pub adapter_slots: usize,
+    /// The first this many pods prefill (P/D role `prefill`), the rest decode; 0: aggregated.
+    pub prefill_pods: usize,
 }
 
 /// One way of running the router: `replicas` replicas, each with its own index, applying each
@@ -230,6 +240,9 @@ impl Default for SimulateOptions {
             shared_conversations: false,
             spread_clumps: false,
             replicate_to_idle: true,
+            adapters: 0,
+            adapter_slots: 1,
+            prefill_pods: 0,
         }
     }
 }
@@ -312,6 +325,16 @@ impl SimulateOptions {
         {
             return Err(SimulateError::BadDivergence(
                 "restart interval must be positive and finite",
+            ));
+        }
+        if self.adapters > 0 && self.adapter_slots == 0 {
+            return Err(SimulateError::BadWorkload(
+                "adapter pods need at least one adapter slot",
+            ));
+        }
+        if self.prefill_pods > 0 && self.prefill_pods >= self.pods {
+            return Err(SimulateError::BadWorkload(
+                "a prefill/decode fleet needs at least one decode pod besides its prefill pods",
             ));
         }
         if !(d.capacity_belief.is_finite() && d.capacity_belief > 0.0) {

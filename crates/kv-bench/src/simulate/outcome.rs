@@ -73,8 +73,19 @@ pub struct StrategyResult {
     pub learned_tokens_per_sec: Vec<f64>,
     /// How `index.correction` moved the median pod's scale (when on).
     pub correction: Option<ScaleTrack>,
+    /// Requests prefilled on a prefill pod (P/D fleets).
+    #[serde(skip_serializing_if = "is_zero")]
+    pub disaggregated: u64,
+    /// Adapters the engines loaded into a slot (adapter workloads).
+    #[serde(skip_serializing_if = "is_zero")]
+    pub adapter_loads: u64,
     /// Real time spent.
     pub timing: Timing,
+}
+
+/// Whether a count is zero (left out of the JSON report: base-model, aggregated runs).
+pub(super) fn is_zero(v: &u64) -> bool {
+    *v == 0
 }
 
 pub(super) fn ms(v: &[u64]) -> Vec<f64> {
@@ -125,6 +136,8 @@ impl StrategyResult {
             kv_events: out.kv_events,
             learned_tokens_per_sec: out.learned_tokens_per_sec,
             correction: out.scale_track,
+            disaggregated: out.disaggregated as u64,
+            adapter_loads: out.adapter_loads,
             timing: Timing {
                 wall_s,
                 speed: if wall_s > 0.0 {

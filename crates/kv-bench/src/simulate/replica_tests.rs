@@ -182,7 +182,7 @@ fn shared_conversation_marks_reach_the_other_replica_with_the_record() {
         let (mut r, keys, _) =
             two_replicas(replicas(2, 10.0), false, shared, TokenRelease::Prefill);
         let mut rng = rand::rngs::StdRng::seed_from_u64(1);
-        r.decide(0, 1_000, keys.clone(), &mut rng);
+        r.decide(0, 1_000, keys.clone(), None, &mut rng);
         let before = r.routers[1].state.conversations().continues(&keys.keys, 8);
         assert_eq!(
             r.next_due(),
@@ -212,7 +212,7 @@ fn a_load_sent_apart_reaches_the_other_replica_before_its_record() {
     };
     let (mut r, keys, ids) = two_replicas(how, true, false, TokenRelease::Prefill);
     let mut rng = rand::rngs::StdRng::seed_from_u64(1);
-    let plan = r.decide(0, 1_000, keys.clone(), &mut rng);
+    let plan = r.decide(0, 1_000, keys.clone(), None, &mut rng);
     let stale = std::time::Duration::from_secs(60);
     let load = |r: &mut Replicas, at: u64| {
         r.routers[1].views[plan.primary]
@@ -268,7 +268,7 @@ fn each_replica_counts_a_requests_tokens_until_its_token_release() {
         };
         let (mut r, keys, _) = two_replicas(how, true, false, release);
         let mut rng = rand::rngs::StdRng::seed_from_u64(1);
-        let plan = r.decide(0, 1_000, keys.clone(), &mut rng);
+        let plan = r.decide(0, 1_000, keys.clone(), None, &mut rng);
         let tokens = |r: &mut Replicas, replica: usize, at: u64| {
             r.routers[replica].views[plan.primary]
                 .load(SimTime(at), stale)

@@ -193,13 +193,20 @@ impl Replicas {
 
     /// Request `i` arriving at `t` (µs), decided and committed by its replica (round robin by
     /// request number, as Envoy spreads ext_proc streams), its record sent to the others.
-    pub(super) fn decide(&mut self, i: usize, t: u64, keys: Keys, rng: &mut impl Rng) -> Plan {
+    pub(super) fn decide(
+        &mut self,
+        i: usize,
+        t: u64,
+        keys: Keys,
+        adapter: Option<&str>,
+        rng: &mut impl Rng,
+    ) -> Plan {
         let r = i % self.routers.len();
         let router = &mut self.routers[r];
         // What commit records: the primary and the request's keys, when the index is used.
         let published = (router.index.is_some() && !keys.keys.is_empty())
             .then(|| Arc::<[BlockKey]>::from(keys.keys.as_slice()));
-        let plan = router.decide(t, keys, None, rng);
+        let plan = router.decide(t, keys, None, adapter, rng);
         if self.token_release != TokenRelease::Prefill && !router.charged.is_empty() {
             self.own.insert(i, std::mem::take(&mut router.charged));
         }

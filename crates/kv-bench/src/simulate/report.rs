@@ -141,6 +141,22 @@ impl SimulateReport {
             );
         }
         self.write_rates(&mut out);
+        if p.adapters > 0 || p.prefill_pods > 0 {
+            let _ = writeln!(
+                out,
+                "\nWorkload: {} LoRA adapter(s), {} slot(s) per pod; {} prefill pod(s). Per strategy:",
+                p.adapters, p.adapter_slots, p.prefill_pods
+            );
+            for r in &self.strategies {
+                let _ = writeln!(
+                    out,
+                    "- {}: {} request(s) prefilled on a prefill pod, {} adapter load(s)",
+                    r.strategy.as_str(),
+                    r.disaggregated,
+                    r.adapter_loads
+                );
+            }
+        }
         let slow = p.slow_pods.min(self.pods);
         if slow > 0 && slow < self.pods {
             let _ = writeln!(

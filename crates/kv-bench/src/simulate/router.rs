@@ -2,6 +2,7 @@
 //! settling queue: the live router's `Settling`, on virtual microseconds), and its decisions,
 //! built, planned and committed by the live router's own [`DecisionState`].
 
+use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -17,13 +18,17 @@ use kv_router::index::KvIndex;
 use kv_router::keys::Keys;
 use kv_router::pods::{
     fleet_models, predicted_hit_tokens, prefill_time, scaled_capacity, HitAccuracy, LoadSample,
-    PodId, PodLoad, PodRole, PrefixCounters, Settling, Timestamp, TtftLearner,
+    LoraFit, LoraResidency, PodId, PodLoad, PodRole, PrefixCounters, Settling, Timestamp,
+    TtftLearner,
 };
 use kv_router::scoring::{SessionKey, SessionStore};
 use rand::Rng;
 use vllm_sim::engine::Engine;
 
 use super::fleet::ready;
+
+/// Recently used adapters remembered per pod (the live `pods::lora::MAX_RECENT_ADAPTERS`).
+const RECENT_ADAPTERS: usize = 64;
 
 /// Virtual time in microseconds, as the router's in-flight accounting sees it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -56,6 +61,11 @@ pub(super) struct PodView {
     pub(super) ttft: TtftLearner,
     /// Predicted against reported prefix-cache hits, as `Pod` keeps them.
     pub(super) accuracy: HitAccuracy,
+    /// The engine's last adapter residency report (`vllm:lora_requests_info`), when LoRA is on.
+    pub(super) lora: Option<(SimTime, LoraResidency)>,
+    /// Adapters used most recently, newest first: seen busy in a scrape, or routed here (as
+    /// `Pod` keeps them).
+    pub(super) recent: VecDeque<String>,
 }
 
 impl PodView {
@@ -90,6 +100,54 @@ impl PodView {
             queries: s.prefix_cache_queries as f64,
             hits: s.prefix_cache_hits as f64,
         }));
+        let Some(info) = e.lora_info() else {
+            return;
+        };
+        // The newest label set is the engine's state (a later one wins a tie).
+        let mut newest: Option<&vllm_sim::engine::LoraSeries> = None;
+        for x in &info.series {
+            if newest.is_none_or(|b| x.at_us >= b.at_us) {
+                newest = Some(x);
+            }
+        }
+        let names = |list: &str| {
+            list.split(',')
+                .filter(|a| !a.is_empty())
+                .map(str::to_string)
+                .collect()
+        };
+        let residency = LoraResidency {
+            max_lora: u32::try_from(info.max_loras).ok(),
+            running: newest.map(|n| names(&n.running)).unwrap_or_default(),
+            waiting: newest.map(|n| names(&n.waiting)).unwrap_or_default(),
+            at: now.0 as f64 / 1e6,
+        };
+        for a in residency.waiting.iter().chain(&residency.running) {
+            self.used(a);
+        }
+        self.lora = Some((now, residency));
+    }
+
+    /// How the pod would take a request for `adapter` at `now` (`Pod::lora_fit`).
+    pub(super) fn lora_fit(&self, adapter: &str, now: SimTime, stale_after: Duration) -> LoraFit {
+        match &self.lora {
+            Some((at, r)) if now.since(*at) <= stale_after => r.fit_with(adapter, &self.recent),
+            _ => LoraFit::Unreported,
+        }
+    }
+
+    /// `adapter` was just used on the pod: first in `recent`.
+    pub(super) fn used(&mut self, adapter: &str) {
+        if let Some(i) = self.recent.iter().position(|a| a == adapter) {
+            if let Some(a) = self.recent.remove(i) {
+                self.recent.push_front(a);
+            }
+            return;
+        }
+        if self.recent.len() >= RECENT_ADAPTERS {
+            self.recent.pop_back();
+        }
+        self.recent.push_front(adapter.to_string());
     }
 
     /// A request was routed here at `now` with `tokens` estimated uncached prompt tokens,
@@ -132,6 +190,8 @@ pub(super) struct SimRouter {
     pub(super) index: Option<Arc<dyn KvIndex>>,
     pub(super) ids: Vec<PodId>,
     pub(super) views: Vec<PodView>,
+    /// Each pod's P/D role (all `Both`: an aggregated fleet).
+    roles: Vec<PodRole>,
     stale_after: Duration,
     /// `index.correction`: scales capacity in approximate mode, weights matches in precise mode.
     correction: CorrectionConfig,
@@ -155,6 +215,7 @@ impl SimRouter {
             state: DecisionState::new(&cfg.gate, Arc::new(sessions), Recording::InCommit),
             index,
             views: ids.iter().map(|_| PodView::default()).collect(),
+            roles: vec![PodRole::Both; ids.len()],
             applied: vec![0; ids.len()],
             ids,
             stale_after: Duration::from_millis(cfg.pods.stale_after_ms),
@@ -170,6 +231,13 @@ impl SimRouter {
     pub(super) fn with_capacity(mut self, blocks: usize) -> Self {
         self.capacity = Some(blocks);
         self.applied.fill(blocks);
+        self
+    }
+
+    /// The pods' P/D roles, in `ids` order.
+    pub(super) fn with_roles(mut self, roles: Vec<PodRole>) -> Self {
+        debug_assert_eq!(roles.len(), self.ids.len());
+        self.roles = roles;
         self
     }
 
@@ -203,19 +271,29 @@ impl SimRouter {
     }
 
     /// What the router knows of a request arriving at `t` (µs), gathered as the live router
-    /// gathers it: the index's matches, its session's pod, each pod's readings.
-    fn gather(&mut self, t: u64, keys: Keys, session: Option<SessionKey>) -> DecisionInput {
+    /// gathers it: the index's matches, its session's pod, each pod's readings (role, and fit
+    /// for the request's adapter). Every pod serves the model and may load any adapter; no
+    /// prefill pod is ever excluded.
+    fn gather(
+        &mut self,
+        t: u64,
+        keys: Keys,
+        session: Option<SessionKey>,
+        adapter: Option<&str>,
+    ) -> DecisionInput {
         let request = RequestFacts {
             keys,
             body: Body::Parsed,
             session,
-            adapter: None,
+            adapter: adapter.map(str::to_string),
         };
         let (views, stale_after, precise) = (&mut self.views, self.stale_after, self.precise);
+        let roles = &self.roles;
         let read = || {
             views
                 .iter_mut()
-                .map(|v| PodReading {
+                .zip(roles)
+                .map(|(v, &role)| PodReading {
                     load: v.load(SimTime(t), stale_after),
                     ttft: v.ttft,
                     confidence: if precise {
@@ -223,9 +301,9 @@ impl SimRouter {
                     } else {
                         1.0
                     },
-                    role: PodRole::Both,
+                    role,
                     prefill_excluded: false,
-                    lora: None,
+                    lora: adapter.map(|a| v.lora_fit(a, SimTime(t), stale_after)),
                 })
                 .collect()
         };
@@ -243,23 +321,31 @@ impl SimRouter {
 
     /// The input a decision at `t` hands to `plan` (takes no round-robin turn, records nothing).
     #[cfg(test)]
-    pub(super) fn input(&mut self, t: u64, keys: Keys, session: Option<SessionKey>) -> PlanInputs {
-        let input = self.gather(t, keys, session);
+    pub(super) fn input(
+        &mut self,
+        t: u64,
+        keys: Keys,
+        session: Option<SessionKey>,
+        adapter: Option<&str>,
+    ) -> PlanInputs {
+        let input = self.gather(t, keys, session, adapter);
         self.state.input(&input, t / 1000)
     }
 
-    /// Decides and commits a request arriving at `t` (µs): index, session, conversations and
-    /// the primary's in-flight charge.
+    /// Decides and commits a request arriving at `t` (µs) naming `adapter` (`None`: the base
+    /// model): index, session, conversations, the primary's in-flight charge, and a
+    /// disaggregated prompt's charge on its prefill pod (until [`PodView::finished`]).
     pub(super) fn decide(
         &mut self,
         t: u64,
         keys: Keys,
         session: Option<SessionKey>,
+        adapter: Option<&str>,
         rng: &mut impl Rng,
     ) -> Plan {
         let now_ms = t / 1000;
         let (per_block, prompt) = (keys.tokens_per_block, keys.prompt_tokens);
-        let input = self.gather(t, keys, session);
+        let input = self.gather(t, keys, session, adapter);
         let plan = self
             .state
             .plan(&self.stages, &input, now_ms, true, rng)
@@ -278,7 +364,24 @@ impl SimRouter {
         );
         let hits = predicted_hit_tokens(plan.ranked[0].matched_blocks, per_block, prompt);
         views[plan.primary].accuracy.predicted(hits, prompt);
+        if let Some(a) = adapter {
+            views[plan.primary].used(a);
+        }
+        if let Some(p) = self.prefill_pod(&plan) {
+            let pd = plan
+                .pd
+                .as_ref()
+                .expect("a prefill pod comes with a P/D plan");
+            let (tokens, rate) = (pd.prefill_uncached_tokens, pd.prefill_tokens_per_sec);
+            self.views[p].routed(SimTime(t), tokens, rate, false);
+        }
         plan
+    }
+
+    /// The position of a disaggregated plan's prefill pod.
+    pub(super) fn prefill_pod(&self, plan: &Plan) -> Option<usize> {
+        let id = plan.prefill_pod()?;
+        self.ids.iter().position(|p| p == id)
     }
 
     /// Each pod's prefill speed as the router learned it (tokens/s).

@@ -24,7 +24,8 @@ impl Engine {
             annotate(&mut self.events[start..], &sub.keys, hit, info);
         }
         self.cache.release(&pinned);
-        self.cache.lookup(&sub.keys) - hit
+        // A full cache may evict the hit prefix's own unpinned blocks while storing the rest.
+        self.cache.lookup(&sub.keys).saturating_sub(hit)
     }
 }
 
