@@ -21,8 +21,6 @@
 //! members of their own that reach the router only through this public API. Which file owns
 //! which truth, and which reads may be stale: `docs/architecture.md`.
 
-pub(crate) mod admin;
-mod admin_serve;
 pub mod allocator;
 pub mod app;
 pub mod blocks;
@@ -34,13 +32,12 @@ pub mod flow;
 pub mod index;
 mod ingest;
 pub mod keys;
-pub(crate) mod pick_api;
-mod pick_budget;
 pub mod picker;
 pub mod pod_id;
 pub mod pods;
 pub mod request;
 pub mod scoring;
+pub mod server;
 pub mod share;
 pub mod supervise;
 pub mod telemetry;

@@ -19,13 +19,10 @@ use crate::scoring::SessionStore;
 use crate::supervise::Supervisor;
 use crate::tokenize::TokenizerRegistry;
 
-mod admin;
-pub(crate) mod conns;
-mod grpc;
 mod index;
 mod maintenance;
 mod pods;
-mod shutdown;
+pub(crate) mod shutdown;
 mod telemetry;
 
 use maintenance::Gauges;
@@ -44,19 +41,19 @@ pub fn mode(cfg: &Config) -> &'static str {
 }
 
 /// The long-lived state the loops and servers share.
-struct Shared {
-    pods: Arc<PodRegistry>,
-    index: Arc<dyn KvIndex>,
-    sessions: Arc<SessionStore>,
-    decider: Arc<Decider>,
+pub(crate) struct Shared {
+    pub(crate) pods: Arc<PodRegistry>,
+    pub(crate) index: Arc<dyn KvIndex>,
+    pub(crate) sessions: Arc<SessionStore>,
+    pub(crate) decider: Arc<Decider>,
     /// Starts and restarts the background loops (readiness fails while one is down).
-    supervisor: Supervisor,
+    pub(crate) supervisor: Supervisor,
     /// Precise mode: the start-up KV-event catch-ups readiness waits for.
-    catch_up: Option<Arc<CatchUp>>,
+    pub(crate) catch_up: Option<Arc<CatchUp>>,
     /// Every request body the gRPC port buffers (ext_proc, Pick) draws from it.
-    bodies: BodyBudget,
+    pub(crate) bodies: BodyBudget,
     /// Requests held while every pod is saturated (`flow_control.enabled`).
-    flow: Option<Arc<FlowControl>>,
+    pub(crate) flow: Option<Arc<FlowControl>>,
 }
 
 /// Runs the router until a shutdown signal. `tokenizers` were loaded from `cfg.tokenizers`
@@ -124,9 +121,13 @@ pub async fn run(cfg: Config, tokenizers: TokenizerRegistry) -> anyhow::Result<(
     maintenance::start(&cfg, &shared, gauges);
     let shutdown = Shutdown::start(&cfg);
     let conns = telemetry.conns;
-    let grpc = grpc::start(&cfg, &shared, telemetry.extproc, conns.clone(), &shutdown).await?;
+    let grpc =
+        crate::server::grpc::start(&cfg, &shared, telemetry.extproc, conns.clone(), &shutdown)
+            .await?;
     let pods = shared.pods.clone();
-    let admin = admin::start(&cfg, shared, telemetry.registry, conns, mode, &shutdown).await?;
+    let admin =
+        crate::server::admin::start(&cfg, shared, telemetry.registry, conns, mode, &shutdown)
+            .await?;
     let (grpc_addr, admin_addr) = (cfg.grpc_addr(), cfg.admin_addr());
     info!(grpc = %grpc_addr, admin = %admin_addr, "kv-router listening");
     // Serve once a pod is known healthy (or the first probes had their time): a router that has

@@ -10,7 +10,7 @@ use crate::config::Config;
 
 /// The two stages of shutdown, as the servers and readiness watch them.
 #[derive(Debug, Clone)]
-pub(super) struct Shutdown {
+pub(crate) struct Shutdown {
     /// True once a signal arrived: readiness fails, streams are still served.
     pub stopping: watch::Receiver<bool>,
     /// True once the delay is over: the listeners close and open streams drain.

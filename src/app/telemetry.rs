@@ -15,8 +15,8 @@ use crate::pods::PodMetrics;
 use crate::supervise::Supervisor;
 use crate::telemetry::Errors;
 
-use super::conns::ConnMetrics;
 use super::maintenance::MaintenanceMetrics;
+use crate::server::conns::ConnMetrics;
 
 /// The registry and each component's metrics.
 pub(super) struct Telemetry {

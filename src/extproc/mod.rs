@@ -5,7 +5,6 @@
 //! reply. FULL_DUPLEX_STREAMED (Endpoint Picker Protocol): buffer the body to end of stream,
 //! then the headers reply with the decision, then the body echoed as `streamed_response` chunks.
 
-mod budget;
 pub mod reply;
 
 use std::future::Future;
@@ -35,8 +34,8 @@ use prometheus_client::registry::Registry;
 use crate::decide::{DecideError, DecideRequest, Decider, Decision, PendingRecord, Saturated};
 use crate::flow::FlowControl;
 use crate::pods::InflightGuard;
+pub use crate::server::budget::{BodyBudget, Reservation};
 use crate::telemetry::Errors;
-pub use budget::{BodyBudget, Reservation};
 use reply::Rejection;
 
 pub use reply::{

@@ -16,10 +16,10 @@ use tokio::time::Instant;
 
 use crate::decide::{DecideRequest, Decider};
 use crate::extproc::reply::Rejection;
-use crate::extproc::BodyBudget;
 use crate::ingest::CatchUp;
 use crate::pods::{prefill_models, PodRegistry};
 use crate::scoring::SessionStore;
+use crate::server::budget::BodyBudget;
 use crate::supervise::Supervisor;
 
 /// What the admin handlers read.

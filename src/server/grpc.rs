@@ -13,15 +13,16 @@ use tonic_health::ServingStatus;
 use crate::config::Config;
 use crate::extproc::{ExtProc, ExtProcMetrics};
 use crate::ingest;
-use crate::pick_api::proto::picker_server::PickerServer;
-use crate::pick_api::PickService;
-use crate::pick_budget::Metered;
 use crate::pods::PodRegistry;
+use crate::server::pick::budget::Metered;
+use crate::server::pick::proto::picker_server::PickerServer;
+use crate::server::pick::PickService;
 use crate::supervise::Supervisor;
 
+use crate::app::shutdown::Shutdown;
+use crate::app::Shared;
+
 use super::conns;
-use super::shutdown::Shutdown;
-use super::Shared;
 
 /// gRPC health service names (Endpoint Picker Protocol).
 const HEALTH_SERVICES: [&str; 3] = [
@@ -33,7 +34,7 @@ const HEALTH_SERVICES: [&str; 3] = [
 /// Sets liveness SERVING and readiness NOT_SERVING, starts the `readiness` loop, and returns the
 /// server (it binds when first polled, and stops accepting once shutdown closes the listeners).
 /// Fails when the TLS files cannot be read or used.
-pub(super) async fn start(
+pub(crate) async fn start(
     cfg: &Config,
     shared: &Shared,
     metrics: ExtProcMetrics,

@@ -3,7 +3,7 @@
 //! descriptors; then a fixed cap that refused new connections let 2,000 dribbling ones starve
 //! `/healthz` and `/metrics`. Here a request's headers (and an idle keep-alive connection's next
 //! ones) must arrive within [`HEADER_READ_TIMEOUT`], and at [`MAX_CONNECTIONS`] the oldest
-//! connection not serving a request is evicted for the new one (`app::conns`).
+//! connection not serving a request is evicted for the new one (`server::conns`).
 
 use std::convert::Infallible;
 use std::pin::Pin;
@@ -20,7 +20,7 @@ use tokio::sync::watch;
 use tower::ServiceExt;
 use tracing::{debug, warn};
 
-use crate::app::conns::{Closed, ConnMetrics, Port, Serving, Tracker};
+use crate::server::conns::{Closed, ConnMetrics, Port, Serving, Tracker};
 
 /// Time allowed for a request's headers, and for the next request on an idle connection.
 pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(5);

@@ -2,6 +2,8 @@
 //! callers that are not Envoy, on the exact same code path. A pick only ranks unless the caller
 //! asks to commit it.
 
+pub(crate) mod budget;
+
 use std::sync::Arc;
 
 use tonic::{Request, Response, Status};

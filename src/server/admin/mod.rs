@@ -8,17 +8,21 @@ use anyhow::Context;
 use prometheus_client::registry::Registry;
 use tracing::warn;
 
-use crate::admin::{self, AdminState};
 use crate::config::Config;
-use crate::extproc::BodyBudget;
+use crate::server::budget::BodyBudget;
 
-use super::conns::ConnMetrics;
-use super::shutdown::Shutdown;
-use super::Shared;
+use crate::app::shutdown::Shutdown;
+use crate::app::Shared;
+use crate::server::conns::ConnMetrics;
+
+mod routes;
+mod serve;
+
+use routes::AdminState;
 
 /// Binds the admin listener and returns its server, which stops once shutdown closes the
 /// listeners. Fails when the token file cannot be read or the address cannot be bound.
-pub(super) async fn start(
+pub(crate) async fn start(
     cfg: &Config,
     shared: Shared,
     registry: Arc<Registry>,
@@ -36,7 +40,7 @@ pub(super) async fn start(
         .body_limit_bytes
         .saturating_mul(2)
         .saturating_add(1 << 20);
-    let app = admin::router(AdminState {
+    let app = routes::router(AdminState {
         token,
         registry,
         pods: shared.pods,
@@ -52,14 +56,9 @@ pub(super) async fn start(
         stopping: shutdown.stopping.clone(),
         body_limit: explain_limit,
     });
-    let listener = super::conns::bind(admin_addr)
+    let listener = crate::server::conns::bind(admin_addr)
         .with_context(|| format!("binding admin listener {admin_addr}"))?;
-    Ok(crate::admin_serve::serve(
-        listener,
-        app,
-        conns,
-        shutdown.closing.clone(),
-    ))
+    Ok(serve::serve(listener, app, conns, shutdown.closing.clone()))
 }
 
 /// The admin bearer token: `admin.token_file` (trimmed) wins over `admin.token`; none = open.
