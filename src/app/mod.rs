@@ -16,6 +16,7 @@ use crate::index::KvIndex;
 use crate::ingest::CatchUp;
 use crate::pods::{EngineResolver, PodRegistry};
 use crate::scoring::SessionStore;
+use crate::server::readiness::Readiness;
 use crate::supervise::Supervisor;
 use crate::tokenize::TokenizerRegistry;
 
@@ -121,13 +122,34 @@ pub async fn run(cfg: Config, tokenizers: TokenizerRegistry) -> anyhow::Result<(
     maintenance::start(&cfg, &shared, gauges);
     let shutdown = Shutdown::start(&cfg);
     let conns = telemetry.conns;
-    let grpc =
-        crate::server::grpc::start(&cfg, &shared, telemetry.extproc, conns.clone(), &shutdown)
-            .await?;
+    // One readiness rule for both ports: `/readyz` and the gRPC health services.
+    let readiness = Readiness::new(
+        shutdown.stopping.clone(),
+        shared.supervisor.clone(),
+        shared.pods.clone(),
+        shared.catch_up.clone(),
+        shared.decider.index().clone(),
+    );
+    let grpc = crate::server::grpc::start(
+        &cfg,
+        &shared,
+        readiness.clone(),
+        telemetry.extproc,
+        conns.clone(),
+        &shutdown,
+    )
+    .await?;
     let pods = shared.pods.clone();
-    let admin =
-        crate::server::admin::start(&cfg, shared, telemetry.registry, conns, mode, &shutdown)
-            .await?;
+    let admin = crate::server::admin::start(
+        &cfg,
+        shared,
+        readiness,
+        telemetry.registry,
+        conns,
+        mode,
+        &shutdown,
+    )
+    .await?;
     let (grpc_addr, admin_addr) = (cfg.grpc_addr(), cfg.admin_addr());
     info!(grpc = %grpc_addr, admin = %admin_addr, "kv-router listening");
     // Serve once a pod is known healthy (or the first probes had their time): a router that has

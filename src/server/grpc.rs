@@ -1,31 +1,30 @@
 //! The gRPC port: ext_proc, the `Pick` service and gRPC health, whose readiness a supervised
-//! loop keeps equal to `/readyz`.
+//! loop keeps equal to [`Readiness`] (as `/readyz` is).
 
 use std::future::Future;
-use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::ExternalProcessorServer;
 use tokio::time::interval;
+use tonic_health::pb::health_server::HealthServer;
+use tonic_health::server::{HealthReporter, HealthService};
 use tonic_health::ServingStatus;
 
 use crate::config::Config;
 use crate::extproc::{ExtProc, ExtProcMetrics};
-use crate::ingest;
-use crate::pods::PodRegistry;
 use crate::server::pick::budget::Metered;
 use crate::server::pick::proto::picker_server::PickerServer;
 use crate::server::pick::PickService;
-use crate::supervise::Supervisor;
 
 use crate::app::shutdown::Shutdown;
 use crate::app::Shared;
 
 use super::conns;
+use super::readiness::Readiness;
 
 /// gRPC health service names (Endpoint Picker Protocol).
-const HEALTH_SERVICES: [&str; 3] = [
+pub(super) const HEALTH_SERVICES: [&str; 3] = [
     "liveness",
     "readiness",
     "envoy.service.ext_proc.v3.ExternalProcessor",
@@ -37,39 +36,15 @@ const HEALTH_SERVICES: [&str; 3] = [
 pub(crate) async fn start(
     cfg: &Config,
     shared: &Shared,
+    readiness: Readiness,
     metrics: ExtProcMetrics,
     conn_metrics: conns::ConnMetrics,
     shutdown: &Shutdown,
 ) -> anyhow::Result<impl Future<Output = Result<(), tonic::transport::Error>>> {
-    let (health_reporter, health_service) = tonic_health::server::health_reporter();
-    health_reporter
-        .set_service_status("liveness", ServingStatus::Serving)
-        .await;
-    for svc in &HEALTH_SERVICES[1..] {
-        health_reporter
-            .set_service_status(*svc, ServingStatus::NotServing)
-            .await;
-    }
-    {
-        let (pods, sup, stopping) = (
-            shared.pods.clone(),
-            shared.supervisor.clone(),
-            shutdown.stopping.clone(),
-        );
-        let catch_up = shared.catch_up.clone();
-        let index = shared.decider.index().clone();
-        shared.supervisor.spawn("readiness", move || {
-            let (pods, sup, health_reporter) = (pods.clone(), sup.clone(), health_reporter.clone());
-            readiness(
-                pods,
-                sup,
-                catch_up.clone(),
-                index.clone(),
-                health_reporter,
-                stopping.clone(),
-            )
-        });
-    }
+    let (health_reporter, health_service) = health().await;
+    shared.supervisor.spawn("readiness", move || {
+        report_readiness(readiness.clone(), health_reporter.clone())
+    });
     // One budget for every body this port buffers: ext_proc bodies and Pick messages.
     let budget = shared.bodies.clone();
     let errors = metrics.errors();
@@ -135,16 +110,24 @@ fn grpc_builder(cfg: &Config) -> anyhow::Result<tonic::transport::Server> {
         .context("server.tls: the certificate or key is not usable")
 }
 
-/// Keeps the gRPC readiness services equal to: not stopping, a healthy pod, no loop down,
-/// (precise mode) the start-up KV-event catch-ups over and the index ready, as `/readyz`.
-async fn readiness(
-    pods: Arc<PodRegistry>,
-    supervisor: Supervisor,
-    catch_up: Option<Arc<ingest::CatchUp>>,
-    index: Arc<dyn crate::index::KvIndex>,
-    health_reporter: tonic_health::server::HealthReporter,
-    mut stopping: tokio::sync::watch::Receiver<bool>,
-) {
+/// The gRPC health services: liveness SERVING, readiness NOT_SERVING until [`report`] says.
+pub(super) async fn health() -> (HealthReporter, HealthServer<HealthService>) {
+    let reporter = HealthReporter::new();
+    let service = HealthServer::new(HealthService::from_health_reporter(reporter.clone()));
+    reporter
+        .set_service_status("liveness", ServingStatus::Serving)
+        .await;
+    for svc in &HEALTH_SERVICES[1..] {
+        reporter
+            .set_service_status(*svc, ServingStatus::NotServing)
+            .await;
+    }
+    (reporter, service)
+}
+
+/// Keeps the gRPC readiness services equal to `readiness`, which `/readyz` answers from too.
+async fn report_readiness(readiness: Readiness, health_reporter: HealthReporter) {
+    let mut stopping = readiness.stopping();
     let mut last = None;
     let mut tick = interval(Duration::from_millis(200));
     loop {
@@ -153,24 +136,28 @@ async fn readiness(
             _ = tick.tick() => {}
             _ = stopping.changed(), if !*stopping.borrow() => {}
         }
-        let ready = !*stopping.borrow()
-            && pods.any_healthy()
-            && supervisor.down().is_empty()
-            && catch_up
-                .as_ref()
-                .is_none_or(|c| c.waiting_on(&pods).is_none())
-            && index.unready().is_none();
-        if last != Some(ready) {
-            let status = if ready {
-                ServingStatus::Serving
-            } else {
-                ServingStatus::NotServing
-            };
-            for svc in &HEALTH_SERVICES[1..] {
-                health_reporter.set_service_status(*svc, status).await;
-            }
-            health_reporter.set_service_status("", status).await;
-            last = Some(ready);
-        }
+        report(&readiness, &health_reporter, &mut last).await;
     }
+}
+
+/// Sets the readiness services (and `""`) to `readiness`'s state when it differs from `last`.
+pub(super) async fn report(
+    readiness: &Readiness,
+    health_reporter: &HealthReporter,
+    last: &mut Option<bool>,
+) {
+    let ready = readiness.check().is_ok();
+    if *last == Some(ready) {
+        return;
+    }
+    let status = if ready {
+        ServingStatus::Serving
+    } else {
+        ServingStatus::NotServing
+    };
+    for svc in &HEALTH_SERVICES[1..] {
+        health_reporter.set_service_status(*svc, status).await;
+    }
+    health_reporter.set_service_status("", status).await;
+    *last = Some(ready);
 }

@@ -13,3 +13,4 @@ pub mod budget;
 pub(crate) mod conns;
 pub(crate) mod grpc;
 pub(crate) mod pick;
+pub(crate) mod readiness;

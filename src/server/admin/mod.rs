@@ -14,8 +14,9 @@ use crate::server::budget::BodyBudget;
 use crate::app::shutdown::Shutdown;
 use crate::app::Shared;
 use crate::server::conns::ConnMetrics;
+use crate::server::readiness::Readiness;
 
-mod routes;
+pub(super) mod routes;
 mod serve;
 
 use routes::AdminState;
@@ -25,6 +26,7 @@ use routes::AdminState;
 pub(crate) async fn start(
     cfg: &Config,
     shared: Shared,
+    readiness: Readiness,
     registry: Arc<Registry>,
     conns: ConnMetrics,
     mode: &'static str,
@@ -48,12 +50,10 @@ pub(crate) async fn start(
         sessions: shared.sessions,
         stale_after: Duration::from_millis(cfg.pods.stale_after_ms),
         mode,
-        supervisor: shared.supervisor,
-        catch_up: shared.catch_up,
+        readiness,
         // Its own budget of one explain input: a caller of the admin port must not be able to
         // spend the data plane's (ext_proc bodies would get 503s).
         bodies: BodyBudget::new(explain_limit),
-        stopping: shutdown.stopping.clone(),
         body_limit: explain_limit,
     });
     let listener = crate::server::conns::bind(admin_addr)

@@ -16,11 +16,10 @@ use tokio::time::Instant;
 
 use crate::decide::{DecideRequest, Decider};
 use crate::extproc::reply::Rejection;
-use crate::ingest::CatchUp;
 use crate::pods::{prefill_models, PodRegistry};
 use crate::scoring::SessionStore;
 use crate::server::budget::BodyBudget;
-use crate::supervise::Supervisor;
+use crate::server::readiness::Readiness;
 
 /// What the admin handlers read.
 #[derive(Clone)]
@@ -37,10 +36,8 @@ pub struct AdminState {
     pub stale_after: Duration,
     /// Routing mode description.
     pub mode: &'static str,
-    /// Background loops (readiness fails while one is down).
-    pub supervisor: Supervisor,
-    /// Precise mode: the start-up KV-event catch-ups readiness waits for.
-    pub catch_up: Option<Arc<CatchUp>>,
+    /// `/readyz`: the same rule as the gRPC health services.
+    pub readiness: Readiness,
     /// Largest `POST /debug/explain` input: the configured body limit plus room for its JSON
     /// wrapping (axum's own default is 2 MB).
     pub body_limit: usize,
@@ -48,8 +45,6 @@ pub struct AdminState {
     pub bodies: BodyBudget,
     /// Bearer token `/debug/*` requires; `None` = open.
     pub token: Option<Arc<str>>,
-    /// True once a shutdown signal arrived (readiness fails from then on).
-    pub stopping: tokio::sync::watch::Receiver<bool>,
 }
 
 /// The admin router.
@@ -150,20 +145,9 @@ async fn metrics(State(s): State<AdminState>) -> Response {
 }
 
 async fn readyz(State(s): State<AdminState>) -> Response {
-    let down = s.supervisor.down();
-    if *s.stopping.borrow() {
-        (StatusCode::SERVICE_UNAVAILABLE, "shutting down").into_response()
-    } else if !down.is_empty() {
-        let msg = format!("background task down, restarting: {}", down.join(", "));
-        (StatusCode::SERVICE_UNAVAILABLE, msg).into_response()
-    } else if !s.pods.any_healthy() {
-        (StatusCode::SERVICE_UNAVAILABLE, "no healthy pod yet").into_response()
-    } else if let Some(why) = s.catch_up.as_ref().and_then(|c| c.waiting_on(&s.pods)) {
-        (StatusCode::SERVICE_UNAVAILABLE, why).into_response()
-    } else if let Some(why) = s.decider.index().unready() {
-        (StatusCode::SERVICE_UNAVAILABLE, why).into_response()
-    } else {
-        "ready".into_response()
+    match s.readiness.check() {
+        Ok(()) => "ready".into_response(),
+        Err(why) => (StatusCode::SERVICE_UNAVAILABLE, why).into_response(),
     }
 }
 
