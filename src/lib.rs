@@ -12,9 +12,9 @@
 //! Beside it run the background services that keep its inputs fresh: `pods` (discovery, health
 //! probes, load scrapes) and, in precise mode, the KV-event ingestion into the `index`. [`app`]
 //! builds every component from a validated [`config::Config`] and starts those loops; `explain`
-//! plans without committing. [`decide::DecisionState`], [`decide::plan`] and
-//! [`decide::commit`] are public so that `kv-bench simulate` runs the very same decision in
-//! virtual time.
+//! plans without committing. The two ports, and what bounds each caller of them: [`server`].
+//! [`decide::DecisionState`], [`decide::plan`] and [`decide::commit`] are public so that
+//! `kv-bench simulate` runs the very same decision in virtual time.
 //!
 //! The library is the router alone: the simulated pod (`crates/vllm-sim`), the test kit of
 //! process rigs (`crates/kv-testkit`) and the benchmarks (`crates/kv-bench`) are workspace

@@ -1,6 +1,7 @@
 //! Wiring: builds every component from config, starts the background loops and both servers, and
-//! shuts down on SIGINT/SIGTERM. The only place that constructs components; each has its own
-//! file, and [`run`] starts them in order.
+//! shuts down on SIGINT/SIGTERM. The only place that constructs components (each port's
+//! services are built by its own module in [`crate::server`], from the config sections and
+//! components handed over here); each has its own file, and [`run`] starts them in order.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -10,12 +11,13 @@ use tracing::{info, warn};
 
 use crate::config::Config;
 use crate::decide::Decider;
-use crate::extproc::BodyBudget;
 use crate::flow::FlowControl;
 use crate::index::KvIndex;
 use crate::ingest::CatchUp;
 use crate::pods::{EngineResolver, PodRegistry};
 use crate::scoring::SessionStore;
+use crate::server::admin::{self, AdminSettings, AdminSources};
+use crate::server::grpc::{self, GrpcServices, GrpcSettings};
 use crate::server::readiness::Readiness;
 use crate::supervise::Supervisor;
 use crate::tokenize::TokenizerRegistry;
@@ -23,7 +25,7 @@ use crate::tokenize::TokenizerRegistry;
 mod index;
 mod maintenance;
 mod pods;
-pub(crate) mod shutdown;
+mod shutdown;
 mod telemetry;
 
 use maintenance::Gauges;
@@ -42,19 +44,17 @@ pub fn mode(cfg: &Config) -> &'static str {
 }
 
 /// The long-lived state the loops and servers share.
-pub(crate) struct Shared {
-    pub(crate) pods: Arc<PodRegistry>,
-    pub(crate) index: Arc<dyn KvIndex>,
-    pub(crate) sessions: Arc<SessionStore>,
-    pub(crate) decider: Arc<Decider>,
+struct Shared {
+    pods: Arc<PodRegistry>,
+    index: Arc<dyn KvIndex>,
+    sessions: Arc<SessionStore>,
+    decider: Arc<Decider>,
     /// Starts and restarts the background loops (readiness fails while one is down).
-    pub(crate) supervisor: Supervisor,
+    supervisor: Supervisor,
     /// Precise mode: the start-up KV-event catch-ups readiness waits for.
-    pub(crate) catch_up: Option<Arc<CatchUp>>,
-    /// Every request body the gRPC port buffers (ext_proc, Pick) draws from it.
-    pub(crate) bodies: BodyBudget,
+    catch_up: Option<Arc<CatchUp>>,
     /// Requests held while every pod is saturated (`flow_control.enabled`).
-    pub(crate) flow: Option<Arc<FlowControl>>,
+    flow: Option<Arc<FlowControl>>,
 }
 
 /// Runs the router until a shutdown signal. `tokenizers` were loaded from `cfg.tokenizers`
@@ -102,12 +102,11 @@ pub async fn run(cfg: Config, tokenizers: TokenizerRegistry) -> anyhow::Result<(
         decider,
         supervisor,
         catch_up,
-        bodies: BodyBudget::new(cfg.server.max_buffered_body_bytes),
         flow,
     };
     let errors = telemetry.errors;
     pods::start(
-        &cfg,
+        &cfg.pods,
         &shared,
         &errors,
         telemetry.pods.clone(),
@@ -120,7 +119,7 @@ pub async fn run(cfg: Config, tokenizers: TokenizerRegistry) -> anyhow::Result<(
         errors,
     };
     maintenance::start(&cfg, &shared, gauges);
-    let shutdown = Shutdown::start(&cfg);
+    let shutdown = Shutdown::start(&cfg.server);
     let conns = telemetry.conns;
     // One readiness rule for both ports: `/readyz` and the gRPC health services.
     let readiness = Readiness::new(
@@ -130,33 +129,51 @@ pub async fn run(cfg: Config, tokenizers: TokenizerRegistry) -> anyhow::Result<(
         shared.catch_up.clone(),
         shared.decider.index().clone(),
     );
-    let grpc = crate::server::grpc::start(
-        &cfg,
-        &shared,
-        readiness.clone(),
-        telemetry.extproc,
-        conns.clone(),
-        &shutdown,
-    )
-    .await?;
-    let pods = shared.pods.clone();
-    let admin = crate::server::admin::start(
-        &cfg,
-        shared,
-        readiness,
-        telemetry.registry,
-        conns,
-        mode,
-        &shutdown,
-    )
-    .await?;
     let (grpc_addr, admin_addr) = (cfg.grpc_addr(), cfg.admin_addr());
+    let grpc = grpc::start(
+        GrpcSettings {
+            addr: grpc_addr,
+            body_limit: cfg.body_limit_bytes,
+            destination_header: cfg.destination_header,
+            server: &cfg.server,
+            pick_api: &cfg.pick_api,
+        },
+        GrpcServices {
+            decider: shared.decider.clone(),
+            flow: shared.flow.clone(),
+            metrics: telemetry.extproc,
+            readiness: readiness.clone(),
+        },
+        &shared.supervisor,
+        conns.clone(),
+        shutdown.closed(),
+    )
+    .await?;
+    let admin = admin::start(
+        AdminSettings {
+            addr: admin_addr,
+            admin: &cfg.admin,
+            body_limit: cfg.body_limit_bytes,
+            stale_after: Duration::from_millis(cfg.pods.stale_after_ms),
+        },
+        AdminSources {
+            registry: telemetry.registry,
+            pods: shared.pods.clone(),
+            decider: shared.decider.clone(),
+            sessions: shared.sessions.clone(),
+            mode,
+            readiness,
+        },
+        conns,
+        shutdown.closing.clone(),
+    )
+    .await?;
     info!(grpc = %grpc_addr, admin = %admin_addr, "kv-router listening");
     // Serve once a pod is known healthy (or the first probes had their time): a router that has
     // not probed yet answered 503 no_healthy_upstream where Envoy, finding the port closed, fails
     // open (seen restarting a router under load behind the BUFFERED config).
     let servers = async {
-        pods::first_healthy_pod(&cfg, &pods).await;
+        pods::first_healthy_pod(&cfg.pods, &shared.pods).await;
         let (g, ()) = tokio::join!(grpc, admin);
         g.with_context(|| format!("gRPC server on {grpc_addr}"))
     };

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use tracing::warn;
 
-use crate::config::Config;
+use crate::config::PodsConfig;
 use crate::decide::DecisionMetrics;
 use crate::pods::{DnsSource, PodId, PodMetrics, PodRegistry, PodSource, Prober, StaticSource};
 use crate::telemetry::{ErrorKind, Errors};
@@ -16,7 +16,7 @@ use super::Shared;
 /// Runs the first discovery pass now, then starts the `discovery`, `health` and `scrape` loops.
 /// Fails only when a Kubernetes source cannot start.
 pub(super) async fn start(
-    cfg: &Config,
+    cfg: &PodsConfig,
     shared: &Shared,
     errors: &Errors,
     pod_metrics: PodMetrics,
@@ -24,18 +24,18 @@ pub(super) async fn start(
 ) -> anyhow::Result<()> {
     let pods = &shared.pods;
     let mut sources: Vec<Box<dyn PodSource>> = Vec::new();
-    if !cfg.pods.static_pods.is_empty() {
-        sources.push(Box::new(StaticSource::new(&cfg.pods.static_pods)));
+    if !cfg.static_pods.is_empty() {
+        sources.push(Box::new(StaticSource::new(&cfg.static_pods)));
     }
     let mut refresh_ms = 5_000;
-    for d in &cfg.pods.dns {
+    for d in &cfg.dns {
         refresh_ms = refresh_ms.min(d.refresh_ms);
-        sources.push(Box::new(DnsSource::new(d.clone(), cfg.pods.models.clone())));
+        sources.push(Box::new(DnsSource::new(d.clone(), cfg.models.clone())));
     }
     #[cfg(feature = "kubernetes")]
-    if let Some(k) = &cfg.pods.kubernetes {
+    if let Some(k) = &cfg.kubernetes {
         refresh_ms = refresh_ms.min(k.refresh_ms);
-        let models = cfg.pods.models.clone();
+        let models = cfg.models.clone();
         let source = crate::pods::KubernetesSource::start(k.clone(), models, Some(errors.clone()));
         sources.push(Box::new(source.await?));
     }
@@ -53,7 +53,7 @@ pub(super) async fn start(
         }
     }
     pods.update(specs);
-    let prober = Prober::new(cfg.pods.clone(), pods.clone(), errors.clone());
+    let prober = Prober::new(cfg.clone(), pods.clone(), errors.clone());
     {
         let on_gone = on_gone(shared, pod_metrics, decision_metrics, errors.clone());
         let sources: Arc<[Box<dyn PodSource>]> = sources.into();
@@ -102,11 +102,10 @@ fn on_gone(
 }
 
 /// Resolves once a pod is healthy or the first probes had their time (at most 10 s).
-pub(super) async fn first_healthy_pod(cfg: &Config, pods: &PodRegistry) {
+pub(super) async fn first_healthy_pod(cfg: &PodsConfig, pods: &PodRegistry) {
     let limit = Duration::from_millis(
-        cfg.pods
-            .health_interval_ms
-            .saturating_add(cfg.pods.probe_timeout_ms)
+        cfg.health_interval_ms
+            .saturating_add(cfg.probe_timeout_ms)
             .min(10_000),
     );
     let wait = async {

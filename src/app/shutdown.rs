@@ -6,11 +6,11 @@ use std::time::Duration;
 use tokio::sync::watch;
 use tracing::info;
 
-use crate::config::Config;
+use crate::config::ServerConfig;
 
 /// The two stages of shutdown, as the servers and readiness watch them.
 #[derive(Debug, Clone)]
-pub(crate) struct Shutdown {
+pub(super) struct Shutdown {
     /// True once a signal arrived: readiness fails, streams are still served.
     pub stopping: watch::Receiver<bool>,
     /// True once the delay is over: the listeners close and open streams drain.
@@ -20,10 +20,10 @@ pub(crate) struct Shutdown {
 impl Shutdown {
     /// Waits for SIGINT/SIGTERM in the background. Closing at once failed FULL_DUPLEX requests
     /// that Envoy sent before its health check saw NOT_SERVING (it cannot fail open there).
-    pub fn start(cfg: &Config) -> Self {
+    pub fn start(cfg: &ServerConfig) -> Self {
         let (stop_tx, stopping) = watch::channel(false);
         let (close_tx, closing) = watch::channel(false);
-        let delay = Duration::from_millis(cfg.server.shutdown_delay_ms);
+        let delay = Duration::from_millis(cfg.shutdown_delay_ms);
         tokio::spawn(async move {
             shutdown_signal().await;
             info!(delay_ms = delay.as_millis() as u64, "shutdown signal: readiness NOT_SERVING, still serving until gateways stop choosing this replica");

@@ -34,7 +34,7 @@ use prometheus_client::registry::Registry;
 use crate::decide::{DecideError, DecideRequest, Decider, Decision, PendingRecord, Saturated};
 use crate::flow::FlowControl;
 use crate::pods::InflightGuard;
-pub use crate::server::budget::{BodyBudget, Reservation};
+use crate::server::budget::{BodyBudget, Reservation};
 use crate::telemetry::Errors;
 use reply::Rejection;
 

@@ -1,4 +1,5 @@
-//! A budget on request-body bytes buffered across all ext_proc streams: past it a stream's
+//! A budget on request-body bytes buffered at once, one per port: the gRPC port's is shared by
+//! every ext_proc stream and Pick message, the admin port's by explain inputs. Past it a stream's
 //! next chunk is refused with a fast 503 instead of growing memory (1,500 streams each holding
 //! 1 MiB once took RSS to 3 GB).
 

@@ -1,7 +1,25 @@
-//! The gRPC port: ext_proc, the `Pick` service and gRPC health, whose readiness a supervised
-//! loop keeps equal to [`Readiness`] (as `/readyz` is).
+//! The gRPC port (`listen.grpc`): Envoy's ext_proc ([`crate::extproc`]), the `Pick` service
+//! ([`super::pick`]) and gRPC health, on one listener with one connection limit and one body
+//! budget.
+//!
+//! - **Who may call**: anyone who reaches the port; with `server.tls.client_ca_file`, only
+//!   holders of a client certificate it signed. Nothing else is asked of a caller.
+//! - **What a caller may change**: an ext_proc stream has its request decided and committed (the
+//!   chosen pod's in-flight load until the stream ends, a session pin, the index entries
+//!   recorded after the reply) and may wait in flow control; a Pick only ranks unless
+//!   `pick_api.allow_commit`; health is read-only.
+//! - **Memory**: at most `server.max_connections` connections (at the cap the oldest still in
+//!   its handshake, else the quietest, is closed; [`super::conns`]), each with at most
+//!   `server.max_concurrent_streams` streams; every request body ext_proc buffers and every Pick
+//!   message draws from one budget of `server.max_buffered_body_bytes` ([`BodyBudget`]), an
+//!   ext_proc body being at most `body_limit_bytes` and a Pick message at most
+//!   `pick_api.max_message_bytes`.
+//!
+//! Its health services report [`Readiness`], as `/readyz` on the admin port does.
 
 use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
@@ -11,16 +29,17 @@ use tonic_health::pb::health_server::HealthServer;
 use tonic_health::server::{HealthReporter, HealthService};
 use tonic_health::ServingStatus;
 
-use crate::config::Config;
+use crate::config::{GrpcTlsConfig, PickApiConfig, ServerConfig};
+use crate::decide::Decider;
 use crate::extproc::{ExtProc, ExtProcMetrics};
-use crate::server::pick::budget::Metered;
-use crate::server::pick::proto::picker_server::PickerServer;
-use crate::server::pick::PickService;
+use crate::flow::FlowControl;
+use crate::supervise::Supervisor;
 
-use crate::app::shutdown::Shutdown;
-use crate::app::Shared;
-
-use super::conns;
+use super::budget::BodyBudget;
+use super::conns::{self, ConnMetrics};
+use super::pick::budget::Metered;
+use super::pick::proto::picker_server::PickerServer;
+use super::pick::PickService;
 use super::readiness::Readiness;
 
 /// gRPC health service names (Endpoint Picker Protocol).
@@ -30,48 +49,76 @@ pub(super) const HEALTH_SERVICES: [&str; 3] = [
     "envoy.service.ext_proc.v3.ExternalProcessor",
 ];
 
-/// Sets liveness SERVING and readiness NOT_SERVING, starts the `readiness` loop, and returns the
-/// server (it binds when first polled, and stops accepting once shutdown closes the listeners).
-/// Fails when the TLS files cannot be read or used.
+/// The gRPC port's settings: its parts of `router.yaml`.
+pub(crate) struct GrpcSettings<'a> {
+    /// `listen.grpc`.
+    pub addr: SocketAddr,
+    /// `body_limit_bytes`: the largest ext_proc request body.
+    pub body_limit: usize,
+    /// `destination_header`: also set the destination as a request header.
+    pub destination_header: bool,
+    /// `server`: connections, streams, the buffered-body budget, TLS.
+    pub server: &'a ServerConfig,
+    /// `pick_api`: what Pick callers may do, and their largest message.
+    pub pick_api: &'a PickApiConfig,
+}
+
+/// What the gRPC port's services answer from.
+pub(crate) struct GrpcServices {
+    /// The decision path (ext_proc and Pick).
+    pub decider: Arc<Decider>,
+    /// `flow_control.enabled`: where requests wait while every pod is saturated.
+    pub flow: Option<Arc<FlowControl>>,
+    /// ext_proc's metric families.
+    pub metrics: ExtProcMetrics,
+    /// What the health services report.
+    pub readiness: Readiness,
+}
+
+/// Sets liveness SERVING and readiness NOT_SERVING, starts the `readiness` loop under
+/// `supervisor`, and returns the server (it binds when first polled, and stops accepting once
+/// `closed` resolves). Fails when the TLS files cannot be read or used.
 pub(crate) async fn start(
-    cfg: &Config,
-    shared: &Shared,
-    readiness: Readiness,
-    metrics: ExtProcMetrics,
-    conn_metrics: conns::ConnMetrics,
-    shutdown: &Shutdown,
+    cfg: GrpcSettings<'_>,
+    services: GrpcServices,
+    supervisor: &Supervisor,
+    conn_metrics: ConnMetrics,
+    closed: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<impl Future<Output = Result<(), tonic::transport::Error>>> {
+    let GrpcServices {
+        decider,
+        flow,
+        metrics,
+        readiness,
+    } = services;
     let (health_reporter, health_service) = health().await;
-    shared.supervisor.spawn("readiness", move || {
+    supervisor.spawn("readiness", move || {
         report_readiness(readiness.clone(), health_reporter.clone())
     });
     // One budget for every body this port buffers: ext_proc bodies and Pick messages.
-    let budget = shared.bodies.clone();
+    let budget = BodyBudget::new(cfg.server.max_buffered_body_bytes);
     let errors = metrics.errors();
     let mut extproc = ExtProc::new(
-        shared.decider.clone(),
+        decider.clone(),
         metrics,
-        cfg.body_limit_bytes,
+        cfg.body_limit,
         cfg.destination_header,
     )
     .with_shared_budget(budget.clone());
-    if let Some(flow) = &shared.flow {
-        extproc = extproc.with_flow_control(flow.clone());
+    if let Some(flow) = flow {
+        extproc = extproc.with_flow_control(flow);
     }
     // Validated to at most 1 GiB; saturating all the same so no value can wrap the limit.
-    let limit = cfg.body_limit_bytes.saturating_add(1 << 20);
+    let limit = cfg.body_limit.saturating_add(1 << 20);
     let pick_limit = cfg.pick_api.max_message_bytes;
     let pick = Metered::new(
-        PickerServer::new(PickService::new(
-            shared.decider.clone(),
-            cfg.pick_api.clone(),
-        ))
-        .max_decoding_message_size(pick_limit),
+        PickerServer::new(PickService::new(decider, cfg.pick_api.clone()))
+            .max_decoding_message_size(pick_limit),
         budget,
         pick_limit,
         errors,
     );
-    let addr = cfg.grpc_addr();
+    let addr = cfg.addr;
     let listener = conns::bind(addr).with_context(|| format!("binding gRPC listener {addr}"))?;
     let incoming = conns::incoming(
         listener,
@@ -79,19 +126,18 @@ pub(crate) async fn start(
         Duration::from_millis(cfg.server.handshake_timeout_ms),
         conn_metrics,
     );
-    Ok(grpc_builder(cfg)?
+    Ok(grpc_builder(&cfg.server.tls)?
         .http2_keepalive_interval(Some(Duration::from_secs(30)))
         .max_concurrent_streams(Some(cfg.server.max_concurrent_streams))
         .add_service(health_service)
         .add_service(ExternalProcessorServer::new(extproc).max_decoding_message_size(limit))
         .add_service(pick)
-        .serve_with_incoming_shutdown(incoming, shutdown.closed()))
+        .serve_with_incoming_shutdown(incoming, closed))
 }
 
 /// The gRPC server, with TLS (and client-certificate verification) when configured.
-fn grpc_builder(cfg: &Config) -> anyhow::Result<tonic::transport::Server> {
+fn grpc_builder(tls: &GrpcTlsConfig) -> anyhow::Result<tonic::transport::Server> {
     use tonic::transport::{Certificate, Identity, ServerTlsConfig};
-    let tls = &cfg.server.tls;
     let (Some(cert), Some(key)) = (&tls.cert_file, &tls.key_file) else {
         return Ok(tonic::transport::Server::builder());
     };

@@ -1,12 +1,16 @@
-//! The router's two listening ports and the services behind them.
+//! The router's two listening ports, and everything that bounds what callers can make them do.
+//! Every port is an attack surface: each one's module says who may call it, what a caller may
+//! change, and how much memory callers can make the router hold.
 //!
-//! | port | module | services |
-//! |---|---|---|
-//! | `listen.grpc` | [`grpc`] | Envoy ext_proc ([`crate::extproc`]), the `Pick` service ([`pick`]), gRPC health |
-//! | `listen.admin` | [`admin`] | `/metrics`, `/healthz`, `/readyz`, `/debug/pods`, `POST /debug/explain` |
+//! | port | module | who may call | may change | memory held for callers |
+//! |---|---|---|---|---|
+//! | `listen.grpc` | [`grpc`]: ext_proc ([`crate::extproc`]), Pick ([`pick`]), gRPC health | anyone who reaches it (with `server.tls.client_ca_file`: certificate holders) | ext_proc: its request's decision (in-flight load, session, index); Pick: nothing unless `pick_api.allow_commit` | `server.max_connections` connections; bodies and Pick messages within `server.max_buffered_body_bytes` |
+//! | `listen.admin` | [`admin`]: `/metrics`, `/healthz`, `/readyz`, `/debug/*` | anyone who reaches it; `/debug/*` needs `admin.token` when set | nothing (explain plans only) | 512 connections; explain inputs within 2 × `body_limit_bytes` + 1 MiB |
 //!
-//! Both ports bound their connections with [`conns`] and the bytes their request bodies may
-//! hold with a [`budget::BodyBudget`] of their own.
+//! What both use: [`conns`] (the connection limiter: one tracker per port, evicting at its
+//! cap), [`budget`] (the body budget: one per port), [`readiness`] (the one readiness rule
+//! `/readyz` and the gRPC health services report). `app` builds each port from its own config
+//! sections and hands it what it serves from.
 
 pub(crate) mod admin;
 pub mod budget;

@@ -1,74 +1,110 @@
-//! The admin port: `/metrics`, `/healthz`, `/readyz` and the `/debug/*` endpoints.
+//! The admin port (`listen.admin`): `/metrics`, `/healthz`, `/readyz` and the `/debug/*`
+//! endpoints ([`routes`]), served by its own accept loop ([`serve`]). Never the data plane.
+//!
+//! - **Who may call**: anyone who reaches the port (keep it on loopback or a private network);
+//!   with `admin.token` (or `admin.token_file`), `/debug/*` only with `Authorization: Bearer`;
+//!   `/metrics`, `/healthz` and `/readyz` stay open for scrapers and probes.
+//! - **What a caller may change**: nothing. `POST /debug/explain` plans a decision without
+//!   committing it; `/debug/pods` shows pod addresses, models and load.
+//! - **Memory**: at most [`serve::MAX_CONNECTIONS`] connections, each reading headers for at most
+//!   [`serve::HEADER_READ_TIMEOUT`] into hyper's bounded read buffer; explain inputs being read
+//!   hold at most 2 × `body_limit_bytes` + 1 MiB, all callers together, from a budget of the
+//!   port's own (the gRPC port's is never spent here).
 
 use std::future::Future;
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
 use prometheus_client::registry::Registry;
+use tokio::sync::watch;
 use tracing::warn;
 
-use crate::config::Config;
-use crate::server::budget::BodyBudget;
+use crate::config::AdminConfig;
+use crate::decide::Decider;
+use crate::pods::PodRegistry;
+use crate::scoring::SessionStore;
 
-use crate::app::shutdown::Shutdown;
-use crate::app::Shared;
-use crate::server::conns::ConnMetrics;
-use crate::server::readiness::Readiness;
+use super::budget::BodyBudget;
+use super::conns::{self, ConnMetrics};
+use super::readiness::Readiness;
 
 pub(super) mod routes;
 mod serve;
 
 use routes::AdminState;
 
-/// Binds the admin listener and returns its server, which stops once shutdown closes the
-/// listeners. Fails when the token file cannot be read or the address cannot be bound.
+/// The admin port's settings: its parts of `router.yaml`.
+pub(crate) struct AdminSettings<'a> {
+    /// `listen.admin`.
+    pub addr: SocketAddr,
+    /// `admin`: the token `/debug/*` requires.
+    pub admin: &'a AdminConfig,
+    /// `body_limit_bytes`: an explain input may carry a body this large.
+    pub body_limit: usize,
+    /// `pods.stale_after_ms`: `/debug/pods` shows older metrics as stale.
+    pub stale_after: Duration,
+}
+
+/// What the admin port reads.
+pub(crate) struct AdminSources {
+    /// Every metric family, for `/metrics`.
+    pub registry: Arc<Registry>,
+    /// The pods, for `/debug/pods`.
+    pub pods: Arc<PodRegistry>,
+    /// The decision path, for explain (plan only) and the index figures.
+    pub decider: Arc<Decider>,
+    /// Sessions (their count only).
+    pub sessions: Arc<SessionStore>,
+    /// The routing mode `/debug/pods` reports.
+    pub mode: &'static str,
+    /// What `/readyz` answers.
+    pub readiness: Readiness,
+}
+
+/// Binds the admin listener and returns its server, which stops once `closing` turns true.
+/// Fails when the token file cannot be read or the address cannot be bound.
 pub(crate) async fn start(
-    cfg: &Config,
-    shared: Shared,
-    readiness: Readiness,
-    registry: Arc<Registry>,
-    conns: ConnMetrics,
-    mode: &'static str,
-    shutdown: &Shutdown,
+    cfg: AdminSettings<'_>,
+    sources: AdminSources,
+    conn_metrics: ConnMetrics,
+    closing: watch::Receiver<bool>,
 ) -> anyhow::Result<impl Future<Output = ()>> {
-    let admin_addr = cfg.admin_addr();
-    let token = admin_token(cfg)?;
+    let admin_addr = cfg.addr;
+    let token = admin_token(cfg.admin)?;
     if token.is_none() && !admin_addr.ip().is_loopback() {
         warn!(admin = %admin_addr, "the admin port is not on loopback and no admin.token is set: /debug/* is open to anyone who reaches it");
     }
     // An explain input wraps a body as a JSON string: escaping may double it.
-    let explain_limit = cfg
-        .body_limit_bytes
-        .saturating_mul(2)
-        .saturating_add(1 << 20);
+    let explain_limit = cfg.body_limit.saturating_mul(2).saturating_add(1 << 20);
     let app = routes::router(AdminState {
         token,
-        registry,
-        pods: shared.pods,
-        decider: shared.decider,
-        sessions: shared.sessions,
-        stale_after: Duration::from_millis(cfg.pods.stale_after_ms),
-        mode,
-        readiness,
+        registry: sources.registry,
+        pods: sources.pods,
+        decider: sources.decider,
+        sessions: sources.sessions,
+        stale_after: cfg.stale_after,
+        mode: sources.mode,
+        readiness: sources.readiness,
         // Its own budget of one explain input: a caller of the admin port must not be able to
         // spend the data plane's (ext_proc bodies would get 503s).
         bodies: BodyBudget::new(explain_limit),
         body_limit: explain_limit,
     });
-    let listener = crate::server::conns::bind(admin_addr)
-        .with_context(|| format!("binding admin listener {admin_addr}"))?;
-    Ok(serve::serve(listener, app, conns, shutdown.closing.clone()))
+    let listener =
+        conns::bind(admin_addr).with_context(|| format!("binding admin listener {admin_addr}"))?;
+    Ok(serve::serve(listener, app, conn_metrics, closing))
 }
 
 /// The admin bearer token: `admin.token_file` (trimmed) wins over `admin.token`; none = open.
-fn admin_token(cfg: &Config) -> anyhow::Result<Option<Arc<str>>> {
-    let token = match &cfg.admin.token_file {
+fn admin_token(cfg: &AdminConfig) -> anyhow::Result<Option<Arc<str>>> {
+    let token = match &cfg.token_file {
         Some(path) => std::fs::read_to_string(path)
             .with_context(|| format!("reading admin.token_file {}", path.display()))?
             .trim()
             .to_string(),
-        None => cfg.admin.token.clone(),
+        None => cfg.token.clone(),
     };
     Ok((!token.is_empty()).then(|| token.into()))
 }

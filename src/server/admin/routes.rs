@@ -1,5 +1,5 @@
-//! Admin HTTP server (its own port, never the data plane): `/metrics`, `/healthz`, `/readyz`,
-//! `/debug/pods`, `POST /debug/explain`.
+//! The admin port's routes: `/metrics`, `/healthz`, `/readyz`, `/debug/pods`,
+//! `POST /debug/explain`. Who may call them, and what they may cost: [`super`].
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -1,6 +1,14 @@
 //! The project's own `Pick` gRPC service (proto/kvrouter.proto): the ext_proc decision for
 //! callers that are not Envoy, on the exact same code path. A pick only ranks unless the caller
 //! asks to commit it.
+//!
+//! - **Who may call**: anyone who reaches the gRPC port it shares with ext_proc
+//!   ([`super::grpc`]).
+//! - **What a caller may change**: nothing by default. With `pick_api.allow_commit`, a pick with
+//!   `commit` records its decision (index entries, session pin, in-flight load until the pod's
+//!   next scrape); with `pick_api.allow_subset` a caller narrows the candidates.
+//! - **Memory**: each message at most `pick_api.max_message_bytes`, its announced length reserved
+//!   from the gRPC port's body budget before a byte of it is buffered ([`budget`]).
 
 pub(crate) mod budget;
 
