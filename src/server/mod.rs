@@ -4,11 +4,11 @@
 //!
 //! | port | module | who may call | may change | memory held for callers |
 //! |---|---|---|---|---|
-//! | `listen.grpc` | [`grpc`]: ext_proc ([`crate::extproc`]), Pick ([`pick`]), gRPC health | anyone who reaches it (with `server.tls.client_ca_file`: certificate holders) | ext_proc: its request's decision (in-flight load, session, index); Pick: nothing unless `pick_api.allow_commit` | `server.max_connections` connections; bodies and Pick messages within `server.max_buffered_body_bytes` |
-//! | `listen.admin` | [`admin`]: `/metrics`, `/healthz`, `/readyz`, `/debug/*` | anyone who reaches it; `/debug/*` needs `admin.token` when set | nothing (explain plans only) | 512 connections; explain inputs within 2 × `body_limit_bytes` + 1 MiB |
+//! | `listen.grpc` | `grpc`: ext_proc ([`crate::extproc`]), Pick (`pick`), gRPC health | anyone who reaches it (with `server.tls.client_ca_file`: certificate holders) | ext_proc: its request's decision (in-flight load, session, index); Pick: nothing unless `pick_api.allow_commit` | `server.max_connections` connections; bodies and Pick messages within `server.max_buffered_body_bytes` |
+//! | `listen.admin` | `admin`: `/metrics`, `/healthz`, `/readyz`, `/debug/*` | anyone who reaches it; `/debug/*` needs `admin.token` when set | nothing (explain plans only) | 512 connections; explain inputs within 2 × `body_limit_bytes` + 1 MiB |
 //!
-//! What both use: [`conns`] (the connection limiter: one tracker per port, evicting at its
-//! cap), [`budget`] (the body budget: one per port), [`readiness`] (the one readiness rule
+//! What both use: `conns` (the connection limiter: one tracker per port, evicting at its
+//! cap), [`budget`] (the body budget: one per port), `readiness` (the one readiness rule
 //! `/readyz` and the gRPC health services report). `app` builds each port from its own config
 //! sections and hands it what it serves from.
 
