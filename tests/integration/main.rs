@@ -41,6 +41,7 @@ mod deploy_manifests;
 mod envoy_configs;
 mod image;
 mod istio_gateway;
+mod istio_inferencepool;
 mod kind_demo;
 #[cfg(feature = "kubernetes")]
 mod kubernetes_discovery;
