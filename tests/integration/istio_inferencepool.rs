@@ -365,6 +365,7 @@ fn min_envoy() -> PathBuf {
 struct Envoy {
     child: Child,
     listen: SocketAddr,
+    admin: SocketAddr,
     dir: tempfile::TempDir,
 }
 
@@ -378,6 +379,20 @@ impl Drop for Envoy {
 impl Envoy {
     fn stderr(&self) -> String {
         std::fs::read_to_string(self.dir.path().join("stderr.log")).unwrap_or_default()
+    }
+
+    async fn stat(&self, name: &str) -> u64 {
+        let stats = reqwest::get(format!("http://{}/stats", self.admin))
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        stats
+            .lines()
+            .find_map(|l| l.strip_prefix(&format!("{name}: ")))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(0)
     }
 
     /// Validates `cfg` (deprecated fields fail too), then runs it until LIVE.
@@ -410,6 +425,7 @@ impl Envoy {
         let e = Envoy {
             child,
             listen: SocketAddr::from(([127, 0, 0, 1], listen)),
+            admin: SocketAddr::from(([127, 0, 0, 1], admin)),
             dir,
         };
         let deadline = Instant::now() + Duration::from_secs(20);
@@ -582,6 +598,12 @@ async fn istio_inferencepool_reaches_kv_router() {
             r.streams,
             r.decided
         );
+        let failed = envoy
+            .stat(&format!(
+                "http.outbound_0.0.0.0_{GATEWAY_PORT}.ext_proc.streams_failed"
+            ))
+            .await;
+        assert_eq!(failed, REQUESTS, "{what}: Envoy's ext_proc streams_failed");
         drop(envoy);
         for (mode, route) in [
             ("FULL_DUPLEX_STREAMED", patched.clone()),
