@@ -650,3 +650,133 @@ async fn istio_inferencepool_reaches_kv_router() {
         }
     }
 }
+
+/// The picker's cluster as istiod builds it for a DestinationRule `tls: SIMPLE` trusting `ca`:
+/// with `sni` named, that SNI; without, Envoy's `auto_sni` and `auto_san_validation`, which take
+/// the name from the request's `:authority`.
+fn picker_over_tls(b: &mut Value, ca: &Path, sni: Option<&str>) {
+    let c = &mut b["static_resources"]["clusters"][1];
+    let mut tls = y(&format!(
+        "{{name: envoy.transport_sockets.tls, typed_config: {{\"@type\": type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext, \
+           common_tls_context: {{alpn_protocols: [h2], validation_context: {{trusted_ca: {{filename: \"{}\"}}}}}}}}}}",
+        ca.display()
+    ));
+    let opts = &mut c["typed_extension_protocol_options"]
+        ["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"];
+    match sni {
+        Some(name) => tls["typed_config"]["sni"] = Value::from(name),
+        None => {
+            opts["upstream_http_protocol_options"] =
+                y("{auto_sni: true, auto_san_validation: true}")
+        }
+    }
+    c["transport_socket"] = tls;
+}
+
+/// TLS to the picker (kv-router's `server.tls`, a DestinationRule `tls: SIMPLE`): without the
+/// DestinationRule's `sni`, Istio's `auto_sni` takes the SNI (and the name the certificate must
+/// carry) from the `:authority`, so istiod's `outbound|9002||…` fails the handshake itself; with
+/// the component's EnvoyFilter or an explicit `sni`, kv-router is reached and its picks honoured.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn istio_inferencepool_over_tls_reaches_kv_router_with_the_destination_rules_sni() {
+    use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyPair, SanType};
+
+    let pool = Pool::read();
+    let mut patched = istiod_route(&pool, istiod_override(&pool));
+    apply_envoyfilters(&pool, &component_envoyfilters(), &mut patched, false);
+    let generated = istiod_route(&pool, istiod_override(&pool));
+
+    let dir = tempfile::tempdir().unwrap();
+    let ca_key = KeyPair::generate().unwrap();
+    let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
+    params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    // Distinct subjects: BoringSSL takes a leaf named like its issuer for a self-signed one.
+    params
+        .distinguished_name
+        .push(DnType::CommonName, "picker CA");
+    let ca = params.self_signed(&ca_key).unwrap();
+    let key = KeyPair::generate().unwrap();
+    let mut params = CertificateParams::new(vec![pool.picker_fqdn.clone()]).unwrap();
+    params
+        .distinguished_name
+        .push(DnType::CommonName, pool.picker_fqdn.clone());
+    params
+        .subject_alt_names
+        .push(SanType::IpAddress([127, 0, 0, 1].into()));
+    let leaf = params.signed_by(&key, &ca, &ca_key).unwrap();
+    let write = |name: &str, text: &str| {
+        let p = dir.path().join(name);
+        std::fs::write(&p, text).unwrap();
+        p
+    };
+    let ca_file = write("ca.pem", &ca.pem());
+
+    let bins = common::bins();
+    let args: Vec<String> = common::FAST_SIM.iter().map(|s| s.to_string()).collect();
+    let sims: Vec<SimPod> = (0..2)
+        .map(|_| SimPod::spawn(&bins.vllm_sim, &args).expect("start vllm-sim"))
+        .collect();
+    let pods: Vec<SocketAddr> = sims.iter().map(|s| s.addr).collect();
+    let mut cfg = local_router_config(&pods).unwrap();
+    cfg.server.tls.cert_file = Some(write("router.pem", &leaf.pem()).display().to_string());
+    cfg.server.tls.key_file = Some(
+        write("router-key.pem", &key.serialize_pem())
+            .display()
+            .to_string(),
+    );
+    let router = RouterProc::spawn(&bins.kv_router, &cfg)
+        .await
+        .expect("start kv-router");
+    router
+        .wait_pods_ready(pods.len(), Duration::from_secs(10))
+        .await
+        .unwrap();
+
+    let envoys = [
+        (min_envoy(), format!("Envoy {MIN_ENVOY}")),
+        (common::envoy_bin(), "Envoy".to_string()),
+    ];
+    let sni = pool.picker_fqdn.clone();
+    let mut seed = 100;
+    for (bin, version) in &envoys {
+        for (name, route, sni, works) in [
+            // kv-router's TLS refuses the ClientHello (illegal_parameter): SNI `outbound|…`.
+            ("unpatched, no sni", &generated, None, false),
+            // The handshake passes; HTTP/2 still resets the stream.
+            ("unpatched, sni", &generated, Some(sni.as_str()), false),
+            // auto_sni now takes the EnvoyFilter's legal authority (port stripped).
+            ("patched, no sni", &patched, None, true),
+            ("patched, sni", &patched, Some(sni.as_str()), true),
+        ] {
+            seed += 1;
+            let what = format!("{version}, TLS to the picker, {name}");
+            let envoy = Envoy::start(bin, &what, |listen, admin| {
+                let mut b = bootstrap(&pool, listen, admin, router.grpc, &pods, route, true);
+                picker_over_tls(&mut b, &ca_file, sni);
+                b
+            })
+            .await;
+            let r = round(&router, &envoy, seed).await;
+            let diag = format!(
+                "\n--- envoy ---\n{}\n--- kv-router ---\n{}",
+                envoy.stderr(),
+                router.stderr_tail(20)
+            );
+            if works {
+                assert!(
+                    r.failed.is_empty() && r.streams >= REQUESTS as f64,
+                    "{what}: {} streams, failed {:?}{diag}",
+                    r.streams,
+                    r.failed
+                );
+                assert_eq!(r.decided, r.served, "{what}: picks not honoured{diag}");
+            } else {
+                assert!(
+                    r.streams == 0.0 && r.decided.is_empty(),
+                    "{what}: kv-router was reached: {} streams{diag}",
+                    r.streams
+                );
+            }
+        }
+    }
+}
