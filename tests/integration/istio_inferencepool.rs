@@ -7,7 +7,9 @@
 //! Envoy 1.40, kv-router and simulated pods:
 //! - FULL_DUPLEX_STREAMED (what istiod generates) and BUFFERED (the same gRPC service behind a
 //!   buffered override, as the istio-envoyfilter path pointed at Istio's own picker cluster);
-//! - every request is served by the pod kv-router picked, and kv-router decided each of them.
+//! - every request is served by the pod kv-router picked, and kv-router decided each of them;
+//! - over TLS to the picker (istiod's cluster for a DestinationRule `tls: SIMPLE`), with and
+//!   without the DestinationRule's `sni`.
 //!
 //! Envoy names the `:authority` of an `envoy_grpc` service after its cluster unless `authority`
 //! is set; `|` is not a legal authority character for the HTTP/2 stack kv-router serves with, so
