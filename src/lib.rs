@@ -24,7 +24,9 @@
 pub mod allocator;
 pub mod app;
 pub mod blocks;
+pub mod budget;
 pub mod config;
+pub mod conversation;
 pub mod decide;
 pub mod events;
 pub mod extproc;

@@ -11,12 +11,12 @@ use std::sync::Arc;
 
 use rand::Rng;
 
-use super::conversation::{Conversations, SessionSeen, PROMPT_ENDS};
 use super::disagg::{plan, split_roles, PlanInputs};
 use super::plan::{commit, Body, Committed, Plan, PlanInput, Stages, Stores};
 use super::unrecorded::{Held, Unrecorded};
 use crate::blocks::BlockKey;
 use crate::config::GateConfig;
+use crate::conversation::{Conversations, SessionSeen, PROMPT_ENDS};
 use crate::index::{IndexError, KvIndex};
 use crate::keys::Keys;
 use crate::pods::{fleet_models, LoraFit, PodId, PodLoad, PodRole, TtftLearner, TtftModel};

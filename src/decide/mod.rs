@@ -17,7 +17,6 @@
 //! P/D on top of `rank`), `input.rs` ([`DecisionInput`], its gatherer and the entry point), this
 //! file (the live front, and the only one that reads the whole [`Config`]).
 
-mod conversation;
 mod disagg;
 mod input;
 mod metrics;
@@ -46,7 +45,7 @@ use crate::tokenize::TokenizerRegistry;
 use metrics::DecisionLabels;
 use unrecorded::Unrecorded;
 
-pub use conversation::{Conversations, RemoteDecisions, SessionSeen, PROMPT_ENDS};
+pub use crate::conversation::{Conversations, RemoteDecisions, SessionSeen, PROMPT_ENDS};
 pub use disagg::{plan, plan_pd, split_roles, PlanInputs};
 pub use input::{
     DecisionInput, DecisionState, Planned, PodFacts, PodReading, Recording, RequestFacts,

@@ -5,8 +5,8 @@
 use rand::Rng;
 use serde::Serialize;
 
-use super::conversation::Conversations;
 use crate::config::{DisaggConfig, GateConfig, Policy, ScorersConfig};
+use crate::conversation::Conversations;
 use crate::index::{IndexError, KvIndex};
 use crate::keys::Keys;
 use crate::picker::{Picker, Reason};

@@ -31,10 +31,10 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 
+use crate::budget::{BodyBudget, Reservation};
 use crate::decide::{DecideError, DecideRequest, Decider, Decision, PendingRecord, Saturated};
 use crate::flow::FlowControl;
 use crate::pods::InflightGuard;
-use crate::server::budget::{BodyBudget, Reservation};
 use crate::telemetry::Errors;
 use reply::Rejection;
 

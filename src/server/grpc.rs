@@ -35,12 +35,12 @@ use crate::extproc::{ExtProc, ExtProcMetrics};
 use crate::flow::FlowControl;
 use crate::supervise::Supervisor;
 
-use super::budget::BodyBudget;
 use super::conns::{self, ConnMetrics};
 use super::pick::budget::Metered;
 use super::pick::proto::picker_server::PickerServer;
 use super::pick::PickService;
 use super::readiness::Readiness;
+use crate::budget::BodyBudget;
 
 /// gRPC health service names (Endpoint Picker Protocol).
 pub(super) const HEALTH_SERVICES: [&str; 3] = [

@@ -8,12 +8,11 @@
 //! | `listen.admin` | `admin`: `/metrics`, `/healthz`, `/readyz`, `/debug/*` | anyone who reaches it; `/debug/*` needs `admin.token` when set | nothing (explain plans only) | 512 connections; explain inputs within 2 × `body_limit_bytes` + 1 MiB |
 //!
 //! What both use: `conns` (the connection limiter: one tracker per port, evicting at its
-//! cap), [`budget`] (the body budget: one per port), `readiness` (the one readiness rule
+//! cap), [`crate::budget`] (the body budget type, a leaf the ext_proc service reserves from too: one per port), `readiness` (the one readiness rule
 //! `/readyz` and the gRPC health services report). `app` builds each port from its own config
 //! sections and hands it what it serves from.
 
 pub(crate) mod admin;
-pub mod budget;
 pub(crate) mod conns;
 pub(crate) mod grpc;
 pub(crate) mod pick;

@@ -98,11 +98,11 @@ mod tests {
 
     use super::*;
     use crate::blocks::BlockKey;
+    use crate::budget::BodyBudget;
     use crate::index::{IndexError, IndexStats, MemoryIndex};
     use crate::pods::PodId;
     use crate::scoring::SessionStore;
     use crate::server::admin::routes::{router, AdminState};
-    use crate::server::budget::BodyBudget;
     use crate::server::grpc;
 
     /// An in-process index that reports itself unready while `why` holds a reason, as a shared

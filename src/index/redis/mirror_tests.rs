@@ -383,13 +383,13 @@ async fn another_replicas_requests_count_as_load_here() {
     registry.update(registry_specs(&p));
     unshared.update(registry_specs(&p));
     // As the router attaches it: load to the pods, conversation marks to conversation memory.
-    let memory = || Arc::new(crate::decide::Conversations::new(1_000, 300_000));
+    let memory = || Arc::new(crate::conversation::Conversations::new(1_000, 300_000));
     let (b_memory, c_memory) = (memory(), memory());
-    c.attach(Arc::new(crate::decide::RemoteDecisions {
+    c.attach(Arc::new(crate::conversation::RemoteDecisions {
         load: unshared.clone(),
         conversations: c_memory.clone(),
     }));
-    b.attach(Arc::new(crate::decide::RemoteDecisions {
+    b.attach(Arc::new(crate::conversation::RemoteDecisions {
         load: registry.clone(),
         conversations: b_memory.clone(),
     }));
@@ -432,7 +432,7 @@ async fn another_replicas_requests_count_as_load_here() {
     );
     assert_eq!(b.metrics().mirror_charges.get(), 1);
     // Its conversation mark too: B's memory knows the prompt and the new conversation on p0.
-    let placed = |m: &crate::decide::Conversations| m.placed(&p, now_ms(&b));
+    let placed = |m: &crate::conversation::Conversations| m.placed(&p, now_ms(&b));
     assert!(b_memory.continues(&doc_keys(3, 8, BT), 8));
     assert!(placed(&b_memory)[0] > 0.9, "{:?}", placed(&b_memory));
     assert_eq!(placed(&b_memory)[2], 0.0, "B's own decision came back");
@@ -477,8 +477,8 @@ async fn a_decisions_load_reaches_the_others_ahead_of_its_record_and_counts_once
     let p = pods(3);
     let registry = Arc::new(PodRegistry::default());
     registry.update(registry_specs(&p));
-    let memory = Arc::new(crate::decide::Conversations::new(1_000, 300_000));
-    b.attach(Arc::new(crate::decide::RemoteDecisions {
+    let memory = Arc::new(crate::conversation::Conversations::new(1_000, 300_000));
+    b.attach(Arc::new(crate::conversation::RemoteDecisions {
         load: registry.clone(),
         conversations: memory.clone(),
     }));

@@ -71,9 +71,9 @@ impl Pair {
         let pods = pods(n_pods);
         let registry = Arc::new(PodRegistry::default());
         registry.update(registry_specs(&pods));
-        b.attach(Arc::new(crate::decide::RemoteDecisions {
+        b.attach(Arc::new(crate::conversation::RemoteDecisions {
             load: registry.clone(),
-            conversations: Arc::new(crate::decide::Conversations::new(1_000, 300_000)),
+            conversations: Arc::new(crate::conversation::Conversations::new(1_000, 300_000)),
         }));
         until("each replica lists the other", || {
             a.metrics().load_peers.get() == 1 && b.metrics().load_peers.get() == 1

@@ -26,9 +26,9 @@ use crate::decide::Decider;
 use crate::pods::PodRegistry;
 use crate::scoring::SessionStore;
 
-use super::budget::BodyBudget;
 use super::conns::{self, ConnMetrics};
 use super::readiness::Readiness;
+use crate::budget::BodyBudget;
 
 pub(super) mod routes;
 mod serve;

@@ -14,11 +14,11 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 use tokio::time::Instant;
 
+use crate::budget::BodyBudget;
 use crate::decide::{DecideRequest, Decider};
 use crate::extproc::reply::Rejection;
 use crate::pods::{prefill_models, PodRegistry};
 use crate::scoring::SessionStore;
-use crate::server::budget::BodyBudget;
 use crate::server::readiness::Readiness;
 
 /// What the admin handlers read.

@@ -14,7 +14,7 @@ use tonic::server::NamedService;
 use tonic::Status;
 use tower::Service;
 
-use crate::server::budget::{BodyBudget, Reservation};
+use crate::budget::{BodyBudget, Reservation};
 use crate::telemetry::{ErrorKind, Errors};
 
 /// A gRPC service whose request bodies are metered.
