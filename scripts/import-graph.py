@@ -6,6 +6,9 @@ Two levels:
   * the crate's top-level modules (src/index, src/pods, ...): one node each;
   * with --module NAME, the files inside that top-level module: one node per file.
 
+A file and its own parent module (the `mod.rs` that declares it) are no circle: the parent
+names its files and they use its shared items by the module tree's design. --all runs what
+`make lint` checks: the top-level modules with tests, and every module's files without.
 Each strongly connected component of more than one node is a circle; it is printed with, for
 every edge inside it, one place that makes it. A module's `pub use` of its own descendants'
 items (a facade) is no edge. --no-tests leaves out `#[cfg(test)]` modules (inline or in their
@@ -327,7 +330,10 @@ def graph(sources, module=None, no_tests=False):
                 if k == 0:
                     continue
                 b = "::".join(target[:k])
-            if a != b:
+            # A file and its own parent module (the `mod.rs` that declares it, its facade) use
+            # each other by the module tree's design; only edges between other files count.
+            parent_child = module is not None and (a.split("::")[:-1] == b.split("::") or b.split("::")[:-1] == a.split("::"))
+            if a != b and not parent_child:
                 key = (a, b)
                 old = edges.get(key)
                 # Keep a non-test example where there is one.
@@ -401,6 +407,8 @@ def main(argv=None):
     ap.add_argument("--src", default="src", help="the crate's source folder (default: src)")
     ap.add_argument("--module", help="a top-level module: the graph of its files")
     ap.add_argument("--no-tests", action="store_true", help="leave out #[cfg(test)] modules")
+    ap.add_argument("--all", action="store_true",
+                    help="the top-level modules (tests included) and every module's files (tests left out)")
     ap.add_argument("--check", action="store_true", help="exit 1 when there is a circle")
     args = ap.parse_args(argv)
     if not os.path.isdir(args.src):
@@ -410,11 +418,23 @@ def main(argv=None):
     if args.module and not any(s.module[:1] == (args.module,) for s in sources):
         sys.stderr.write("import-graph: no module %r under %s\n" % (args.module, args.src))
         return 2
-    edges = graph(sources, args.module, args.no_tests)
-    level = "files of %s" % args.module if args.module else "top-level modules"
-    comps = report(edges, sys.stdout)
-    print("%s: %d circle(s)%s" % (level, len(comps), " (tests left out)" if args.no_tests else ""))
-    return 1 if args.check and comps else 0
+    if args.all:
+        # What `make lint` holds: the top-level modules, tests included, and the files of every
+        # module, tests left out (a test may build its fixture from a sibling file's types).
+        runs = [(None, False)] + sorted({(s.module[0], True) for s in sources if len(s.module) > 1})
+    else:
+        runs = [(args.module, args.no_tests)]
+    found = 0
+    for module, no_tests in runs:
+        edges = graph(sources, module, no_tests)
+        level = "files of %s" % module if module else "top-level modules"
+        comps = report(edges, sys.stdout)
+        found += len(comps)
+        if comps or not args.all:
+            print("%s: %d circle(s)%s" % (level, len(comps), " (tests left out)" if no_tests else ""))
+    if args.all:
+        print("%d circle(s) in %d graphs" % (found, len(runs)))
+    return 1 if args.check and found else 0
 
 
 if __name__ == "__main__":

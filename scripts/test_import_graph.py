@@ -153,6 +153,42 @@ class Files(Case):
         self.assertIn("m::y -> m::x: ", out)
         self.assertEqual(crate.run("--module", "nothing")[0], 2)
 
+    def test_a_file_and_its_own_parent_module_are_no_circle_but_siblings_through_it_are(self):
+        files = {
+            "lib.rs": "pub mod m;\n",
+            "m/mod.rs": "mod x;\nmod y;\npub struct Shared;\nfn f() { self::x::g(); }\n",
+            "m/x.rs": "pub fn g(_: super::Shared) {}\n",
+            "m/y.rs": "use super::Shared;\n",
+        }
+        crate = self.crate(files)
+        # mod.rs calls x and x uses mod.rs's Shared: the module tree's own two directions.
+        self.assertEqual(crate.circles(module="m"), [])
+        self.assertEqual(crate.run("--all")[0], 0)
+        crate = self.crate(dict(files, **{"m/y.rs": "use super::x::g;\n", "m/x.rs": "fn h() { super::y::k(); }\n"}))
+        self.assertEqual(crate.circles(module="m"), [["m::x", "m::y"]])
+        rc, out = crate.run("--all")
+        self.assertEqual(rc, 1, out)
+        self.assertIn("files of m: 1 circle(s) (tests left out)", out)
+
+    def test_all_checks_top_level_with_tests_and_files_without(self):
+        crate = self.crate(
+            {
+                "lib.rs": "pub mod m;\npub mod n;\n",
+                "m/mod.rs": "mod x;\nmod y;\n",
+                "m/x.rs": "pub struct X;\n#[cfg(test)]\nmod tests {\n    use super::super::y::Y;\n}\n",
+                "m/y.rs": "pub struct Y;\nuse super::x::X;\n",
+                "n.rs": "#[cfg(test)]\nmod tests {\n    use crate::m::X;\n}\n",
+            }
+        )
+        # x and y meet only in x's tests: no circle among files; n and m not at all.
+        self.assertEqual(crate.run("--all")[0], 0)
+        with open(os.path.join(crate.src, "m/y.rs"), "a", encoding="utf-8") as f:
+            f.write("#[cfg(test)]\nmod tests {\n    use crate::n::Z;\n}\n")
+        # m and n now meet through tests, which the top level counts.
+        rc, out = crate.run("--all")
+        self.assertEqual(rc, 1, out)
+        self.assertIn("circle: m, n", out)
+
 
 if __name__ == "__main__":
     unittest.main()

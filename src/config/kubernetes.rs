@@ -6,7 +6,7 @@ use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
-use super::{Config, EngineSetting};
+use super::EngineSetting;
 
 /// Kubernetes pod discovery: a watch of pods by label selector, or of an InferencePool.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -93,12 +93,12 @@ pub struct KubernetesOverrides {
 }
 
 impl KubernetesOverrides {
-    /// Applies the overrides to a parsed (not yet validated) config.
-    pub(super) fn apply_to(self, cfg: &mut Config) {
+    /// Applies the overrides to a parsed (not yet validated) config's `pods.kubernetes`.
+    pub(super) fn apply_to(self, kubernetes: &mut Option<KubernetesConfig>) {
         if self.pool_name.is_none() && self.pool_namespace.is_none() {
             return;
         }
-        let k = cfg.pods.kubernetes.get_or_insert_with(Default::default);
+        let k = kubernetes.get_or_insert_with(Default::default);
         let pool = k.pool.get_or_insert_with(|| PoolRef {
             name: String::new(),
             namespace: String::new(),
@@ -175,6 +175,7 @@ pub(super) fn problems(k: &KubernetesConfig) -> Vec<(String, String)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::Config;
 
     #[test]
     fn selector_source_parses_with_named_port() {

@@ -65,7 +65,7 @@ impl Config {
         } else {
             serde_yaml::from_value(merged)?
         };
-        overrides.apply_to(&mut cfg);
+        overrides.apply_to(&mut cfg.pods.kubernetes);
         cfg.validate()
     }
 
@@ -77,7 +77,7 @@ impl Config {
             check_yaml_shape(text)?;
             serde_yaml::from_str(text)?
         };
-        overrides.apply_to(&mut cfg);
+        overrides.apply_to(&mut cfg.pods.kubernetes);
         cfg.validate()
     }
 }

@@ -399,9 +399,9 @@ async fn decisions_gathered_together_plan_on_each_others_charge() {
     );
 }
 
-/// Issue 34's shape, in process: two pods, two clients in a closed loop, no session id, six
-/// conversations of four turns, each opening with the same long system prompt, then its own
-/// document (the shared part the longer one), then short questions. Returns the requests per
+/// Sessionless clients on a shared system prompt, in process: two pods, two clients in a closed
+/// loop, no session id, six conversations of four turns, each opening with the same long system
+/// prompt, then its own document (the shared part the longer one), then short questions. Returns the requests per
 /// pod and whether the two clients' first requests went to the same pod.
 async fn sessionless_closed_loop(replicate_to_idle: bool) -> (Vec<usize>, bool) {
     let (d, _) = decider(2, |c| c.gate.replicate_to_idle = replicate_to_idle).await;

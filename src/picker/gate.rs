@@ -99,7 +99,8 @@ pub fn has_room(g: &GateConfig, loads: &[&PodLoad]) -> bool {
 /// system prompt, a pod holding part of it took continuations this test cannot tell from new
 /// prompts (64 pods: 0.99 -> 0.98 of pooled, work hotspot 1.29 -> 1.55). Without
 /// this a fleet whose clients send no session id keeps every conversation on a long system
-/// prompt's first holder (issue 34: 24 of 24 requests on one of two pods).
+/// prompt's first holder (two sessionless clients on one system prompt: 24 of 24 requests on
+/// one of two pods).
 fn holders_queue(
     g: &GateConfig,
     input: &ScoreInput,

@@ -12,7 +12,7 @@ use std::sync::Arc;
 use serde::Serialize;
 use tokio::time::Instant;
 
-use super::engine::{label, split_sample};
+use super::exposition::{label, split_sample};
 use super::Pod;
 use crate::config::MAX_LORA_NAME_BYTES;
 

@@ -4,6 +4,7 @@
 
 mod accuracy;
 mod engine;
+mod exposition;
 mod inflight;
 #[cfg(feature = "kubernetes")]
 pub mod kubernetes;

@@ -279,7 +279,7 @@ async fn read_capped(mut resp: reqwest::Response, cap: usize) -> Result<Vec<u8>,
 
 #[cfg(test)]
 mod tests {
-    use super::super::engine::label;
+    use super::super::exposition::label;
     use super::super::{parse_vllm_metrics, LoadSample};
     use super::*;
 

@@ -177,8 +177,8 @@ impl Default for Replication {
     }
 }
 
-/// Ways the pods' caches drift from the router's own record of its decisions (issue 10 §1):
-/// what only a router that reads the pods' KV events can see.
+/// Ways the pods' caches drift from the router's own record of its decisions: what only a
+/// router that reads the pods' KV events can see.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 pub struct Divergence {
     /// Share of requests that reach a pod without this router (another replica, direct
