@@ -68,4 +68,17 @@ mod tests {
         let hits = e.stats().prefix_cache_hits as usize;
         assert!(hits >= (full - 1) * cfg().block_size, "{hits}");
     }
+
+    #[test]
+    fn an_import_that_evicts_its_own_cached_prefix_counts_no_negative_blocks() {
+        // Room for 4 blocks: a 3-block prefix, then the same prefix plus 3 more blocks, whose
+        // storing evicts the (unpinned, least recent) prefix itself.
+        let mut e = Engine::new(EngineConfig {
+            num_gpu_blocks: 4,
+            ..cfg()
+        });
+        assert_eq!(e.import(&sub(1, 12, 1)), 3);
+        let stored = e.import(&sub(1, 24, 1));
+        assert!(stored <= 3, "{stored} blocks newly stored of 3 new ones");
+    }
 }
