@@ -115,9 +115,9 @@ fmt: ## format the code (cargo fmt --all)
 # compiles are the ones `make test` and `make build` reuse, not a second, debug-profile set.
 # scripts/check-docs.py: docs/results.md at most 700 lines, no work-log references ("stop"/"issue"
 # and a number) in tracked files, every relative link in README.md and docs/ resolving.
-lint: ## docs check + no import circle in src/ + cargo fmt --check + clippy -D warnings (release profile)
+lint: ## docs check + no import circle in any crate + cargo fmt --check + clippy -D warnings (release profile)
 	$(PYTHON) scripts/check-docs.py
-	$(PYTHON) scripts/import-graph.py --all --check
+	for src in src crates/*/src; do $(PYTHON) scripts/import-graph.py --src $$src --all --check || exit 1; done
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --release --workspace --all-targets -- -D warnings
 

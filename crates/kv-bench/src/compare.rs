@@ -6,6 +6,8 @@
 //! spreads ext_proc streams over them). Pod caches are reset between strategies so each run
 //! starts cold; routers, Envoy and Redis live only for their strategy.
 
+pub mod stack;
+
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -15,12 +17,12 @@ use serde::Serialize;
 
 use super::pd_report::{self, PodWork};
 use super::report::Summary;
-use super::stack::Stack;
 use super::strategy::Strategy;
 use kv_router::config::{Config, PodRole};
 use kv_testkit::deploy::{self, Binaries, EnvoyOptions, EnvoyProc, EventPod, RouterProc};
 use kv_testkit::runner::{self, RunOptions, RunResult};
 use kv_testkit::workload::Workload;
+use stack::Stack;
 
 /// How to run a comparison.
 #[derive(Debug, Clone)]

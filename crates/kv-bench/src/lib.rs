@@ -26,7 +26,6 @@ pub mod results;
 pub mod simulate;
 pub mod small_fleet;
 pub mod soak;
-pub mod stack;
 pub mod strategy;
 pub mod table;
 

@@ -14,9 +14,9 @@ use clap::Args;
 use serde::Serialize;
 use serde_json::{json, Value};
 
+use super::compare::stack::Stack;
 use super::compare::{CompareFleet, CompareOptions};
 use super::report::Summary;
-use super::stack::Stack;
 use super::strategy::Strategy;
 use kv_testkit::deploy::Binaries;
 use kv_testkit::prose::prose_tokens;

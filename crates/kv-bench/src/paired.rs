@@ -5,7 +5,7 @@
 
 use std::collections::BTreeMap;
 
-use super::report::Summary;
+use super::report::{median, Summary};
 use super::table::{Style, Table};
 
 /// Student's t, two-sided 95 %, by degrees of freedom 1–30; past 30 the next listed row
@@ -56,17 +56,6 @@ fn baseline<'a>(order: &[&'a str]) -> Option<&'a str> {
         .find(|s| s.starts_with("weighted"))
         .or(order.first())
         .copied()
-}
-
-/// The median of `v`, the mean of the middle two for an even count (NaN for none).
-pub fn median(v: &[f64]) -> f64 {
-    let mut s = v.to_vec();
-    s.sort_by(f64::total_cmp);
-    match s.len() {
-        0 => f64::NAN,
-        n if n % 2 == 1 => s[n / 2],
-        n => (s[n / 2 - 1] + s[n / 2]) / 2.0,
-    }
 }
 
 /// The narrowest interval between order statistics, `[v₍ₖ₎, v₍ₙ₊₁₋ₖ₎]`, that holds the median

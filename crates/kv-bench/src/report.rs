@@ -270,7 +270,7 @@ pub fn spread_table(runs: &[Summary], style: Style) -> Option<String> {
         if v.is_empty() {
             return "-".to_string();
         }
-        let med = crate::paired::median(&v);
+        let med = median(&v);
         v.sort_by(f64::total_cmp);
         format!("{} ({}–{})", show(med), show(v[0]), show(v[v.len() - 1]))
     };
@@ -321,6 +321,17 @@ pub struct JsonReport<'a> {
     pub summaries: &'a [Summary],
     /// The raw runs.
     pub runs: &'a [RunResult],
+}
+
+/// The median of `v`, the mean of the middle two for an even count (NaN for none).
+pub fn median(v: &[f64]) -> f64 {
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    match s.len() {
+        0 => f64::NAN,
+        n if n % 2 == 1 => s[n / 2],
+        n => (s[n / 2 - 1] + s[n / 2]) / 2.0,
+    }
 }
 
 #[cfg(test)]

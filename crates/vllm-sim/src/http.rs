@@ -1,5 +1,7 @@
 //! The OpenAI-compatible HTTP surface of the simulated pod, with vLLM's response shapes.
 
+mod models;
+
 use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -89,7 +91,7 @@ pub fn router(state: Arc<AppState>) -> Router {
     Router::new()
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
-        .route("/v1/models", get(crate::models::list_models))
+        .route("/v1/models", get(models::list_models))
         .route("/health", get(health))
         .route("/metrics", get(metrics_text))
         .route("/reset_prefix_cache", post(reset_prefix_cache))

@@ -13,7 +13,6 @@ pub mod engine;
 pub mod http;
 pub mod kv_events;
 pub mod metrics;
-pub mod models;
 pub mod openai;
 pub mod pd;
 pub mod translate;

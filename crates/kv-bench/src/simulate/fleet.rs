@@ -13,7 +13,6 @@
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, VecDeque};
 
-use futures::FutureExt;
 use kv_router::config::Config;
 use kv_router::events::{KvEvent, KvEventBatch};
 use kv_router::index::{build_index, index_capacity, ApplyStats};
@@ -28,19 +27,13 @@ use super::convergence::ScaleTrack;
 use super::options::{Replication, SimulateError, SimulateOptions, BLOCK_TOKENS, MODEL};
 use super::prepare::Prepared;
 use super::replicas::{Replicas, Writes};
-use super::router::SimRouter;
+use super::router::{ready, SimRouter};
 use crate::strategy::Strategy;
 
 /// Whether a strategy's outcome depends on the index at all (round robin and random ignore it,
 /// so their runs skip it).
 pub(super) fn uses_index(s: Strategy) -> bool {
     !matches!(s, Strategy::RoundRobin | Strategy::Random)
-}
-
-/// Runs an in-memory index call: those backends never wait, so the future is ready at once.
-pub(super) fn ready<T>(f: impl std::future::Future<Output = T>) -> T {
-    f.now_or_never()
-        .expect("in-memory index operations complete without waiting")
 }
 
 /// Adds one batch's counts to a run's totals.

@@ -228,7 +228,7 @@ fn a_load_sent_apart_reaches_the_other_replica_before_its_record() {
     assert_eq!(load(&mut r, 2_000), 1.0, "the other replica counts it");
     let held = |r: &Replicas, at: u64| {
         let index = r.routers[1].index.as_ref().unwrap().clone();
-        super::fleet::ready(index.lookup(&keys.keys, &ids, at)).unwrap()
+        super::router::ready(index.lookup(&keys.keys, &ids, at)).unwrap()
     };
     assert_eq!(held(&r, 2), [0.0, 0.0], "no keys yet");
     assert_eq!(r.next_due(), Some(11_000), "then the record");

@@ -23,8 +23,8 @@ use rand::Rng;
 use serde::Serialize;
 use vllm_sim::engine::Engine;
 
-use super::fleet::ready;
 use super::options::{Replication, TokenRelease, MODEL};
+use super::router::ready;
 use super::router::{SimRouter, SimTime};
 
 /// A routed request's load as the deciding replica charged it: when, uncached tokens, prefill.

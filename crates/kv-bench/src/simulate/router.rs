@@ -25,7 +25,11 @@ use kv_router::scoring::{SessionKey, SessionStore};
 use rand::Rng;
 use vllm_sim::engine::Engine;
 
-use super::fleet::ready;
+/// Runs an in-memory index call: those backends never wait, so the future is ready at once.
+pub(super) fn ready<T>(f: impl std::future::Future<Output = T>) -> T {
+    futures::FutureExt::now_or_never(f)
+        .expect("in-memory index operations complete without waiting")
+}
 
 /// Recently used adapters remembered per pod (the live `pods::lora::MAX_RECENT_ADAPTERS`).
 const RECENT_ADAPTERS: usize = 64;

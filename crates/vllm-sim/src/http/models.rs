@@ -9,7 +9,7 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde::Serialize;
 
-use super::http::{hex_id, AppState};
+use super::{hex_id, AppState};
 
 #[derive(Serialize)]
 struct ModelList<'a> {

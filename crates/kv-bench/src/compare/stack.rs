@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 
-use super::compare::{envoy_options, wait_caught_up, CompareFleet};
+use super::{envoy_options, wait_caught_up, CompareFleet};
 use kv_router::config::Config;
 use kv_testkit::deploy::{self, Binaries, EnvoyOptions, EnvoyProc, RedisProc, RouterProc};
 
