@@ -8,8 +8,9 @@ use std::time::{Duration, Instant};
 
 use tokio::net::{TcpListener, TcpStream};
 
-use super::mirror::{trimmed_past, EntryId};
+use super::mirror::trimmed_past;
 use super::schema::RUN;
+use super::stream::EntryId;
 use crate::blocks::BlockKey;
 use crate::config::RedisConfig;
 use crate::index::contract::{doc_keys, pods};

@@ -8,6 +8,7 @@
 //! entries under `key_prefix`. Anyone who can write there can steer routing, so the Redis
 //! deployment must be as private as the router's own ports.
 
+mod announced;
 #[cfg(test)]
 mod cluster_tests;
 mod conn;
@@ -27,15 +28,18 @@ mod prop_tests;
 mod recovery_tests;
 mod schema;
 mod sessions;
-mod share;
 mod snapshot;
+mod state;
+mod stream;
 #[cfg(test)]
 mod tls_tests;
 mod writer;
+#[cfg(test)]
+mod writer_tests;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use lru::LruCache;
@@ -43,253 +47,24 @@ use parking_lot::Mutex;
 use tokio::sync::{mpsc, oneshot};
 use xxhash_rust::xxh3::Xxh3;
 
-use self::conn::{to_index_error, Conn};
+use self::conn::Conn;
 pub use self::metrics::{Reason, RedisMetrics, Reload, Source};
 use self::mirror::{Change, Mirror};
 pub use self::schema::{decode_lookup_reply, member, parse_member, parse_run, run_member, RUN};
 use self::schema::{Schema, Scripts};
+use self::state::{Cached, Pause, Shared, GENERATIONS};
+pub use self::state::{Local, Tuning};
 use self::writer::WriteOp;
-use super::{ApplyStats, EventIndex, IndexError, IndexStats, KvIndex, MemoryIndex};
+use super::{ApplyStats, EventIndex, IndexError, IndexStats, KvIndex};
 use crate::blocks::BlockKey;
 use crate::config::{RedisConfig, RedisLookups, RedisMode};
 use crate::events::KvEventBatch;
 use crate::pods::PodId;
 use crate::scoring::SharedSessions;
-use crate::share::Charge;
+use crate::share::{Charge, LoadShare, Release, RemoteLoad};
 
-/// Buckets (by block key) of the write generations that invalidate cached lookups.
-const GENERATIONS: usize = 4_096;
-/// Timeouts in a row before lookups pause on Redis (one slow answer is not an outage).
-const TIMEOUTS_BEFORE_PAUSE: u32 = 3;
 /// How long `flush` waits for the mirror to apply what the stream holds.
 const MIRROR_SYNC: Duration = Duration::from_secs(10);
-
-/// This replica's own index: answers when Redis cannot, and (precise mode) turns KV events
-/// into the per-key changes written to Redis.
-pub enum Local {
-    /// Learns from this replica's decisions.
-    Memory(MemoryIndex),
-    /// Learns from KV events (plus speculative entries).
-    Events(EventIndex),
-}
-
-impl Local {
-    fn index(&self) -> &dyn KvIndex {
-        match self {
-            Local::Memory(m) => m,
-            Local::Events(e) => e,
-        }
-    }
-
-    /// [`KvIndex::record`], which neither in-process index can fail or wait on.
-    fn record(&self, pod: &PodId, keys: &[BlockKey], now_ms: u64) {
-        match self {
-            Local::Memory(m) => m.learn(pod, keys, now_ms),
-            Local::Events(e) => {
-                e.record_past(pod, keys, e.held_prefix(pod, keys), now_ms);
-            }
-        }
-    }
-}
-
-/// How the shared index weighs and bounds entries.
-#[derive(Debug, Clone, Copy)]
-pub struct Tuning {
-    /// How long a recorded entry matches (approximate TTL, or the speculative TTL).
-    pub record_ttl_ms: u64,
-    /// Recorded entries a pod keeps unless `set_capacity` says otherwise.
-    pub default_capacity: usize,
-    /// Weight of a GPU-resident block (and of a recorded entry in precise mode).
-    pub gpu_weight: f64,
-    /// Weight of an offloaded block.
-    pub cpu_weight: f64,
-}
-
-/// Lookups paused after failures (a circuit breaker on the real clock: this is about Redis's
-/// health, not about routing, so it does not take the decision's clock).
-#[derive(Debug, Default)]
-struct Pause {
-    until: Option<Instant>,
-    timeouts: u32,
-}
-
-struct Cached {
-    matched: Vec<f64>,
-    /// Unix ms until which the answer may be reused.
-    until: u64,
-    generation: (u64, u64),
-}
-
-/// A lookup's answer: per-candidate weights, and the earliest expiry among the recorded entries
-/// counted (unix ms).
-struct Answer {
-    matched: Vec<f64>,
-    soonest_expiry: Option<u64>,
-}
-
-/// State shared by the router-facing side and the writer task.
-pub(crate) struct Shared {
-    conn: Conn,
-    schema: Schema,
-    scripts: Scripts,
-    precise: bool,
-    /// Recorded entries are kept only as each pod's snapshot set (approximate mode answered by
-    /// the mirror: nothing reads the per-block hashes).
-    snapshot: bool,
-    tuning: Tuning,
-    default_capacity: usize,
-    lookup_budget: Duration,
-    write_budget: Duration,
-    /// Microseconds added to the lookup budget per block read, twice per block written.
-    per_block_us: u64,
-    retry_after: Duration,
-    pause: Mutex<Pause>,
-    match_cache_ms: u64,
-    cache: Mutex<LruCache<u64, Cached>>,
-    generations: Box<[AtomicU64]>,
-    global_generation: AtomicU64,
-    clock_offset: OnceLock<i64>,
-    /// When this index was made: the router's monotonic clock starts about then.
-    created: Instant,
-    /// Writes were dropped since the last resync (precise mode rewrites event state then).
-    lost_writes: AtomicBool,
-    /// The last write batch reached Redis (so a resync can).
-    writes_ok: AtomicBool,
-    metrics: RedisMetrics,
-}
-
-impl Shared {
-    /// Unix milliseconds for the router's monotonic `now_ms`, fixed at first use so entries from
-    /// different replicas compare on one (NTP-synchronised) clock.
-    fn wall(&self, now_ms: u64) -> u64 {
-        let offset = *self
-            .clock_offset
-            .get_or_init(|| Self::unix_ms() - now_ms as i64);
-        (now_ms as i64).saturating_add(offset).max(0) as u64
-    }
-
-    /// The router's monotonic milliseconds for unix ms `wall` (another replica's time): before
-    /// this replica's first decision fixes the offset, its clock is taken to start at `created`.
-    fn mono(&self, wall: u64) -> u64 {
-        let offset = *self
-            .clock_offset
-            .get_or_init(|| Self::unix_ms() - self.created.elapsed().as_millis() as i64);
-        (wall as i64).saturating_sub(offset).max(0) as u64
-    }
-
-    /// Unix milliseconds now (lags and expiries between replicas).
-    fn wall_now(&self) -> u64 {
-        Self::unix_ms().max(0) as u64
-    }
-
-    /// Unix microseconds now (the load stream's clock).
-    fn wall_now_us() -> u64 {
-        SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map_or(0, |d| d.as_micros() as u64)
-    }
-
-    fn unix_ms() -> i64 {
-        SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map_or(0, |d| d.as_millis() as i64)
-    }
-
-    /// A snapshot that changes whenever this replica writes any of `keys` (or forgets a pod):
-    /// the sum of the keys' write-generation buckets, and the global generation.
-    fn generation(&self, keys: &[BlockKey]) -> (u64, u64) {
-        let sum = keys.iter().fold(0u64, |acc, k| {
-            acc.wrapping_add(self.generations[(k.0 as usize) % GENERATIONS].load(Ordering::Acquire))
-        });
-        (sum, self.global_generation.load(Ordering::Acquire))
-    }
-
-    /// Notes a write of `key` (cached lookups that include it are stale).
-    fn wrote(&self, key: BlockKey) {
-        self.generations[(key.0 as usize) % GENERATIONS].fetch_add(1, Ordering::AcqRel);
-    }
-
-    fn wrote_everywhere(&self) {
-        self.global_generation.fetch_add(1, Ordering::AcqRel);
-    }
-
-    /// How long a lookup of `blocks` blocks may take before it falls back.
-    fn lookup_budget_for(&self, blocks: usize) -> Duration {
-        self.lookup_budget + Duration::from_micros(self.per_block_us.saturating_mul(blocks as u64))
-    }
-
-    /// How long a write of `blocks` blocks may take before it is abandoned.
-    pub(super) fn write_budget_for(&self, blocks: usize) -> Duration {
-        let us = self
-            .per_block_us
-            .saturating_mul(2)
-            .saturating_mul(blocks as u64);
-        self.write_budget + Duration::from_micros(us)
-    }
-
-    fn paused(&self) -> bool {
-        let mut p = self.pause.lock();
-        match p.until {
-            Some(t) if Instant::now() < t => true,
-            Some(_) => {
-                p.until = None;
-                false
-            }
-            None => false,
-        }
-    }
-
-    fn answered(&self) {
-        self.pause.lock().timeouts = 0;
-    }
-
-    fn failed(&self, e: &IndexError) {
-        let mut p = self.pause.lock();
-        if matches!(e, IndexError::Timeout(_)) {
-            p.timeouts += 1;
-            if p.timeouts < TIMEOUTS_BEFORE_PAUSE {
-                return;
-            }
-        }
-        p.timeouts = 0;
-        p.until = Some(Instant::now() + self.retry_after);
-    }
-
-    async fn remote_lookup(
-        &self,
-        keys: &[BlockKey],
-        pods: &[PodId],
-        wall: u64,
-    ) -> Result<Answer, IndexError> {
-        let root = keys[0].0;
-        let mut con = self.conn.lookup().await?;
-        let mut inv = self.scripts.lookup.prepare_invoke();
-        for &k in keys {
-            inv.key(self.schema.recorded(root, k));
-            if self.precise {
-                inv.key(self.schema.evented(root, k));
-            }
-        }
-        let (gw, cw) = if self.precise {
-            (self.tuning.gpu_weight, self.tuning.cpu_weight)
-        } else {
-            (1.0, 1.0)
-        };
-        inv.arg(wall).arg(u8::from(self.precise)).arg(gw).arg(cw);
-        for p in pods {
-            inv.arg(p.as_str());
-        }
-        let out: Vec<String> = inv
-            .invoke_async(&mut con)
-            .await
-            .map_err(|e| to_index_error(&e))?;
-        let (matched, soonest_expiry) = decode_lookup_reply(&out, pods.len())?;
-        Ok(Answer {
-            matched,
-            soonest_expiry,
-        })
-    }
-}
 
 /// The shared index backend.
 pub struct RedisIndex {
@@ -709,5 +484,43 @@ impl KvIndex for RedisIndex {
         } else {
             "redis (shared by replicas; this replica's in-process index answers when Redis cannot)"
         }
+    }
+}
+
+/// Replica load sharing: with `lookups: mirror` and `mirror_load`, a routed request's load goes
+/// to the other replicas ahead of its record (the load stream and peers) and with it (the
+/// record's change on the mirror stream); theirs comes back to the attached sink.
+impl LoadShare for RedisIndex {
+    fn attach(&self, sink: Arc<dyn RemoteLoad>) {
+        if let Some(m) = &self.mirror {
+            m.attach(sink);
+        }
+    }
+
+    fn announce(&self, pod: &PodId, charge: &Charge) -> Option<u64> {
+        let load = self.mirror.as_ref()?.load.as_ref()?;
+        Some(load.announce(&self.shared, pod, Shared::wall_now_us(), charge))
+    }
+
+    fn release(&self, pod: &PodId, seq: u64, how: Release) {
+        if let Some(load) = self.mirror.as_ref().and_then(|m| m.load.as_ref()) {
+            load.release(&self.shared, pod, seq, Shared::wall_now_us(), how);
+        }
+    }
+
+    fn catch_up(&self) {
+        if let Some(m) = &self.mirror {
+            m.catch_up_load(&self.shared);
+        }
+    }
+
+    fn record_decision(&self, pod: &PodId, keys: &[BlockKey], now_ms: u64, charge: Charge) -> bool {
+        // Without the mirror's `mirror_load` the record carries no load: the caller's plain
+        // record writes the same thing.
+        if !self.mirror.as_ref().is_some_and(|m| m.share_load) {
+            return false;
+        }
+        self.record_with(pod, keys, now_ms, Some(charge));
+        true
     }
 }

@@ -31,10 +31,10 @@ use redis::{ConnectionAddr, IntoConnectionInfo};
 use sha2::Sha256;
 use tokio::net::UdpSocket;
 
-use super::load::{Announced, Kind};
+use super::announced::{Announced, Kind};
 use super::metrics::PeerDrop;
-use super::mirror::{MAX_CHARGE_MS, MAX_CHARGE_TOKENS, MAX_POD};
-use super::Shared;
+use super::state::Shared;
+use super::stream::{MAX_CHARGE_MS, MAX_CHARGE_TOKENS, MAX_POD};
 use crate::config::RedisConfig;
 use crate::index::IndexError;
 use crate::pods::PodId;
@@ -225,7 +225,7 @@ impl Peers {
     /// Takes every datagram already waiting (at most [`DRAIN_MAX`]) without waiting. A decision
     /// calls this before it reads the pods' load, so a load that reached this host before the
     /// decision began is counted even when the receiving task has not run yet (a busy runtime,
-    /// or a process just given the CPU back: stop 53 measured 10-20 ms at p99 on 2 cores).
+    /// or a process just given the CPU back: 10-20 ms at p99 measured on 2 cores).
     pub(super) fn drain(&self, shared: &Shared, charge: impl Fn(Announced, Duration) -> bool) {
         let mut buf = [0u8; MAX_DATAGRAM + 1];
         for _ in 0..DRAIN_MAX {
@@ -417,7 +417,7 @@ pub(super) fn unhex(s: &str) -> Option<Key> {
 
 #[cfg(test)]
 mod tests {
-    use super::super::load::tests::announced;
+    use super::super::announced::tests::announced;
     use super::*;
 
     #[test]

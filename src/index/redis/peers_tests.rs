@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::load::{Announced, Kind};
+use super::announced::{Announced, Kind};
 use super::mirror_tests::{config, registry_specs, replica, server};
 use super::peers::{seal, unhex, Key};
 use crate::config::RedisConfig;
@@ -132,7 +132,7 @@ async fn a_load_goes_straight_to_the_other_replica_and_forged_ones_charge_nothin
         origin,
         seq,
         pod: p[1].clone(),
-        wall_us: super::Shared::wall_now_us(),
+        wall_us: super::state::Shared::wall_now_us(),
         uncached_tokens: 1_000,
         prefill_ms: 1_000,
         kind: Kind::Load,
@@ -202,7 +202,7 @@ async fn a_load_waiting_in_the_socket_counts_before_the_next_decision_reads_load
 
 /// Another replica's tokens count until its response starts, not for their predicted prefill
 /// alone (which leaves out the pod's queue: the replicas saw an idler fleet than one router
-/// did and moved long continuations off their holders, docs/results.md, stop 58).
+/// did and moved long continuations off their holders).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_peers_tokens_count_until_the_deciding_replica_releases_them() {
     let prefix = "release";
@@ -265,7 +265,7 @@ async fn a_peers_tokens_count_until_the_deciding_replica_releases_them() {
         origin: a_origin,
         seq: 1 << 42,
         pod: p[2].clone(),
-        wall_us: super::Shared::wall_now_us(),
+        wall_us: super::state::Shared::wall_now_us(),
         uncached_tokens: 1_000,
         prefill_ms: 0,
         kind,

@@ -8,8 +8,8 @@ use async_trait::async_trait;
 use tokio::sync::mpsc;
 
 use super::mirror::{Change, Mirror};
+use super::state::Shared;
 use super::writer::WriteOp;
-use super::Shared;
 use crate::pods::PodId;
 use crate::scoring::{SessionKey, SharedSessions};
 

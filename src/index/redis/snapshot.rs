@@ -15,14 +15,16 @@
 use futures::future::join_all;
 
 use super::conn::{to_index_error, Handle};
-use super::mirror::{newest, EntryId, MAX_POD};
 use super::schema::{parse_member, parse_run, RUN};
-use super::writer::RECORD_CHUNK;
-use super::{Local, Shared};
+use super::state::{Local, Shared};
+use super::stream::{newest, EntryId, MAX_POD};
 use crate::blocks::BlockKey;
 use crate::index::{IndexError, KvIndex};
 use crate::pods::PodId;
 
+/// Blocks per script when a record is written: Redis runs one script at a time, so a 4096-block
+/// prompt written in one script held every other replica's lookup back for ~15 ms.
+pub(super) const RECORD_CHUNK: usize = 512;
 /// Snapshot members loaded per round trip (a run's up to 16 keys each: ≤ 16,000 keys, ~300 KB).
 const LOAD_CHUNK: isize = 1_000;
 /// How much of the stream before a load's position is read again after it.

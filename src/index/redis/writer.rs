@@ -14,7 +14,8 @@ use tracing::{debug, warn};
 use super::conn::{to_index_error, Handle};
 use super::metrics::Dropped;
 use super::schema::parse_member;
-use super::Shared;
+use super::snapshot::RECORD_CHUNK;
+use super::state::Shared;
 use crate::blocks::BlockKey;
 use crate::index::IndexError;
 use crate::pods::PodId;
@@ -23,9 +24,6 @@ use crate::pods::PodId;
 const BATCH: usize = 256;
 /// Members popped per round trip when a pod is forgotten.
 const FORGET_CHUNK: usize = 1_000;
-/// Blocks per script when a record is written: Redis runs one script at a time, so a 4096-block
-/// prompt written in one script held every other replica's lookup back for ~15 ms.
-pub(super) const RECORD_CHUNK: usize = 512;
 
 /// What a pod's events say about one (root, key): held on GPU, offloaded only, or not; and
 /// whether a decision's guess of it ended with the decision's hits (dropped even if not held).
@@ -95,8 +93,13 @@ pub(super) async fn run(shared: Arc<Shared>, rx: Arc<Mutex<mpsc::Receiver<WriteO
 /// Runs `f` on a write connection within the write budget; counts `n` writes as done or
 /// dropped. Where `f` counts in `done` the writes Redis already answered, a batch that fails or
 /// runs past its budget drops only the rest (Redis may still apply those; nobody waits to see).
-async fn budgeted<F, Fut>(shared: &Shared, n: u64, budget: Duration, done: &AtomicU64, f: F)
-where
+pub(super) async fn budgeted<F, Fut>(
+    shared: &Shared,
+    n: u64,
+    budget: Duration,
+    done: &AtomicU64,
+    f: F,
+) where
     F: FnOnce(Handle) -> Fut,
     Fut: std::future::Future<Output = Result<(), IndexError>>,
 {
@@ -527,35 +530,4 @@ async fn forget(
         .await
         .map_err(|e| to_index_error(&e))?;
     Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::index::redis::mirror_tests::{config, replica, server};
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_batch_past_its_budget_drops_only_the_writes_redis_had_not_answered() {
-        let server = server();
-        let index = replica(&config(&server.url(), "w", 1_000));
-        let shared = &index.shared;
-        let done = AtomicU64::new(0);
-        // Three of five writes answered, then the batch hangs past its 20 ms budget.
-        budgeted(shared, 5, Duration::from_millis(20), &done, |_con| async {
-            done.fetch_add(3, Ordering::Release);
-            std::future::pending::<()>().await;
-            Ok(())
-        })
-        .await;
-        assert_eq!(
-            shared.metrics.writes.get(),
-            3,
-            "answered writes are written"
-        );
-        assert_eq!(
-            shared.metrics.writes_dropped_total(),
-            2,
-            "only the rest dropped"
-        );
-    }
 }
