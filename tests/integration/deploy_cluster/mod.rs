@@ -589,21 +589,21 @@ fn check_peer(
         |dep: &str| peer_ns.is_empty() && pods.iter().any(|(n, l, _)| n == dep && selects(peer, l));
     match ports {
         [9002] => {
-            let ok = if of_kind(docs, "EnvoyFilter").next().is_some() {
-                // The EnvoyFilter's gateway pods, in Istio's namespace.
-                let ef = of_kind(docs, "EnvoyFilter").next().unwrap();
-                ns_name == Some("istio-system")
-                    && *peer == str_map(&ef["spec"]["workloadSelector"]["labels"])
-            } else if let Some(pool) = of_kind(docs, "InferencePool").next() {
+            // An InferencePool path may carry EnvoyFilters too (the picker's authority, the
+            // header strip); only a path without a pool is the EnvoyFilter path.
+            let ok = if of_kind(docs, "InferencePool").next().is_some() {
                 // The pods Istio deploys for the Gateway the HTTPRoute attaches to the pool.
                 let gw = named(docs, "Gateway", "llm-gateway");
-                let _ = pool;
                 peer_ns.is_empty()
                     && peer
                         .get("gateway.networking.k8s.io/gateway-name")
                         .map(String::as_str)
                         == gw["metadata"]["name"].as_str()
                     && gw["metadata"]["namespace"] == "llm"
+            } else if let Some(ef) = of_kind(docs, "EnvoyFilter").next() {
+                // The EnvoyFilter's gateway pods, in Istio's namespace.
+                ns_name == Some("istio-system")
+                    && *peer == str_map(&ef["spec"]["workloadSelector"]["labels"])
             } else {
                 local("envoy")
             };
