@@ -5,6 +5,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 use tokio::time::{interval, Instant, MissedTickBehavior};
@@ -25,6 +26,7 @@ pub(super) struct MaintenanceMetrics {
     index_entries: Gauge,
     index_keys: Gauge,
     sessions: Gauge,
+    capacity_clamped: Counter,
 }
 
 impl MaintenanceMetrics {
@@ -41,6 +43,11 @@ impl MaintenanceMetrics {
             m.index_keys.clone(),
         );
         registry.register("sessions", "Sessions remembered", m.sessions.clone());
+        registry.register(
+            "pod_capacity_clamped",
+            "Index capacities set from a pod's KV-cache report held to index.max_pod_cache_tokens",
+            m.capacity_clamped.clone(),
+        );
         m
     }
 }
@@ -119,6 +126,15 @@ async fn maintenance(
                 continue;
             };
             if capacities.get(pod.id()) != Some(&cap) {
+                if let Some(reported) = clamped_report(&cfg, &sample) {
+                    warn!(
+                        pod = %pod.id(),
+                        reported_tokens = reported,
+                        max_pod_cache_tokens = cfg.index.max_pod_cache_tokens,
+                        "pod reports a KV cache past index.max_pod_cache_tokens; its index capacity is held to that"
+                    );
+                    gauges.maintenance.capacity_clamped.inc();
+                }
                 match index.set_capacity(pod.id(), cap).await {
                     Ok(()) => {
                         capacities.insert(pod.id().clone(), cap);
@@ -159,6 +175,14 @@ fn pod_capacity(cfg: &Config, sample: &LoadSample, scale: f64, managed: bool) ->
     Some(scaled_capacity(cap, scale))
 }
 
+/// The KV-cache tokens a pod reports when `index.max_pod_cache_tokens` holds them.
+fn clamped_report(cfg: &Config, sample: &LoadSample) -> Option<u64> {
+    let blocks = sample.num_gpu_blocks?;
+    let block_tokens = sample.block_size.unwrap_or(16);
+    let (_, clamped) = cfg.index.pod_cache_tokens(blocks, block_tokens);
+    clamped.then(|| blocks.saturating_mul(block_tokens))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -195,5 +219,35 @@ mod tests {
         let full = index_capacity(&cfg.index, &cfg.blocks, 1000, 16);
         assert_eq!(pod_capacity(&cfg, &sized, 1.0, false), Some(full));
         assert_eq!(pod_capacity(&cfg, &sized, 2.0, true), Some(full * 2));
+    }
+
+    #[test]
+    fn a_pods_reported_cache_is_held_to_the_configured_maximum() {
+        let cfg = Config::default();
+        // `num_gpu_blocks="1e15"` as an integer: a quadrillion blocks of 16 tokens.
+        let liar = LoadSample {
+            num_gpu_blocks: Some(1_000_000_000_000_000),
+            block_size: Some(16),
+            ..LoadSample::default()
+        };
+        let max = cfg.index.max_pod_cache_tokens;
+        let most = index_capacity(&cfg.index, &cfg.blocks, max / 16, 16);
+        assert_eq!(pod_capacity(&cfg, &liar, 1.0, false), Some(most));
+        assert_eq!(clamped_report(&cfg, &liar), Some(16_000_000_000_000_000));
+        assert_eq!(
+            pod_capacity(&cfg, &liar, 4.0, true),
+            Some(most * 4),
+            "the correction's bounds are multiples of the held size"
+        );
+        let honest = LoadSample {
+            num_gpu_blocks: Some(max / 16),
+            ..liar
+        };
+        assert_eq!(pod_capacity(&cfg, &honest, 1.0, false), Some(most));
+        assert_eq!(
+            clamped_report(&cfg, &honest),
+            None,
+            "at the maximum: not held"
+        );
     }
 }

@@ -86,7 +86,7 @@ mod tests {
     #[test]
     fn all_problems_reported_with_keys() {
         let err = Config::from_yaml(
-            "listen: { grpc: nope }\nblocks: { size_chars: 1 }\nscorers: { load: { weight: -1 } }\ngate: { max_kv_usage: 2 }\n",
+            "listen: { grpc: nope }\nblocks: { size_chars: 1 }\nscorers: { load: { weight: -1 } }\ngate: { max_kv_usage: 2 }\nindex: { max_pod_cache_tokens: 0 }\n",
         )
         .unwrap_err();
         let text = err.to_string();
@@ -95,6 +95,7 @@ mod tests {
             "blocks.size_chars",
             "scorers.load.weight",
             "gate.max_kv_usage",
+            "index.max_pod_cache_tokens",
             "pods",
         ] {
             assert!(text.contains(key), "{key} missing from: {text}");

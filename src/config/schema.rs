@@ -264,6 +264,11 @@ impl Default for BlocksConfig {
     }
 }
 
+/// `index.max_pod_cache_tokens`' default, 2^28: about 3 TiB of KV cache (8×H200 HBM plus a
+/// 2 TB host-memory offload tier) at 12 KiB a token, the smallest footprint of a served model
+/// (docs/config.md).
+const DEFAULT_MAX_POD_CACHE_TOKENS: u64 = 1 << 28;
+
 /// Prefix index.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(default, deny_unknown_fields)]
@@ -276,6 +281,9 @@ pub struct IndexConfig {
     pub default_capacity_blocks: usize,
     /// Multiplier applied to a pod's `num_gpu_blocks` (router blocks may differ in size).
     pub capacity_factor: f64,
+    /// Most KV-cache tokens (`num_gpu_blocks` × block size) a pod's report is believed for: a
+    /// larger report is held to this, so no pod sizes its own share of the index.
+    pub max_pod_cache_tokens: u64,
     /// Capacity correction from each pod's reported prefix-cache hits (approximate mode).
     pub correction: crate::config::CorrectionConfig,
     /// The shared index (`backend: redis`).
@@ -289,9 +297,23 @@ impl Default for IndexConfig {
             ttl_ms: 3_600_000,
             default_capacity_blocks: 31_250,
             capacity_factor: 1.0,
+            max_pod_cache_tokens: DEFAULT_MAX_POD_CACHE_TOKENS,
             correction: crate::config::CorrectionConfig::default(),
             redis: RedisConfig::default(),
         }
+    }
+}
+
+impl IndexConfig {
+    /// A pod's KV cache in tokens as it reports it (`num_gpu_blocks` of `block_tokens`), held to
+    /// `max_pod_cache_tokens`, and whether that held it: a report is believed only up to the
+    /// largest engine the router is configured to expect.
+    pub fn pod_cache_tokens(&self, num_gpu_blocks: u64, block_tokens: u64) -> (u64, bool) {
+        let reported = num_gpu_blocks.saturating_mul(block_tokens);
+        (
+            reported.min(self.max_pod_cache_tokens),
+            reported > self.max_pod_cache_tokens,
+        )
     }
 }
 

@@ -44,6 +44,9 @@ impl Config {
         if !(self.index.capacity_factor > 0.0 && self.index.capacity_factor.is_finite()) {
             bad("index.capacity_factor", "must be a positive number");
         }
+        if self.index.max_pod_cache_tokens == 0 {
+            bad("index.max_pod_cache_tokens", "must be positive");
+        }
         for (key, reason) in self.index.correction.problems() {
             bad(&format!("index.correction.{key}"), reason);
         }

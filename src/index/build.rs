@@ -94,17 +94,17 @@ fn local_index(index: &IndexConfig, events: &KvEventsConfig, blocks: &BlocksConf
 }
 
 /// Index capacity (router blocks) of a pod whose KV cache holds `num_gpu_blocks` engine blocks
-/// of `engine_block_tokens` tokens: its cache in router blocks (`size_chars` bytes ≈
-/// `blocks.size_chars / 4` tokens), times `index.capacity_factor`.
+/// of `engine_block_tokens` tokens (held to `index.max_pod_cache_tokens`): its cache in router
+/// blocks (`size_chars` bytes ≈ `blocks.size_chars / 4` tokens), times `index.capacity_factor`.
 pub fn index_capacity(
     index: &IndexConfig,
     blocks: &BlocksConfig,
     num_gpu_blocks: u64,
     engine_block_tokens: u64,
 ) -> usize {
+    let (tokens, _) = index.pod_cache_tokens(num_gpu_blocks, engine_block_tokens);
     let router_block = (blocks.size_chars / 4).max(1) as f64;
-    (num_gpu_blocks as f64 * engine_block_tokens as f64 / router_block * index.capacity_factor)
-        as usize
+    (tokens as f64 / router_block * index.capacity_factor) as usize
 }
 
 #[cfg(test)]
@@ -123,5 +123,24 @@ mod tests {
         };
         // 1000 blocks of 16 tokens = 16 000 tokens = 250 router blocks of 64 tokens, x 1.5.
         assert_eq!(index_capacity(&index, &blocks, 1000, 16), 375);
+    }
+
+    #[test]
+    fn a_reported_cache_past_the_maximum_is_held_to_it() {
+        let index = IndexConfig {
+            max_pod_cache_tokens: 64_000,
+            ..IndexConfig::default()
+        };
+        let blocks = BlocksConfig::default();
+        assert_eq!(index.pod_cache_tokens(4000, 16), (64_000, false));
+        assert_eq!(index.pod_cache_tokens(4001, 16), (64_000, true));
+        assert_eq!(index.pod_cache_tokens(u64::MAX, u64::MAX), (64_000, true));
+        // 64 000 tokens in router blocks of 16 tokens.
+        assert_eq!(index_capacity(&index, &blocks, 1 << 50, 16), 4000);
+        assert_eq!(
+            index_capacity(&index, &blocks, 16, 1 << 50),
+            4000,
+            "a block size too"
+        );
     }
 }
