@@ -59,6 +59,18 @@ impl LoraScorerConfig {
                 "names must be non-empty, at most 256 bytes, and an adapter is not its own base",
             ));
         }
+        let bases: std::collections::BTreeSet<&String> = self.adapters.values().collect();
+        // A base model is never an adapter (docs/lora.md): such an entry could never apply.
+        if self
+            .adapters
+            .iter()
+            .any(|(a, b)| a != b && bases.contains(a))
+        {
+            p.push((
+                "adapters",
+                "a model is an adapter or a base model, not both",
+            ));
+        }
         p
     }
 }
@@ -97,6 +109,19 @@ mod tests {
         c.adapters.insert("a".into(), "a".into());
         let keys: Vec<_> = c.problems().into_iter().map(|(k, _)| k).collect();
         assert_eq!(keys, ["weight", "free_slot_score", "adapters"]);
+        let chain = LoraScorerConfig {
+            adapters: [("a", "b"), ("b", "c")]
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .into(),
+            ..LoraScorerConfig::default()
+        };
+        assert_eq!(
+            chain.problems(),
+            [(
+                "adapters",
+                "a model is an adapter or a base model, not both"
+            )]
+        );
         let err = Config::from_yaml(
             "pods: { static: [{ address: 127.0.0.1:1 }] }\nscorers: { lora: { wieght: 1 } }\n",
         )

@@ -140,8 +140,8 @@ fn names(list: &str) -> BTreeSet<String> {
         .collect()
 }
 
-/// A pod's LoRA state: its last residency report, adapter loads not yet exported, and the
-/// adapters its `/v1/models` lists (adapter → base model).
+/// A pod's LoRA state: its last residency report, adapter loads not yet exported, and what its
+/// `/v1/models` lists: adapters (adapter → base model) and base models.
 #[derive(Debug, Default)]
 pub(crate) struct LoraState {
     pub residency: Option<(Instant, Arc<LoraResidency>)>,
@@ -149,6 +149,7 @@ pub(crate) struct LoraState {
     pub recent: VecDeque<String>,
     pub unexported_loads: u64,
     pub adapters: BTreeMap<String, String>,
+    pub bases: BTreeSet<String>,
 }
 
 impl LoraState {
@@ -196,6 +197,18 @@ where
         .collect()
 }
 
+/// The base models of a `/v1/models` answer: ids of cards without a parent, bounded.
+pub fn listed_bases(cards: &[(String, Option<String>)]) -> BTreeSet<String> {
+    cards
+        .iter()
+        .filter(|(id, parent)| {
+            parent.is_none() && !id.is_empty() && id.len() <= MAX_LORA_NAME_BYTES
+        })
+        .take(MAX_POD_ADAPTERS)
+        .map(|(id, _)| id.clone())
+        .collect()
+}
+
 /// What `/debug/pods` shows of a pod's adapters.
 #[derive(Debug, Clone, Serialize)]
 pub struct LoraReport {
@@ -208,15 +221,21 @@ pub struct LoraReport {
 }
 
 /// The base model of `model` if it names a LoRA adapter: the parent some pod lists for it,
-/// else `configured` (`scorers.lora.adapters`). `None`: a base model (or unknown).
+/// else `configured` (`scorers.lora.adapters`). `None`: a base model (or unknown). An adapter
+/// never shadows a base model: a model some pod serves as one (lists without a parent) or that
+/// `configured` names as one is never an adapter, whatever another pod lists.
 pub fn adapter_base(
     model: &str,
     pods: &[&Arc<Pod>],
     configured: &BTreeMap<String, String>,
 ) -> Option<String> {
-    pods.iter()
+    let base = pods
+        .iter()
         .find_map(|p| p.adapter_parent(model))
-        .or_else(|| configured.get(model).cloned())
+        .or_else(|| configured.get(model).cloned())?;
+    let a_base_model =
+        pods.iter().any(|p| p.serves_as_base(model)) || configured.values().any(|b| b == model);
+    (!a_base_model).then_some(base)
 }
 
 /// The pods that may take a request for `model`. A base model (or none): those that serve it.

@@ -172,6 +172,21 @@ fn listed_adapters_keep_cards_with_a_parent() {
     );
 }
 
+#[test]
+fn listed_bases_are_the_cards_without_a_parent() {
+    let cards = [
+        ("base".to_string(), None),
+        ("sql".to_string(), Some("base".to_string())),
+        (String::new(), None),
+        ("x".repeat(MAX_LORA_NAME_BYTES + 1), None),
+    ];
+    assert_eq!(listed_bases(&cards), set(&["base"]));
+    let many: Vec<_> = (0..2 * MAX_POD_ADAPTERS)
+        .map(|i| (format!("m{i}"), None))
+        .collect();
+    assert_eq!(listed_bases(&many).len(), MAX_POD_ADAPTERS);
+}
+
 fn pod(addr: &str, models: &[&str], adapters: &[(&str, &str)]) -> Arc<Pod> {
     let p = Pod::new(PodSpec {
         id: PodId::new(addr),
@@ -226,6 +241,56 @@ fn an_adapter_goes_to_pods_listing_it_else_to_its_base_models_pods() {
     );
     assert_eq!(adapter_base("sql", &all, &none).as_deref(), Some("base"));
     assert_eq!(adapter_base("base", &all, &cfg), None);
+}
+
+/// A pod that learned `cards` (`(id, parent)`) from its `/v1/models`.
+fn pod_with_cards(addr: &str, cards: &[(&str, Option<&str>)]) -> Arc<Pod> {
+    let p = pod(addr, &[], &[]);
+    let cards = cards
+        .iter()
+        .map(|(id, parent)| (id.to_string(), parent.map(str::to_string)))
+        .collect();
+    p.set_learned_cards(Instant::now(), cards);
+    p
+}
+
+#[test]
+fn a_pod_listing_a_base_model_with_a_parent_does_not_make_it_an_adapter() {
+    let honest = pod_with_cards("10.0.0.1:8000", &[("base", None), ("sql", Some("base"))]);
+    let liar = pod_with_cards("10.0.0.2:8000", &[("base", Some("other"))]);
+    let now = Instant::now();
+    let stale = Duration::from_secs(2);
+    liar.record_lora(now, Some(residency(Some(4), &["base"], &[])));
+    let pods = vec![honest.clone(), liar.clone()];
+    let refs: Vec<&Arc<Pod>> = pods.iter().collect();
+    let none = BTreeMap::new();
+    assert_eq!(adapter_base("base", &refs, &none), None);
+    assert_eq!(
+        fits(Some("base"), &pods, &none, now, stale),
+        None,
+        "a base-model request gets no LoRA column"
+    );
+    assert_eq!(
+        ids(&serving(refs.clone(), Some("base"), &none)),
+        ["10.0.0.1:8000", "10.0.0.2:8000"]
+    );
+    assert_eq!(
+        adapter_base("sql", &refs, &none).as_deref(),
+        Some("base"),
+        "a real adapter still is one"
+    );
+    // With no pod serving it as base, a base model named in `scorers.lora.adapters` holds.
+    let alone = [&liar];
+    let cfg: BTreeMap<String, String> = [("chat".to_string(), "base".to_string())].into();
+    assert_eq!(
+        adapter_base("base", &alone, &none).as_deref(),
+        Some("other")
+    );
+    assert_eq!(adapter_base("base", &alone, &cfg), None);
+    assert_eq!(
+        fits(Some("base"), std::slice::from_ref(&liar), &cfg, now, stale),
+        None
+    );
 }
 
 #[test]

@@ -355,9 +355,27 @@ impl Pod {
         self.lora.lock().adapters = adapters;
     }
 
+    /// Stores a `/v1/models` answer read at `at`, `(id, parent)` of each card: its models, its
+    /// adapters (cards with a parent) and its base models (cards without one).
+    pub fn set_learned_cards(&self, at: Instant, cards: Vec<(String, Option<String>)>) {
+        let models = cards.iter().map(|(id, _)| id.clone()).collect();
+        let bases = lora::listed_bases(&cards);
+        {
+            let mut l = self.lora.lock();
+            l.adapters = listed_adapters(cards);
+            l.bases = bases;
+        }
+        self.set_learned_models(at, models);
+    }
+
     /// The base model the pod lists for adapter `name`.
     pub fn adapter_parent(&self, name: &str) -> Option<String> {
         self.lora.lock().adapters.get(name).cloned()
+    }
+
+    /// Whether the pod's `/v1/models` lists `name` as a base model (a card without a parent).
+    pub fn serves_as_base(&self, name: &str) -> bool {
+        self.lora.lock().bases.contains(name)
     }
 
     /// Stores the LoRA residency of a scrape taken at `at` (`None`: the scrape had none).

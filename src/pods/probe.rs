@@ -148,11 +148,7 @@ impl Prober {
             .is_none_or(|t| t.elapsed() >= Duration::from_millis(self.cfg.models_refresh_ms));
         if ok && pod.spec.models.is_empty() && due {
             match self.fetch_models(&pod).await {
-                Ok(cards) => {
-                    let models = cards.iter().map(|(id, _)| id.clone()).collect();
-                    pod.set_learned_adapters(super::listed_adapters(cards));
-                    pod.set_learned_models(Instant::now(), models)
-                }
+                Ok(cards) => pod.set_learned_cards(Instant::now(), cards),
                 Err(e) => debug!(pod = %pod.id(), error = %e, "reading /v1/models failed"),
             }
         }
