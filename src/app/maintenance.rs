@@ -1,6 +1,6 @@
-//! The maintenance loop: once a second, each pod's index capacity from its KV size (scaled by its
-//! hit accuracy, `index.correction`), the index's TTL sweep, and the index, session and per-pod
-//! gauges.
+//! The maintenance loop: once a second, each pod's index capacity from its KV size (held to
+//! `index.max_pod_cache_tokens`, scaled by its hit accuracy, `index.correction`), the index's TTL
+//! sweep, and the index, session and per-pod gauges.
 
 use std::sync::Arc;
 use std::time::Duration;
