@@ -26,7 +26,18 @@ pub struct FlowConfig {
     pub queue_timeout_ms: u64,
     /// `Retry-After` (seconds) on a 429 from the queue.
     pub retry_after_s: u64,
-    /// The request header carrying a priority (an integer; higher leaves first).
+    /// Take the flow, priority and objective from the request's headers (`flow_header`,
+    /// `priority_header`, `objective_header`). Only where the gateway in front sets or strips
+    /// them: a client that can send them picks its own priority and, by rotating flow ids, its
+    /// own share. Off: every request has `default_priority` and its flow is `identity_header`'s.
+    pub trust_client_headers: bool,
+    /// A header the gateway sets from the authenticated caller (e.g. a tenant or user id); its
+    /// value is the request's flow, trusted or not. Empty: none (without trusted headers, every
+    /// request then shares one flow, served first come, first served).
+    pub identity_header: String,
+    /// The request header carrying a priority (an integer; higher leaves first), read only with
+    /// `trust_client_headers`, and clamped to the configured classes' range
+    /// ([`FlowConfig::priority_range`]).
     pub priority_header: String,
     /// The priority of a request that names none (or an unparsable one).
     pub default_priority: i32,
@@ -60,6 +71,8 @@ impl Default for FlowConfig {
             max_queued: 1024,
             queue_timeout_ms: 10_000,
             retry_after_s: 2,
+            trust_client_headers: false,
+            identity_header: String::new(),
             priority_header: "x-kv-router-priority".into(),
             default_priority: 0,
             shed_below: 0,
@@ -82,6 +95,23 @@ impl FlowConfig {
             .min(self.envoy_max_message_timeout_ms)
     }
 
+    /// The priorities a request can have: from the lowest configured class (an objective's, the
+    /// default, or the highest sheddable one) to the highest (an objective's or the default), so
+    /// that a priority header cannot outrank every configured class or open unbounded bands.
+    pub fn priority_range(&self) -> (i32, i32) {
+        let classes = self.objectives.values().copied();
+        let lo = classes
+            .clone()
+            .chain([self.default_priority, self.shed_below.saturating_sub(1)])
+            .min()
+            .unwrap_or(self.default_priority);
+        let hi = classes
+            .chain([self.default_priority])
+            .max()
+            .unwrap_or(self.default_priority);
+        (lo, hi)
+    }
+
     /// Problems, as (key under `flow_control.`, reason).
     pub fn problems(&self) -> Vec<(String, &'static str)> {
         let mut out = Vec::new();
@@ -102,6 +132,13 @@ impl FlowConfig {
         ] {
             if let Some(r) = header_problem(v) {
                 bad(k, r);
+            }
+        }
+        if !self.identity_header.is_empty() {
+            if let Some(r) = header_problem(&self.identity_header) {
+                bad("identity_header", r);
+            } else if self.trust_client_headers && self.identity_header == self.flow_header {
+                bad("identity_header", "must differ from flow_header");
             }
         }
         if self.objectives.len() > 1024
@@ -149,15 +186,20 @@ mod tests {
     #[test]
     fn flow_control_parses_and_reports_bad_values() {
         let ok = Config::from_yaml(
-            "pods: { static: [{ address: 127.0.0.1:1 }] }\nflow_control: {enabled: true, max_queued: 8, objectives: {chat: 10, batch: -1}, flows: {tenant-a: 3}}\n",
+            "pods: { static: [{ address: 127.0.0.1:1 }] }\nflow_control: {enabled: true, max_queued: 8, objectives: {chat: 10, batch: -1}, flows: {tenant-a: 3}, trust_client_headers: true, identity_header: x-tenant}\n",
         )
         .unwrap();
         assert!(ok.flow_control.enabled);
         assert_eq!(ok.flow_control.objectives["batch"], -1);
         assert_eq!(ok.flow_control.flows["tenant-a"], 3);
-        assert!(!Config::default().flow_control.enabled);
+        assert!(ok.flow_control.trust_client_headers);
+        assert_eq!(ok.flow_control.identity_header, "x-tenant");
+        assert_eq!(ok.flow_control.priority_range(), (-1, 10));
+        let default = Config::default().flow_control;
+        assert!(!default.enabled && !default.trust_client_headers);
+        assert_eq!(default.priority_range(), (-1, 0));
         let err = Config::from_yaml(
-            "flow_control: {max_queued: 0, queue_timeout_ms: 0, flow_header: Bad, flows: {a: 0}, recheck_ms: 0, envoy_max_message_timeout_ms: 0}\n",
+            "flow_control: {max_queued: 0, queue_timeout_ms: 0, flow_header: Bad, identity_header: X-User, flows: {a: 0}, recheck_ms: 0, envoy_max_message_timeout_ms: 0}\n",
         )
         .unwrap_err()
         .to_string();
@@ -165,6 +207,7 @@ mod tests {
             "flow_control.max_queued",
             "flow_control.queue_timeout_ms",
             "flow_control.flow_header",
+            "flow_control.identity_header",
             "flow_control.flows",
             "flow_control.recheck_ms",
             "flow_control.envoy_max_message_timeout_ms",

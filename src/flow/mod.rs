@@ -127,21 +127,38 @@ impl FlowControl {
         &self.cfg
     }
 
-    /// The request's priority and flow from its headers: the objective's priority, else the
-    /// priority header, else the default.
+    /// The request's priority and flow. Its flow is the identity header's value; with
+    /// `trust_client_headers`, else the flow header's; else the one shared flow. Its priority,
+    /// only with `trust_client_headers`, is the objective's, else the priority header's (clamped
+    /// to [`FlowConfig::priority_range`]); otherwise, and by default, `default_priority`.
     pub fn classify(&self, headers: &[(String, String)]) -> Class {
         let get = |name: &str| {
             headers
                 .iter()
-                .find(|(k, _)| k == name)
+                .find(|(k, _)| !name.is_empty() && k == name)
                 .map(|(_, v)| v.trim())
+                .filter(|v| !v.is_empty())
         };
-        let priority = get(&self.cfg.objective_header)
-            .and_then(|o| self.cfg.objectives.get(o).copied())
-            .or_else(|| get(&self.cfg.priority_header).and_then(|p| p.parse().ok()))
-            .unwrap_or(self.cfg.default_priority);
-        let flow = FlowId::Named(cut(get(&self.cfg.flow_header).unwrap_or("")).into());
-        Class { priority, flow }
+        let trusted = self.cfg.trust_client_headers;
+        let identity = get(&self.cfg.identity_header);
+        let flow = match identity {
+            Some(id) => id,
+            None if trusted => get(&self.cfg.flow_header).unwrap_or(""),
+            None => "",
+        };
+        let priority = if trusted {
+            let (lo, hi) = self.cfg.priority_range();
+            get(&self.cfg.objective_header)
+                .and_then(|o| self.cfg.objectives.get(o).copied())
+                .or_else(|| get(&self.cfg.priority_header).and_then(|p| p.parse::<i32>().ok()))
+                .map_or(self.cfg.default_priority, |p| p.clamp(lo, hi))
+        } else {
+            self.cfg.default_priority
+        };
+        Class {
+            priority,
+            flow: FlowId::Named(cut(flow).into()),
+        }
     }
 
     /// Whether requests of `model` are queued (a newcomer then waits behind them).

@@ -48,9 +48,16 @@ async fn until(what: &str, mut cond: impl FnMut() -> bool) {
     }
 }
 
+fn trusted() -> FlowConfig {
+    FlowConfig {
+        trust_client_headers: true,
+        ..cfg()
+    }
+}
+
 #[test]
-fn classify_reads_objective_then_priority_then_default() {
-    let (fc, _) = flow_control(cfg());
+fn classify_reads_objective_then_priority_then_default_when_trusted() {
+    let (fc, _) = flow_control(trusted());
     let c = |h: &[(&str, &str)]| fc.classify(&headers(h));
     assert_eq!(c(&[]).priority, 0);
     assert_eq!(c(&[("x-kv-router-priority", " 7 ")]).priority, 7);
@@ -69,11 +76,119 @@ fn classify_reads_objective_then_priority_then_default() {
         .priority,
         3
     );
+    // Clamped to the configured classes' range (-10..=10 here).
+    assert_eq!(c(&[("x-kv-router-priority", "2147483647")]).priority, 10);
+    assert_eq!(c(&[("x-kv-router-priority", "-2147483648")]).priority, -10);
     let long = "é".repeat(100);
     let FlowId::Named(f) = c(&[("x-kv-router-flow", &long)]).flow else {
         panic!("named")
     };
     assert!(f.len() <= MAX_FLOW_ID_BYTES && long.starts_with(&*f));
+}
+
+#[test]
+fn untrusted_headers_buy_nothing() {
+    let (fc, _) = flow_control(FlowConfig {
+        identity_header: "x-tenant".into(),
+        ..cfg()
+    });
+    let c = |h: &[(&str, &str)]| fc.classify(&headers(h));
+    let forged = [
+        ("x-kv-router-priority", "2147483647"),
+        ("x-gateway-inference-objective", "chat"),
+        ("x-kv-router-flow", "tenant-a"),
+    ];
+    assert_eq!(c(&forged), class(0));
+    let with_id = [forged[0], forged[1], forged[2], ("x-tenant", "alice")];
+    assert_eq!(
+        c(&with_id),
+        Class {
+            priority: 0,
+            flow: FlowId::Named("alice".into())
+        }
+    );
+    // The identity header wins over a trusted flow header too.
+    let (fc, _) = flow_control(FlowConfig {
+        identity_header: "x-tenant".into(),
+        ..trusted()
+    });
+    assert_eq!(
+        fc.classify(&headers(&with_id)).flow,
+        FlowId::Named("alice".into())
+    );
+}
+
+/// Enqueues 600 attacker requests (each with `attacker(i)`'s headers plus identity "mallory")
+/// then 60 victim requests (identity "victim"), and returns the victim's share of the releases
+/// made while both still waited.
+fn victim_share(fc: &FlowControl, attacker: impl Fn(usize) -> Vec<(String, String)>) -> f64 {
+    let mut q = queue::Queue::new(10_000, 1024);
+    let id = |who: &str, mut h: Vec<(String, String)>| {
+        h.push(("x-tenant".into(), who.into()));
+        h
+    };
+    for i in 0..600 {
+        let c = fc.classify(&id("mallory", attacker(i)));
+        assert!(matches!(
+            q.push(c.priority, c.flow, 1, false),
+            queue::Pushed::Queued { .. }
+        ));
+    }
+    let victim = id("victim", headers(&[("x-kv-router-flow", "victim")]));
+    for _ in 0..60 {
+        let c = fc.classify(&victim);
+        assert!(matches!(
+            q.push(c.priority, c.flow, 1, true),
+            queue::Pushed::Queued { .. }
+        ));
+    }
+    let (mut victims, mut released, mut attackers_left) = (0, 0, 600);
+    while victims < 60 && attackers_left > 0 {
+        let slot = q.next_ready(|_| true).expect("queued");
+        if q.release(slot.seq).expect("present") {
+            victims += 1;
+        } else {
+            attackers_left -= 1;
+        }
+        released += 1;
+    }
+    f64::from(victims) / f64::from(released)
+}
+
+#[test]
+fn rotating_flow_ids_or_forging_priority_gains_no_share() {
+    let (fc, _) = flow_control(FlowConfig {
+        identity_header: "x-tenant".into(),
+        ..cfg()
+    });
+    let rotating = |i: usize| headers(&[("x-kv-router-flow", &format!("flow-{i}"))]);
+    let priority = |_| headers(&[("x-kv-router-priority", "2147483647")]);
+    let objective = |_| headers(&[("x-gateway-inference-objective", "chat")]);
+    for (what, share) in [
+        ("rotation", victim_share(&fc, rotating)),
+        ("priority", victim_share(&fc, priority)),
+        ("objective", victim_share(&fc, objective)),
+    ] {
+        // Two identities waiting: the victim's fair share is half.
+        assert!(share >= 0.5, "{what}: victim got {share}");
+    }
+}
+
+#[test]
+fn without_an_identity_rotating_flow_ids_is_first_come_first_served() {
+    let (fc, _) = flow_control(cfg());
+    let mut q = queue::Queue::new(10_000, 1024);
+    for i in 0..50 {
+        let c = fc.classify(&headers(&[("x-kv-router-flow", &format!("flow-{i}"))]));
+        q.push(c.priority, c.flow, 1, i);
+    }
+    let order: Vec<usize> = (0..50)
+        .map(|_| {
+            let slot = q.next_ready(|_| true).expect("queued");
+            q.release(slot.seq).expect("present")
+        })
+        .collect();
+    assert_eq!(order, (0..50).collect::<Vec<_>>());
 }
 
 #[tokio::test]
@@ -154,7 +269,7 @@ async fn timeouts_sheds_and_full_queues_are_refused_and_counted() {
 
 #[tokio::test]
 async fn a_dropped_ticket_leaves_the_queue() {
-    let (fc, registry) = flow_control(cfg());
+    let (fc, registry) = flow_control(trusted());
     let headers = headers(&[("x-kv-router-flow", "tenant-a")]);
     let t = fc
         .enqueue(fc.classify(&headers), Some("m".into()), None)

@@ -21,6 +21,9 @@ use serde_json::Value;
 const BUFFERED: &str = "override-host-buffered.yaml";
 /// Per generated token: a 100-token blocker holds its pod for 2 s.
 const DECODE_MS: &str = "20";
+/// Flow headers a gateway sets (the bundled Envoy configs strip the default names).
+const PRIORITY: &str = "x-test-priority";
+const OBJECTIVE: &str = "x-test-objective";
 
 struct Fleet {
     d: Deployment,
@@ -43,8 +46,13 @@ impl Fleet {
             cfg.gate.max_waiting = 1.0;
             cfg.gate.hot_abs = 64.0;
             cfg.pods.scrape_interval_ms = 50;
+            // The bundled Envoy configs strip the default flow headers (clients must not set
+            // them); a gateway that sets its own, trusted ones stands in here.
             cfg.flow_control = FlowConfig {
                 enabled: true,
+                trust_client_headers: true,
+                priority_header: PRIORITY.into(),
+                objective_header: OBJECTIVE.into(),
                 ..flow
             };
         })
@@ -163,7 +171,7 @@ async fn a_flood_on_a_saturated_fleet_is_held_and_released_by_priority() {
         f.queued(&[("priority", "0")]).await == 3.0
     })
     .await;
-    let objective = [("x-gateway-inference-objective", "interactive")];
+    let objective = [(OBJECTIVE, "interactive")];
     let high: Vec<_> = (0..3).map(|i| f.send(300 + i, 10, &objective)).collect();
     // Every high-priority request leaves before any low one: while one waits, all lows wait.
     let deadline = Instant::now() + Duration::from_secs(20);
@@ -216,10 +224,7 @@ async fn refusals_carry_retry_after_and_a_leaving_client_leaves_the_queue() {
     let _blockers = f.saturate(300).await;
 
     // Below shed_below while saturated: refused at once.
-    let shed = f
-        .send(400, 4, &[("x-kv-router-priority", "-1")])
-        .await
-        .unwrap();
+    let shed = f.send(400, 4, &[(PRIORITY, "-1")]).await.unwrap();
     assert_refused(&shed, "shed", &f.diag());
 
     // Waits past the queue timeout.
