@@ -28,6 +28,7 @@ mod e2e_precise;
 mod faults;
 mod faults_streams;
 mod hardening;
+mod router_headers;
 
 // The shared index on a real Redis/Valkey.
 mod redis_replicas;
