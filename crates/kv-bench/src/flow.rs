@@ -84,16 +84,21 @@ impl Arm {
         let h = |k: &str, v: &str| vec![(k.to_string(), v.to_string())];
         match self {
             Arm::Off | Arm::Fair => [
-                ("light", h("x-kv-router-flow", "light")),
-                ("heavy", h("x-kv-router-flow", "heavy")),
+                ("light", h(FLOW_HEADER, "light")),
+                ("heavy", h(FLOW_HEADER, "heavy")),
             ],
             Arm::Priority => [
-                ("high", h("x-kv-router-priority", "10")),
-                ("low", h("x-kv-router-priority", "-1")),
+                ("high", h(PRIORITY_HEADER, "10")),
+                ("low", h(PRIORITY_HEADER, "-1")),
             ],
         }
     }
 }
+
+/// The class headers, as a trusted gateway in front would set them: the bundled Envoy configs
+/// strip the router's default flow and priority headers from clients.
+const FLOW_HEADER: &str = "x-bench-flow";
+const PRIORITY_HEADER: &str = "x-bench-priority";
 
 /// One class's figures in one arm.
 #[derive(Debug, Clone, Serialize)]
@@ -166,6 +171,9 @@ async fn run_arm(
         enabled: arm != Arm::Off,
         queue_timeout_ms: opts.queue_timeout_ms,
         flows: [("light".to_string(), 1), ("heavy".to_string(), 1)].into(),
+        trust_client_headers: true,
+        flow_header: FLOW_HEADER.into(),
+        priority_header: PRIORITY_HEADER.into(),
         ..FlowConfig::default()
     };
     let router = RouterProc::spawn(&bins.kv_router, &cfg).await?;
