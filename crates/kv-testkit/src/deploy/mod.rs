@@ -271,11 +271,17 @@ impl ChildProc {
             Some(s) => format!("exited with {s}"),
             None => "still running".to_string(),
         };
+        // Some servers (redis-server) log to stdout: name that file's tail when stderr is empty.
+        let mut log = "stderr.log";
+        let mut tail = self.stderr_tail(30);
+        if tail.trim().is_empty() {
+            log = "stdout.log";
+            tail = tail_of(&self.dir.path().join(log), 30);
+        }
         anyhow!(
-            "{} {what} ({status}); stderr tail ({}):\n{}",
+            "{} {what} ({status}); {log} tail ({}):\n{tail}",
             self.name,
-            self.dir.path().join("stderr.log").display(),
-            self.stderr_tail(30)
+            self.dir.path().join(log).display(),
         )
     }
 }

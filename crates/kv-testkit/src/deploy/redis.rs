@@ -169,8 +169,21 @@ pub struct RedisCluster {
 }
 
 impl RedisCluster {
-    /// Starts three cluster-enabled servers on free ports and forms the cluster.
+    /// Starts three cluster-enabled servers on free ports and forms the cluster, on new ports
+    /// when another process took one between its pick and the server's bind (as
+    /// [`RedisProc::start`] does).
     pub fn start(bin: &Path) -> Result<Self> {
+        let mut last = None;
+        for _ in 0..3 {
+            match Self::try_start(bin) {
+                Ok(c) => return Ok(c),
+                Err(e) => last = Some(e),
+            }
+        }
+        Err(last.expect("at least one attempt"))
+    }
+
+    fn try_start(bin: &Path) -> Result<Self> {
         let mut nodes = Vec::new();
         for _ in 0..SLOT_RANGES.len() {
             nodes.push(ClusterNode {
