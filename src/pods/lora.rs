@@ -170,17 +170,23 @@ impl LoraState {
 
     /// `adapter` was just used on the pod: first in [`LoraState::recent`].
     pub fn used(&mut self, adapter: &str) {
-        if let Some(i) = self.recent.iter().position(|a| a == adapter) {
-            if let Some(a) = self.recent.remove(i) {
-                self.recent.push_front(a);
-            }
-            return;
-        }
-        if self.recent.len() >= MAX_RECENT_ADAPTERS {
-            self.recent.pop_back();
-        }
-        self.recent.push_front(adapter.to_string());
+        mark_used(&mut self.recent, adapter);
     }
+}
+
+/// Moves `adapter` to the front of a pod's recently used adapters (newest first, at most
+/// [`MAX_RECENT_ADAPTERS`]): the live pod's and the simulator's one rule.
+pub fn mark_used(recent: &mut VecDeque<String>, adapter: &str) {
+    if let Some(i) = recent.iter().position(|a| a == adapter) {
+        if let Some(a) = recent.remove(i) {
+            recent.push_front(a);
+        }
+        return;
+    }
+    if recent.len() >= MAX_RECENT_ADAPTERS {
+        recent.pop_back();
+    }
+    recent.push_front(adapter.to_string());
 }
 
 /// Keeps the adapters of a `/v1/models` answer: `(id, parent)` pairs with a parent, bounded.

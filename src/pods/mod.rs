@@ -39,8 +39,8 @@ pub use inflight::{prefill_time, InflightGuard, Settling, Timestamp, MAX_PREFILL
 #[cfg(feature = "kubernetes")]
 pub use kubernetes::KubernetesSource;
 pub use lora::{
-    adapter_base, fits as lora_fits, listed_adapters, read_lora_info, serving, LoraFit, LoraReport,
-    LoraResidency, MAX_LORA_SERIES, MAX_POD_ADAPTERS,
+    adapter_base, fits as lora_fits, listed_adapters, mark_used as mark_adapter_used,
+    read_lora_info, serving, LoraFit, LoraReport, LoraResidency, MAX_LORA_SERIES, MAX_POD_ADAPTERS,
 };
 pub use metrics::PodMetrics;
 pub use prefill_watch::{PrefillVerdict, PrefillWatch};

@@ -31,9 +31,6 @@ pub(super) fn ready<T>(f: impl std::future::Future<Output = T>) -> T {
         .expect("in-memory index operations complete without waiting")
 }
 
-/// Recently used adapters remembered per pod (the live `pods::lora::MAX_RECENT_ADAPTERS`).
-const RECENT_ADAPTERS: usize = 64;
-
 /// Virtual time in microseconds, as the router's in-flight accounting sees it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub(super) struct SimTime(pub(super) u64);
@@ -140,18 +137,9 @@ impl PodView {
         }
     }
 
-    /// `adapter` was just used on the pod: first in `recent`.
+    /// `adapter` was just used on the pod: first in `recent`, as on a live pod.
     pub(super) fn used(&mut self, adapter: &str) {
-        if let Some(i) = self.recent.iter().position(|a| a == adapter) {
-            if let Some(a) = self.recent.remove(i) {
-                self.recent.push_front(a);
-            }
-            return;
-        }
-        if self.recent.len() >= RECENT_ADAPTERS {
-            self.recent.pop_back();
-        }
-        self.recent.push_front(adapter.to_string());
+        kv_router::pods::mark_adapter_used(&mut self.recent, adapter);
     }
 
     /// A request was routed here at `now` with `tokens` estimated uncached prompt tokens,
