@@ -54,7 +54,7 @@ async fn decider() -> (Decider, Arc<PodRegistry>) {
     let index = Arc::new(MemoryIndex::new(cfg.index.ttl_ms, 1_000_000));
     let sessions = Arc::new(SessionStore::new(10_000, 600_000));
     let d = Decider::new(
-        &cfg,
+        cfg.decision(),
         Arc::default(),
         registry.clone(),
         index,

@@ -66,7 +66,7 @@ pub async fn run(cfg: Config, tokenizers: TokenizerRegistry) -> anyhow::Result<(
     let mode = mode(&cfg);
     let decider = Arc::new(
         Decider::new(
-            &cfg,
+            cfg.decision(),
             Arc::new(tokenizers),
             pods.clone(),
             index.clone(),

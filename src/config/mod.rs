@@ -39,7 +39,46 @@ pub use schema::{
     Listen, LogConfig, LogFormat, PickApiConfig, ServerConfig, TokenizerConfig,
 };
 
+/// The sections the decision reads (`Decider::new`, `Stages::new`): it is handed these, not the
+/// whole [`Config`].
+#[derive(Debug, Clone, Copy)]
+pub struct DecisionSections<'a> {
+    /// `strict`: an unparsable body is refused instead of routed by load.
+    pub strict: bool,
+    /// `policy`.
+    pub policy: Policy,
+    /// `fallbacks`.
+    pub fallbacks: usize,
+    /// `blocks`.
+    pub blocks: &'a BlocksConfig,
+    /// `kv_events` (precise mode and its block size).
+    pub kv_events: &'a KvEventsConfig,
+    /// `scorers`.
+    pub scorers: &'a ScorersConfig,
+    /// `gate`.
+    pub gate: &'a GateConfig,
+    /// `disaggregation`.
+    pub disaggregation: &'a DisaggConfig,
+    /// `pods.stale_after_ms`: how old a load sample may be before it is not believed.
+    pub stale_after_ms: u64,
+}
+
 impl Config {
+    /// The sections the decision reads.
+    pub fn decision(&self) -> DecisionSections<'_> {
+        DecisionSections {
+            strict: self.strict,
+            policy: self.policy,
+            fallbacks: self.fallbacks,
+            blocks: &self.blocks,
+            kv_events: &self.kv_events,
+            scorers: &self.scorers,
+            gate: &self.gate,
+            disaggregation: &self.disaggregation,
+            stale_after_ms: self.pods.stale_after_ms,
+        }
+    }
+
     /// Reads, parses and validates a YAML file.
     pub fn load(path: &Path) -> Result<Self, ConfigError> {
         let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {

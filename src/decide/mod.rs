@@ -15,7 +15,7 @@
 //!
 //! Files, bottom up: `plan.rs` (the plan's types, [`rank`], [`commit`]), `disagg.rs` ([`plan`]:
 //! P/D on top of `rank`), `input.rs` ([`DecisionInput`], its gatherer and the entry point), this
-//! file (the live front, and the only one that reads the whole [`Config`]).
+//! file (the live front, handed the config's [`DecisionSections`]).
 
 mod disagg;
 mod input;
@@ -31,7 +31,7 @@ use tokio::time::Instant;
 use tracing::{debug, warn};
 
 use crate::blocks::{BlockKey, BlockScheme};
-use crate::config::{Config, GateConfig, PodRole};
+use crate::config::{DecisionSections, GateConfig, PodRole};
 use crate::index::KvIndex;
 use crate::keys::{Keyer, Keys};
 use crate::pods::{
@@ -58,13 +58,13 @@ pub use plan::{
 
 impl Stages {
     /// The stages `cfg` configures (policy, scorers, gate, retry list, P/D threshold).
-    pub fn new(cfg: &Config) -> Self {
+    pub fn new(cfg: DecisionSections<'_>) -> Self {
         Self::from_sections(
             cfg.policy,
             cfg.fallbacks,
-            &cfg.scorers,
-            &cfg.gate,
-            &cfg.disaggregation,
+            cfg.scorers,
+            cfg.gate,
+            cfg.disaggregation,
         )
     }
 }
@@ -249,14 +249,14 @@ impl Decider {
     /// The live path over the router's pods, index and sessions; `tokenizers` from
     /// [`crate::keys::load_tokenizers`] (empty: approximate keys for every model).
     pub fn new(
-        cfg: &Config,
+        cfg: DecisionSections<'_>,
         tokenizers: Arc<TokenizerRegistry>,
         registry: Arc<PodRegistry>,
         index: Arc<dyn KvIndex>,
         sessions: Arc<SessionStore>,
         metrics: DecisionMetrics,
     ) -> Self {
-        let s = &cfg.scorers;
+        let s = cfg.scorers;
         let offload_bytes = if tokenizers.is_empty() {
             OFFLOAD_BYTES
         } else {
@@ -276,13 +276,13 @@ impl Decider {
             heavy: Arc::new(tokio::sync::Semaphore::new(
                 std::thread::available_parallelism().map_or(2, |n| n.get()),
             )),
-            stale_after: Duration::from_millis(cfg.pods.stale_after_ms),
+            stale_after: Duration::from_millis(cfg.stale_after_ms),
             session_headers: s.session.headers.clone(),
             use_user_field: s.session.use_user_field,
             registry,
             index,
             share: Arc::new(NoShare),
-            state: DecisionState::new(&cfg.gate, sessions, Recording::AfterReply),
+            state: DecisionState::new(cfg.gate, sessions, Recording::AfterReply),
             stages: Stages::new(cfg),
             metrics,
             epoch: Instant::now(),

@@ -35,7 +35,7 @@ pub(crate) async fn decider(
     let index = Arc::new(MemoryIndex::new(cfg.index.ttl_ms, 1000));
     let sessions = Arc::new(SessionStore::new(100, 10_000));
     let d = Decider::new(
-        &cfg,
+        cfg.decision(),
         Arc::default(),
         registry.clone(),
         index,

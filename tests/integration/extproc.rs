@@ -94,7 +94,7 @@ async fn harness_with_budget(limit: usize, budget: usize) -> Harness {
     let mut registry = prometheus_client::registry::Registry::default();
     let errors = Errors::register(&mut registry);
     let decider = Arc::new(Decider::new(
-        &cfg,
+        cfg.decision(),
         Arc::default(),
         pods.clone(),
         Arc::new(MemoryIndex::new(60_000, 10_000)),

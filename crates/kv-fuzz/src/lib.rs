@@ -596,7 +596,7 @@ async fn service() -> Arc<Service> {
     let mut registry = prometheus_client::registry::Registry::default();
     let errors = Errors::register(&mut registry);
     let decider = Arc::new(Decider::new(
-        &cfg,
+        cfg.decision(),
         Arc::default(),
         pods.clone(),
         Arc::new(MemoryIndex::new(60_000, 10_000)),

@@ -90,7 +90,7 @@ async fn same_plans(fleet: Fleet, requests: &[Request]) {
     }
     let sessions = SessionStore::new(cfg.scorers.session.capacity, cfg.scorers.session.ttl_ms);
     let live = Decider::new(
-        &cfg,
+        cfg.decision(),
         Arc::default(),
         registry.clone(),
         build_index(&cfg.index, &cfg.kv_events, &cfg.blocks, None)

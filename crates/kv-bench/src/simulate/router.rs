@@ -203,7 +203,7 @@ impl SimRouter {
     pub(super) fn new(cfg: &Config, index: Option<Arc<dyn KvIndex>>, ids: Vec<PodId>) -> Self {
         let sessions = SessionStore::new(cfg.scorers.session.capacity, cfg.scorers.session.ttl_ms);
         Self {
-            stages: Stages::new(cfg),
+            stages: Stages::new(cfg.decision()),
             state: DecisionState::new(&cfg.gate, Arc::new(sessions), Recording::InCommit),
             index,
             views: ids.iter().map(|_| PodView::default()).collect(),
