@@ -280,7 +280,11 @@ fn three_charts(
 
 /// Renders the whole document.
 pub fn render(title: &str, intro: &str, machine: &str, sections: &[Section]) -> String {
-    let mut md = format!("# {title}\n\n{intro}\n\nMachine: {machine}.\n\n");
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let date = kv_router::tokenize::strftime_utc("%Y-%m-%d", i64::try_from(now).unwrap_or(0));
+    let mut md = format!("# {title}\n\n{intro}\n\nMachine: {machine}. Date: {date} (UTC).\n\n");
     md.push_str("Contents:\n\n");
     for s in sections {
         md.push_str(&format!("- [{}](#{})\n", s.title, anchor(&s.title)));
@@ -459,6 +463,7 @@ mod tests {
         let secs = vec![section("Multi-turn chat", true), section("Overhead", false)];
         let md = render("Results", "intro", &machine(), &secs);
         assert!(md.contains("- [Multi-turn chat](#multi-turn-chat)"));
+        assert!(md.contains(". Date: 20"), "the report is dated");
         write(dir.path(), &md, &secs).unwrap();
         check(dir.path(), 2).unwrap();
         assert!(check(dir.path(), 3).is_err(), "section count is checked");
