@@ -52,7 +52,8 @@ impl Envoy {
             admin: SocketAddr::from(([127, 0, 0, 1], admin)),
             dir,
         };
-        let deadline = Instant::now() + Duration::from_secs(20);
+        // Generous: under a loaded CI machine an Envoy start took past 20 s.
+        let deadline = Instant::now() + Duration::from_secs(60);
         loop {
             if let Ok(r) = reqwest::get(format!("http://{}/ready", e.admin)).await {
                 if r.text().await.unwrap_or_default().trim() == "LIVE" {
