@@ -132,6 +132,10 @@ pub struct HostileArgs {
     /// With --attacks: only the attacks whose name contains this (e.g. "Pick flood").
     #[arg(long)]
     pub only: Option<String>,
+    /// With --attacks: run every attack against this kv-router binary first (an earlier build),
+    /// then against the current one, and table the two side by side.
+    #[arg(long)]
+    pub before_router: Option<PathBuf>,
     /// Print a markdown table too.
     #[arg(long)]
     pub markdown: bool,

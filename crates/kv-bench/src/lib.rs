@@ -10,6 +10,7 @@ pub mod extproc_client;
 pub mod flow;
 pub mod hostile;
 pub mod hostile_attacks;
+pub mod hostile_compare;
 pub mod idle;
 pub mod llama;
 pub mod lora;

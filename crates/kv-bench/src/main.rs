@@ -175,18 +175,29 @@ async fn real_main(cli: Cli) -> Result<()> {
         }
         Cmd::Hostile(a) if a.attacks => {
             let hold = Duration::from_secs(a.hold_s);
-            let results = bench::hostile_attacks::run(
-                &Binaries::beside_current_exe()?,
-                hold,
-                a.only.as_deref(),
-            )
-            .await?;
+            let bins = Binaries::beside_current_exe()?;
+            let before = match &a.before_router {
+                Some(old) => {
+                    let old = Binaries::new(old, &bins.vllm_sim);
+                    Some(bench::hostile_attacks::run(&old, hold, a.only.as_deref()).await?)
+                }
+                None => None,
+            };
+            let results = bench::hostile_attacks::run(&bins, hold, a.only.as_deref()).await?;
             println!("{}", bench::hostile_attacks::table(&results, Style::Plain));
             if a.markdown {
                 println!(
                     "{}",
                     bench::hostile_attacks::table(&results, Style::Markdown)
                 );
+            }
+            if let Some(before) = &before {
+                let style = if a.markdown {
+                    Style::Markdown
+                } else {
+                    Style::Plain
+                };
+                println!("{}", bench::hostile_compare::table(before, &results, style));
             }
             if let Some(path) = &a.json {
                 write_json(path, &results)?;
