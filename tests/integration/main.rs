@@ -46,3 +46,5 @@ mod istio_inferencepool;
 mod kind_demo;
 #[cfg(feature = "kubernetes")]
 mod kubernetes_discovery;
+#[cfg(feature = "kubernetes")]
+mod memory_bounds;

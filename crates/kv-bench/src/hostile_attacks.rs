@@ -18,6 +18,8 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
 use super::table::{Style, Table};
+#[path = "hostile_envoy.rs"]
+mod hostile_envoy;
 use kv_testkit::deploy::{
     find_envoy, local_router_config, Binaries, EnvoyProc, RouterProc, SimPod,
 };
@@ -528,6 +530,30 @@ pub async fn run(bins: &Binaries, hold: Duration, only: Option<&str>) -> Result<
         .await;
         drop(e);
     }
+    s.attack(
+        hostile_envoy::BUFFERED.name,
+        hostile_envoy::held_uploads(
+            &envoy,
+            &root,
+            &hostile_envoy::BUFFERED,
+            router.grpc,
+            pod.addr,
+            hold,
+        ),
+    )
+    .await;
+    s.attack(
+        hostile_envoy::FULL_DUPLEX.name,
+        hostile_envoy::held_uploads(
+            &envoy,
+            &root,
+            &hostile_envoy::FULL_DUPLEX,
+            router.grpc,
+            pod.addr,
+            hold,
+        ),
+    )
+    .await;
     if router.process().exited().is_some() {
         anyhow::bail!(
             "kv-router exited during the run:\n{}",
