@@ -1,5 +1,6 @@
-//! A budget on request-body bytes buffered at once, one per port: the gRPC port's is shared by
-//! every ext_proc stream and Pick message, the admin port's by explain inputs. Past it a stream's
+//! A budget on request-body bytes buffered at once, one per caller class: on the gRPC port one for
+//! ext_proc (its messages and the bodies its streams hold) and one for Pick messages, so neither
+//! can spend the other's; on the admin port one for explain inputs. Past it a stream's
 //! next chunk is refused with a fast 503 instead of growing memory (1,500 streams each holding
 //! 1 MiB once took RSS to 3 GB).
 
@@ -59,6 +60,11 @@ impl Reservation {
         ok
     }
 
+    /// Bytes held now.
+    pub fn held(&self) -> usize {
+        self.held
+    }
+
     /// Returns everything held.
     pub fn release(&mut self) {
         self.budget.used.fetch_sub(self.held, Ordering::AcqRel);
@@ -69,6 +75,53 @@ impl Reservation {
 impl Drop for Reservation {
     fn drop(&mut self) {
         self.release();
+    }
+}
+
+/// Why a metered gRPC request body was refused before its bytes were buffered. It travels in the
+/// body's error status (metadata [`Refused::KEY`]) so the service reading the body answers its
+/// own way: ext_proc replies 413 or 503 to Envoy's client instead of ending the stream blank.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refused {
+    /// A message announced more than the service's message limit.
+    TooLarge,
+    /// The budget was spent.
+    Spent,
+    /// A message started and was not complete in time.
+    Stalled,
+}
+
+impl Refused {
+    /// The metadata key of the refusal's status.
+    pub const KEY: &'static str = "x-kv-router-refused";
+
+    fn as_str(self) -> &'static str {
+        match self {
+            Refused::TooLarge => "too-large",
+            Refused::Spent => "budget",
+            Refused::Stalled => "stalled",
+        }
+    }
+
+    /// The body's error: RESOURCE_EXHAUSTED, or DEADLINE_EXCEEDED when stalled.
+    pub fn status(self, message: String) -> tonic::Status {
+        let mut status = match self {
+            Refused::TooLarge | Refused::Spent => tonic::Status::resource_exhausted(message),
+            Refused::Stalled => tonic::Status::deadline_exceeded(message),
+        };
+        status.metadata_mut().insert(
+            Self::KEY,
+            tonic::metadata::MetadataValue::from_static(self.as_str()),
+        );
+        status
+    }
+
+    /// The refusal `status` carries, if it is one.
+    pub fn of(status: &tonic::Status) -> Option<Self> {
+        let v = status.metadata().get(Self::KEY)?.to_str().ok()?;
+        [Refused::TooLarge, Refused::Spent, Refused::Stalled]
+            .into_iter()
+            .find(|r| r.as_str() == v)
     }
 }
 

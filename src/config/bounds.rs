@@ -107,6 +107,20 @@ pub(super) fn upper_bounds(cfg: &Config, bad: &mut impl FnMut(&str, &str)) {
     if !(1024..=MAX_BODY_LIMIT_BYTES).contains(&cfg.pick_api.max_message_bytes) {
         bad("pick_api.max_message_bytes", "must be in 1024..=1073741824");
     }
+    if !(cfg.pick_api.max_message_bytes..=MAX_BODY_LIMIT_BYTES)
+        .contains(&cfg.pick_api.max_buffered_bytes)
+    {
+        bad(
+            "pick_api.max_buffered_bytes",
+            "must be in pick_api.max_message_bytes..=1073741824 (one full message must fit)",
+        );
+    }
+    if !(1..=300_000).contains(&cfg.server.message_timeout_ms) {
+        bad("server.message_timeout_ms", "must be in 1..=300000 (5 min)");
+    }
+    if !(1..=1_000_000).contains(&cfg.server.max_extproc_streams) {
+        bad("server.max_extproc_streams", "must be in 1..=1000000");
+    }
     if cfg.server.max_buffered_body_bytes < cfg.body_limit_bytes {
         bad(
             "server.max_buffered_body_bytes",
@@ -257,6 +271,31 @@ mod tests {
             ""
         );
         assert_eq!(problems("log: { level: \"kv_router=debug,info\" }"), "");
+    }
+
+    #[test]
+    fn grpc_port_limits_are_validated() {
+        for (yaml, key) in [
+            (
+                "server: { message_timeout_ms: 0 }",
+                "server.message_timeout_ms",
+            ),
+            (
+                "server: { max_extproc_streams: 0 }",
+                "server.max_extproc_streams",
+            ),
+            (
+                "pick_api: { max_buffered_bytes: 1048576 }",
+                "pick_api.max_buffered_bytes",
+            ),
+        ] {
+            let text = problems(yaml);
+            assert!(text.contains(key), "{yaml}: {key} not reported in {text:?}");
+        }
+        assert_eq!(
+            problems("pick_api: { max_message_bytes: 1048576, max_buffered_bytes: 1048576 }"),
+            ""
+        );
     }
 
     #[test]

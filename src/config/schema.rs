@@ -79,6 +79,11 @@ pub struct ServerConfig {
     pub max_connections: usize,
     /// A gRPC connection that has not sent its HTTP/2 preface (or TLS hello) by then is closed.
     pub handshake_timeout_ms: u64,
+    /// A gRPC message (ext_proc or Pick) started and not complete by then fails its stream, and
+    /// its reserved bytes go back to the budget.
+    pub message_timeout_ms: u64,
+    /// Most ext_proc streams open at once (all connections); a new one past it is refused.
+    pub max_extproc_streams: usize,
     /// TLS on the gRPC port (ext_proc, Pick, health); none of its files set: plaintext.
     pub tls: GrpcTlsConfig,
 }
@@ -92,6 +97,8 @@ impl Default for ServerConfig {
             max_buffered_body_bytes: 256 << 20,
             max_connections: 10_000,
             handshake_timeout_ms: 5_000,
+            message_timeout_ms: 10_000,
+            max_extproc_streams: 8_192,
             tls: GrpcTlsConfig::default(),
         }
     }
@@ -126,8 +133,11 @@ pub struct PickApiConfig {
     /// Accept a caller-chosen `subset` of endpoints.
     pub allow_subset: bool,
     /// Largest Pick message: a prompt with its headers, not a whole ext_proc body. Each one's
-    /// announced length is reserved from `server.max_buffered_body_bytes` before it is read.
+    /// announced length is reserved from `max_buffered_bytes` before it is read.
     pub max_message_bytes: usize,
+    /// Pick messages buffered at once, apart from ext_proc's `server.max_buffered_body_bytes`,
+    /// so Pick callers cannot spend the gateway's room.
+    pub max_buffered_bytes: usize,
 }
 
 impl Default for PickApiConfig {
@@ -136,6 +146,7 @@ impl Default for PickApiConfig {
             allow_commit: false,
             allow_subset: false,
             max_message_bytes: 16 << 20,
+            max_buffered_bytes: 32 << 20,
         }
     }
 }

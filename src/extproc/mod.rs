@@ -9,6 +9,7 @@ pub mod reply;
 
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -31,11 +32,11 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 
-use crate::budget::{BodyBudget, Reservation};
+use crate::budget::{BodyBudget, Refused, Reservation};
 use crate::decide::{DecideError, DecideRequest, Decider, Decision, PendingRecord, Saturated};
 use crate::flow::FlowControl;
 use crate::pods::InflightGuard;
-use crate::telemetry::Errors;
+use crate::telemetry::{ErrorKind, Errors};
 use reply::Rejection;
 
 pub use reply::{
@@ -95,6 +96,33 @@ impl ExtProcMetrics {
     }
 }
 
+/// The streams open at once, across connections, and the most allowed.
+#[derive(Debug)]
+struct StreamCap {
+    open: AtomicUsize,
+    limit: usize,
+}
+
+/// One open stream's place under the cap, given back when dropped.
+struct StreamSlot(Arc<StreamCap>);
+
+impl StreamCap {
+    fn try_open(self: &Arc<Self>) -> Option<StreamSlot> {
+        self.open
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < self.limit).then_some(n + 1)
+            })
+            .ok()
+            .map(|_| StreamSlot(self.clone()))
+    }
+}
+
+impl Drop for StreamSlot {
+    fn drop(&mut self) {
+        self.0.open.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
 /// ext_proc service state shared by all streams.
 #[derive(Clone)]
 pub struct ExtProc {
@@ -105,6 +133,7 @@ pub struct ExtProc {
     budget: BodyBudget,
     /// `flow_control.enabled`: requests wait here while every pod is saturated.
     flow: Option<Arc<FlowControl>>,
+    streams: Arc<StreamCap>,
 }
 
 impl ExtProc {
@@ -119,9 +148,19 @@ impl ExtProc {
         self.with_shared_budget(BodyBudget::new(bytes))
     }
 
-    /// Draws bodies from `budget`, which other services of the port share.
+    /// Draws bodies from `budget`, which the port's meter of ext_proc messages shares.
     pub fn with_shared_budget(mut self, budget: BodyBudget) -> Self {
         self.budget = budget;
+        self
+    }
+
+    /// Refuses a new stream while `limit` are open (default: unlimited): each costs ≈ 16 KiB
+    /// besides its body, and a stream that sent its headers and nothing more has no deadline.
+    pub fn with_stream_limit(mut self, limit: usize) -> Self {
+        self.streams = Arc::new(StreamCap {
+            open: AtomicUsize::new(0),
+            limit,
+        });
         self
     }
 
@@ -139,6 +178,10 @@ impl ExtProc {
             destination_header,
             budget: BodyBudget::new(usize::MAX),
             flow: None,
+            streams: Arc::new(StreamCap {
+                open: AtomicUsize::new(0),
+                limit: usize::MAX,
+            }),
         }
     }
 }
@@ -153,6 +196,14 @@ impl ExternalProcessor for ExtProc {
         &self,
         request: Request<Streaming<ProcessingRequest>>,
     ) -> Result<Response<Self::ProcessStream>, Status> {
+        // Refused before anything is kept: an established stream is never closed for a new one.
+        let Some(slot) = self.streams.try_open() else {
+            self.metrics.errors.inc(ErrorKind::StreamLimit);
+            return Err(Status::resource_exhausted(format!(
+                "{} ext_proc streams are open (server.max_extproc_streams); retry later",
+                self.streams.limit
+            )));
+        };
         let inbound = request.into_inner();
         let (tx, rx) = mpsc::channel(16);
         let this = self.clone();
@@ -160,6 +211,7 @@ impl ExternalProcessor for ExtProc {
             run: Some(Box::pin(async move { this.run(inbound, tx).await })),
             replies: rx,
             ending: None,
+            _slot: slot,
         })))
     }
 }
@@ -173,6 +225,7 @@ struct Driven {
     replies: mpsc::Receiver<Box<ProcessingResponse>>,
     /// The error status the work ended with, sent after its queued replies.
     ending: Option<Status>,
+    _slot: StreamSlot,
 }
 
 impl Stream for Driven {
@@ -316,10 +369,28 @@ impl ExtProc {
         while let Some(msg) = inbound.next().await {
             let msg = match msg {
                 Ok(m) => m,
-                // Envoy resets the side stream when the HTTP stream ends: a normal end.
                 Err(status) => {
-                    debug!(code = ?status.code(), "ext_proc stream ended by Envoy");
-                    reset = true;
+                    match Refused::of(&status) {
+                        // The port's meter refused a message before buffering it (it counted the
+                        // spent budget and the stall): a stall ends the stream with its status,
+                        // a refused message is answered to the client as a refused chunk is.
+                        Some(Refused::Stalled) => ending = Some(status),
+                        Some(refused) => {
+                            let r = if refused == Refused::TooLarge {
+                                let r = Rejection::BodyTooLarge(self.body_limit);
+                                self.metrics.errors.inc(r.kind());
+                                r
+                            } else {
+                                Rejection::Overloaded
+                            };
+                            send(&tx, reply::immediate_error(&r)).await;
+                        }
+                        // Envoy resets the side stream when the HTTP stream ends: a normal end.
+                        None => {
+                            debug!(code = ?status.code(), "ext_proc stream ended by Envoy");
+                            reset = true;
+                        }
+                    }
                     break;
                 }
             };

@@ -1,6 +1,6 @@
 //! The gRPC port (`listen.grpc`): Envoy's ext_proc ([`crate::extproc`]), the `Pick` service
-//! ([`super::pick`]) and gRPC health, on one listener with one connection limit and one body
-//! budget.
+//! ([`super::pick`]) and gRPC health, on one listener with one connection limit, a body budget
+//! for each of ext_proc and Pick, and a cap on open ext_proc streams.
 //!
 //! - **Who may call**: anyone who reaches the port; with `server.tls.client_ca_file`, only
 //!   holders of a client certificate it signed. Nothing else is asked of a caller.
@@ -10,10 +10,19 @@
 //!   `pick_api.allow_commit`; health is read-only.
 //! - **Memory**: at most `server.max_connections` connections (at the cap the oldest still in
 //!   its handshake, else the quietest, is closed; [`super::conns`]), each with at most
-//!   `server.max_concurrent_streams` streams; every request body ext_proc buffers and every Pick
-//!   message draws from one budget of `server.max_buffered_body_bytes` ([`BodyBudget`]), an
-//!   ext_proc body being at most `body_limit_bytes` and a Pick message at most
-//!   `pick_api.max_message_bytes`.
+//!   `server.max_concurrent_streams` streams, and at most `server.max_extproc_streams` ext_proc
+//!   streams open at once on all of them (≈ 16 KiB each besides its body: 8,192 ≈ 128 MiB; a
+//!   new one past it gets `RESOURCE_EXHAUSTED`, counted as `stream_limit`; Pick and health are
+//!   not held to it). Request bytes are held to two budgets ([`BodyBudget`]), so neither caller
+//!   class can spend the other's: ext_proc's `server.max_buffered_body_bytes` (each message's
+//!   announced length, at most `body_limit_bytes` + 1 MiB, reserved before a byte of it is
+//!   buffered and given back once it passed whole, then the bodies its streams hold before their
+//!   decision) and Pick's `pick_api.max_buffered_bytes` (each message at most
+//!   `pick_api.max_message_bytes`, held until its body ends); [`super::metered`]. A message
+//!   started and not complete within `server.message_timeout_ms` (a Pick body: also its end)
+//!   fails its stream with `DEADLINE_EXCEEDED` and gives its bytes back, so a stalled caller
+//!   holds a budget for at most that long. Worst case ≈ 80 MiB + 2.2 × (both budgets) + 16 KiB
+//!   × `max_extproc_streams` + 15 KiB × `max_connections` (docs/operations.md).
 //!
 //! Its health services report [`Readiness`], as `/readyz` on the admin port does.
 
@@ -36,7 +45,7 @@ use crate::flow::FlowControl;
 use crate::supervise::Supervisor;
 
 use super::conns::{self, ConnMetrics};
-use super::pick::budget::Metered;
+use super::metered::{Hold, Meter, Metered};
 use super::pick::proto::picker_server::PickerServer;
 use super::pick::PickService;
 use super::readiness::Readiness;
@@ -95,7 +104,8 @@ pub(crate) async fn start(
     supervisor.spawn("readiness", move || {
         report_readiness(readiness.clone(), health_reporter.clone())
     });
-    // One budget for every body this port buffers: ext_proc bodies and Pick messages.
+    // Two budgets, so neither caller class can spend the other's room: ext_proc's (its messages
+    // as they arrive, then the bodies its streams hold) and Pick's.
     let budget = BodyBudget::new(cfg.server.max_buffered_body_bytes);
     let errors = metrics.errors();
     let mut extproc = ExtProc::new(
@@ -104,19 +114,39 @@ pub(crate) async fn start(
         cfg.body_limit,
         cfg.destination_header,
     )
-    .with_shared_budget(budget.clone());
+    .with_shared_budget(budget.clone())
+    .with_stream_limit(cfg.server.max_extproc_streams);
     if let Some(flow) = flow {
         extproc = extproc.with_flow_control(flow);
     }
+    let message_timeout = Duration::from_millis(cfg.server.message_timeout_ms);
     // Validated to at most 1 GiB; saturating all the same so no value can wrap the limit.
     let limit = cfg.body_limit.saturating_add(1 << 20);
+    let extproc = Metered::new(
+        ExternalProcessorServer::new(extproc).max_decoding_message_size(limit),
+        Meter {
+            budget,
+            max_message: limit,
+            max_message_key: "body_limit_bytes (+1 MiB)",
+            budget_key: "server.max_buffered_body_bytes",
+            message_timeout,
+            hold: Hold::Message,
+            errors: errors.clone(),
+        },
+    );
     let pick_limit = cfg.pick_api.max_message_bytes;
     let pick = Metered::new(
         PickerServer::new(PickService::new(decider, cfg.pick_api.clone()))
             .max_decoding_message_size(pick_limit),
-        budget,
-        pick_limit,
-        errors,
+        Meter {
+            budget: BodyBudget::new(cfg.pick_api.max_buffered_bytes),
+            max_message: pick_limit,
+            max_message_key: "pick_api.max_message_bytes",
+            budget_key: "pick_api.max_buffered_bytes",
+            message_timeout,
+            hold: Hold::Body,
+            errors,
+        },
     );
     let addr = cfg.addr;
     let listener = conns::bind(addr).with_context(|| format!("binding gRPC listener {addr}"))?;
@@ -130,7 +160,7 @@ pub(crate) async fn start(
         .http2_keepalive_interval(Some(Duration::from_secs(30)))
         .max_concurrent_streams(Some(cfg.server.max_concurrent_streams))
         .add_service(health_service)
-        .add_service(ExternalProcessorServer::new(extproc).max_decoding_message_size(limit))
+        .add_service(extproc)
         .add_service(pick)
         .serve_with_incoming_shutdown(incoming, closed))
 }
@@ -207,3 +237,7 @@ pub(super) async fn report(
     health_reporter.set_service_status("", status).await;
     *last = Some(ready);
 }
+
+#[cfg(test)]
+#[path = "grpc_tests.rs"]
+mod tests;

@@ -45,6 +45,10 @@ pub enum ErrorKind {
     BodyBudget,
     /// Flow control answered 429: queue full, timed out, or shed.
     FlowControl,
+    /// A gRPC message started and was not complete within `server.message_timeout_ms`.
+    MessageTimeout,
+    /// A new ext_proc stream was refused: `server.max_extproc_streams` were open.
+    StreamLimit,
 }
 
 impl ErrorKind {
@@ -66,6 +70,8 @@ impl ErrorKind {
             ErrorKind::ProbePanic => "probe_panic",
             ErrorKind::BodyBudget => "body_budget",
             ErrorKind::FlowControl => "flow_control",
+            ErrorKind::MessageTimeout => "message_timeout",
+            ErrorKind::StreamLimit => "stream_limit",
         }
     }
 }

@@ -363,14 +363,14 @@ async fn stalled_pick(
     (resp, body)
 }
 
-/// Pick messages draw from the router's buffered-body budget by their announced length, before
-/// their bytes are buffered: stalled uploads past it are refused at once (RESOURCE_EXHAUSTED),
-/// where 40 such streams once held 1.6 GB.
+/// Pick messages draw from Pick's buffered-body budget by their announced length, before their
+/// bytes are buffered: stalled uploads past it are refused at once (RESOURCE_EXHAUSTED), where
+/// 40 such streams once held 1.6 GB.
 #[tokio::test]
 async fn stalled_pick_uploads_are_held_to_the_body_budget() {
     let (_pod, r) = router(|c| {
         c.body_limit_bytes = 4 << 20;
-        c.server.max_buffered_body_bytes = 8 << 20;
+        c.pick_api.max_buffered_bytes = 8 << 20;
         c.pick_api.max_message_bytes = 4 << 20;
     })
     .await;

@@ -8,9 +8,9 @@
 //!   `commit` records its decision (index entries, session pin, in-flight load until the pod's
 //!   next scrape); with `pick_api.allow_subset` a caller narrows the candidates.
 //! - **Memory**: each message at most `pick_api.max_message_bytes`, its announced length reserved
-//!   from the gRPC port's body budget before a byte of it is buffered ([`budget`]).
-
-pub(crate) mod budget;
+//!   from Pick's own budget (`pick_api.max_buffered_bytes`, apart from ext_proc's) before a byte
+//!   of it is buffered, and given back if the message and the body's end do not come within
+//!   `server.message_timeout_ms` ([`super::metered`]).
 
 use std::sync::Arc;
 
