@@ -177,12 +177,12 @@ fn router_input(c: &Config, source: &str) -> Option<f64> {
     match source {
         "server.max_buffered_body_bytes" => Some(c.server.max_buffered_body_bytes as f64),
         "server.max_connections" => Some(c.server.max_connections as f64),
+        "server.max_extproc_streams" => Some(c.server.max_extproc_streams as f64),
+        "pick_api.max_buffered_bytes" => Some(c.pick_api.max_buffered_bytes as f64),
         "explain budget: body_limit_bytes × 2 + 1 MiB" => {
             Some((c.body_limit_bytes * 2 + (1 << 20)) as f64)
         }
-        // Measured figures, and the global stream cap this config does not have yet: the term
-        // counts its planned default (docs/operations.md says so).
-        "measured" | "server.max_extproc_streams (planned default)" => None,
+        "measured" => None,
         other => panic!(
             "[router] term source `{other}`: teach {} to read it",
             file!()
