@@ -17,6 +17,7 @@ use crate::ingest::CatchUp;
 use crate::pods::{EngineResolver, PodRegistry};
 use crate::scoring::SessionStore;
 use crate::server::admin::{self, AdminSettings, AdminSources};
+use crate::server::fds;
 use crate::server::grpc::{self, GrpcServices, GrpcSettings};
 use crate::server::readiness::Readiness;
 use crate::supervise::Supervisor;
@@ -130,12 +131,18 @@ pub async fn run(cfg: Config, tokenizers: TokenizerRegistry) -> anyhow::Result<(
         shared.decider.index().clone(),
     );
     let (grpc_addr, admin_addr) = (cfg.grpc_addr(), cfg.admin_addr());
+    // Both ports' caps fit under the file-descriptor limit (raised to its hard limit first).
+    let caps = fds::raise_and_cap(cfg.server.max_connections, admin::MAX_CONNECTIONS);
+    let server = crate::config::ServerConfig {
+        max_connections: caps.grpc_max_connections,
+        ..cfg.server.clone()
+    };
     let grpc = grpc::start(
         GrpcSettings {
             addr: grpc_addr,
             body_limit: cfg.body_limit_bytes,
             destination_header: cfg.destination_header,
-            server: &cfg.server,
+            server: &server,
             pick_api: &cfg.pick_api,
         },
         GrpcServices {
@@ -155,6 +162,7 @@ pub async fn run(cfg: Config, tokenizers: TokenizerRegistry) -> anyhow::Result<(
             admin: &cfg.admin,
             body_limit: cfg.body_limit_bytes,
             stale_after: Duration::from_millis(cfg.pods.stale_after_ms),
+            caps,
         },
         AdminSources {
             registry: telemetry.registry,

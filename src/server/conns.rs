@@ -6,7 +6,10 @@
 //!
 //! Evictable means: on the gRPC port, short of its first `HANDSHAKE_BYTES` (the HTTP/2 preface, or
 //! a TLS ClientHello), which must also arrive within the handshake timeout; on the admin port, not
-//! serving a request (reading headers or idle between requests; hyper bounds both in time). When
+//! running a request's handler (reading headers, idle, or writing a response). The admin port
+//! evicts an idle connection first, else the one whose response has been stuck writing the longest
+//! (520 HTTP/2 connections whose `/metrics` responses met a zero flow-control window once held
+//! every slot), and refuses only while every one runs a handler. When
 //! nothing is, a gRPC port at its cap evicts the connection that has read nothing the longest: a
 //! flood of HTTP/2 connections that complete their handshake and then say nothing once locked out
 //! every new one. A gateway's live connection reads at least its keepalive PING ACKs every 30 s,
@@ -17,7 +20,7 @@ use std::fmt::Write as _;
 use std::future::Future;
 use std::io;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::LazyLock;
 use std::sync::{Arc, Weak};
 use std::task::{Context, Poll};
@@ -32,6 +35,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpSocket, TcpStream};
+use tokio::sync::Notify;
 use tokio::time::{Instant, Sleep};
 use tonic::transport::server::{Connected, TcpConnectInfo};
 use tracing::debug;
@@ -72,8 +76,11 @@ pub enum Closed {
     Evicted,
     /// gRPC: its handshake bytes did not arrive in time.
     HandshakeTimeout,
-    /// Admin: a request's headers did not arrive in time (idle keep-alive included).
+    /// Admin: a request's headers did not arrive in time (idle keep-alive and an HTTP/2
+    /// connection with no open stream included).
     HeaderTimeout,
+    /// Admin: a response was not written within the write deadline.
+    WriteTimeout,
 }
 
 impl EncodeLabelValue for Port {
@@ -92,6 +99,7 @@ impl EncodeLabelValue for Closed {
             Closed::Evicted => "evicted",
             Closed::HandshakeTimeout => "handshake_timeout",
             Closed::HeaderTimeout => "header_timeout",
+            Closed::WriteTimeout => "write_timeout",
         })
     }
 }
@@ -125,7 +133,7 @@ impl ConnMetrics {
         );
         registry.register(
             "connections_closed",
-            "Connections the router closed to bound them (refused or evicted at the cap, handshake or header timeout), by listener",
+            "Connections the router closed to bound them (refused or evicted at the cap, handshake, header or write timeout), by listener",
             m.closed.clone(),
         );
         m
@@ -153,6 +161,17 @@ struct Slot {
     last_read: AtomicU64,
     evicted: AtomicBool,
     waker: AtomicWaker,
+    /// Admin: wakes the connection's task to drop it (evicted, or a write deadline passed).
+    kill: Notify,
+    /// Admin: requests whose handler runs.
+    handling: AtomicU32,
+    /// Admin: responses being written, and since when the first of them ([`now_ms`]).
+    writing: AtomicU32,
+    writing_since: AtomicU64,
+    /// Admin: when it last had no request in hand ([`now_ms`]).
+    idle_since: AtomicU64,
+    /// Admin: a write to the socket is waiting for the peer to read.
+    write_blocked: AtomicBool,
     port: Port,
     metrics: ConnMetrics,
 }
@@ -161,6 +180,32 @@ impl Slot {
     fn evict(&self) {
         self.evicted.store(true, Ordering::Release);
         self.waker.wake();
+        self.kill.notify_one();
+    }
+
+    /// Admin: no handler runs and no response is being written.
+    fn idle(&self) -> bool {
+        self.handling.load(Ordering::Acquire) == 0 && self.writing.load(Ordering::Acquire) == 0
+    }
+
+    fn evictable(&self) -> bool {
+        match self.port {
+            Port::Grpc => self.evictable.load(Ordering::Acquire),
+            Port::Admin => self.idle(),
+        }
+    }
+
+    /// Admin: writing responses only, since when (`None` while a handler runs or none writes).
+    fn stuck_writing(&self) -> Option<u64> {
+        let writing = self.writing.load(Ordering::Acquire) > 0;
+        (writing && self.handling.load(Ordering::Acquire) == 0)
+            .then(|| self.writing_since.load(Ordering::Acquire))
+    }
+
+    fn went_idle(&self) {
+        if self.idle() {
+            self.idle_since.store(now_ms(), Ordering::Release);
+        }
     }
 }
 
@@ -197,10 +242,9 @@ impl Tracker {
         let mut open = self.open.lock();
         open.retain(|w| w.strong_count() > 0);
         if open.len() >= self.cap {
-            let oldest = open.iter().position(|w| {
-                w.upgrade()
-                    .is_some_and(|s| s.evictable.load(Ordering::Acquire))
-            });
+            let oldest = open
+                .iter()
+                .position(|w| w.upgrade().is_some_and(|s| s.evictable()));
             // gRPC: else the connection that has read nothing the longest.
             let quietest = || {
                 let live = open.iter().enumerate();
@@ -208,9 +252,15 @@ impl Tracker {
                     .filter_map(|(i, w)| Some((w.upgrade()?.last_read.load(Ordering::Relaxed), i)));
                 quiet.min().map(|(_, i)| i)
             };
+            // Admin: else the one whose response has been stuck writing the longest.
+            let stuck = || {
+                let live = open.iter().enumerate();
+                let writing = live.filter_map(|(i, w)| Some((w.upgrade()?.stuck_writing()?, i)));
+                writing.min().map(|(_, i)| i)
+            };
             let victim = match self.port {
                 Port::Grpc => oldest.or_else(quietest),
-                Port::Admin => oldest,
+                Port::Admin => oldest.or_else(stuck),
             };
             let Some(oldest) = victim else {
                 self.metrics.closed(self.port, Closed::Refused);
@@ -230,6 +280,12 @@ impl Tracker {
             last_read: AtomicU64::new(now_ms()),
             evicted: AtomicBool::new(false),
             waker: AtomicWaker::new(),
+            kill: Notify::new(),
+            handling: AtomicU32::new(0),
+            writing: AtomicU32::new(0),
+            writing_since: AtomicU64::new(0),
+            idle_since: AtomicU64::new(now_ms()),
+            write_blocked: AtomicBool::new(false),
             port: self.port,
             metrics: self.metrics.clone(),
         });
@@ -237,9 +293,10 @@ impl Tracker {
         Some(slot)
     }
 
-    /// An admin connection: evictable whenever it is not serving a request (see [`Busy`]).
-    /// `None` when refused at the cap (dropped: closed at once).
-    pub fn admit_http(&self, tcp: TcpStream) -> Option<(Guarded, Busy)> {
+    /// An admin connection: evictable whenever no handler of its runs (see [`Busy`]); a write
+    /// to its socket that waits longer than `write_timeout` fails. `None` when refused at the cap
+    /// (dropped: closed at once).
+    pub fn admit_http(&self, tcp: TcpStream, write_timeout: Duration) -> Option<(Guarded, Busy)> {
         let slot = self.admit()?;
         let busy = Busy(slot.clone());
         let conn = Guarded {
@@ -248,28 +305,77 @@ impl Tracker {
             read: 0,
             deadline: None,
             handshake_bytes: None,
+            write_timeout: Some(write_timeout),
+            write_deadline: None,
         };
         Some((conn, busy))
     }
 }
 
-/// Marks an admin connection as serving a request (not evictable) while held.
+/// An admin connection's state, for its service and its task.
 #[derive(Clone)]
 pub struct Busy(Arc<Slot>);
 
-/// Held while a request is served; the connection is evictable again once it drops.
-pub struct Serving(Arc<Slot>);
+/// Held from a request's headers until its response is written (or dropped).
+pub struct Serving {
+    slot: Arc<Slot>,
+    writing: bool,
+}
 
 impl Busy {
+    /// A request's handler starts: not evictable until it returns.
     pub fn serving(&self) -> Serving {
-        self.0.evictable.store(false, Ordering::Release);
-        Serving(self.0.clone())
+        self.0.handling.fetch_add(1, Ordering::AcqRel);
+        Serving {
+            slot: self.0.clone(),
+            writing: false,
+        }
+    }
+
+    /// Resolves once the connection must close: evicted, or a response's write deadline passed.
+    pub async fn killed(&self) {
+        self.0.kill.notified().await
+    }
+
+    /// How long it has had no request in hand and no write waiting; `None` while it has.
+    pub fn idle_for(&self) -> Option<Duration> {
+        let s = &self.0;
+        if !s.idle() || s.write_blocked.load(Ordering::Acquire) {
+            return None;
+        }
+        let since = s.idle_since.load(Ordering::Acquire);
+        Some(Duration::from_millis(now_ms().saturating_sub(since)))
+    }
+
+    /// Closes the connection: a response missed its write deadline.
+    pub fn write_timed_out(&self) {
+        self.0.metrics.closed(self.0.port, Closed::WriteTimeout);
+        self.0.kill.notify_one();
+    }
+}
+
+impl Serving {
+    /// The handler returned: its response is being written (evictable when nothing else runs).
+    pub fn writing(&mut self) {
+        if std::mem::replace(&mut self.writing, true) {
+            return;
+        }
+        let s = &self.slot;
+        if s.writing.fetch_add(1, Ordering::AcqRel) == 0 {
+            s.writing_since.store(now_ms(), Ordering::Release);
+        }
+        s.handling.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
 impl Drop for Serving {
     fn drop(&mut self) {
-        self.0.evictable.store(true, Ordering::Release);
+        let counter = match self.writing {
+            true => &self.slot.writing,
+            false => &self.slot.handling,
+        };
+        counter.fetch_sub(1, Ordering::AcqRel);
+        self.slot.went_idle();
     }
 }
 
@@ -281,12 +387,44 @@ pub struct Guarded {
     deadline: Option<Pin<Box<Sleep>>>,
     /// gRPC: evictable until this many bytes were read.
     handshake_bytes: Option<u64>,
+    /// Admin: how long a write may wait for the peer to read, and when the waiting one fails.
+    write_timeout: Option<Duration>,
+    write_deadline: Option<Pin<Box<Sleep>>>,
 }
 
 impl Guarded {
     fn closed(&self, why: &'static str) -> io::Error {
         debug!(why, "connection closed by the connection guard");
         io::Error::new(io::ErrorKind::TimedOut, why)
+    }
+
+    /// Admin: a write that stays pending past the write timeout fails (the peer stopped reading).
+    fn write_waits<T>(
+        &mut self,
+        cx: &mut Context<'_>,
+        res: Poll<io::Result<T>>,
+    ) -> Poll<io::Result<T>> {
+        let Some(timeout) = self.write_timeout else {
+            return res;
+        };
+        if res.is_ready() {
+            self.write_deadline = None;
+            self.slot.write_blocked.store(false, Ordering::Release);
+            return res;
+        }
+        self.slot.write_blocked.store(true, Ordering::Release);
+        let deadline = self
+            .write_deadline
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep(timeout)));
+        if deadline.as_mut().poll(cx).is_ready() {
+            self.write_deadline = None;
+            self.slot.write_blocked.store(false, Ordering::Release);
+            self.slot
+                .metrics
+                .closed(self.slot.port, Closed::WriteTimeout);
+            return Poll::Ready(Err(self.closed("write timeout")));
+        }
+        res
     }
 }
 
@@ -336,7 +474,8 @@ impl AsyncWrite for Guarded {
         cx: &mut Context<'_>,
         data: &[u8],
     ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.inner).poll_write(cx, data)
+        let res = Pin::new(&mut self.inner).poll_write(cx, data);
+        self.write_waits(cx, res)
     }
 
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
@@ -352,7 +491,8 @@ impl AsyncWrite for Guarded {
         cx: &mut Context<'_>,
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
+        let res = Pin::new(&mut self.inner).poll_write_vectored(cx, bufs);
+        self.write_waits(cx, res)
     }
 
     fn is_write_vectored(&self) -> bool {
@@ -404,6 +544,8 @@ pub fn incoming(
                         Instant::now() + handshake_timeout,
                     ))),
                     handshake_bytes: Some(HANDSHAKE_BYTES),
+                    write_timeout: None,
+                    write_deadline: None,
                 };
                 return Some((Ok(conn), listener));
             }
@@ -416,7 +558,11 @@ mod tests {
     use super::*;
 
     fn evictable(s: &Slot) -> bool {
-        s.evictable.load(Ordering::Acquire)
+        s.evictable()
+    }
+
+    fn busy(s: &Slot) {
+        s.handling.fetch_add(1, Ordering::AcqRel);
     }
 
     #[test]
@@ -425,10 +571,10 @@ mod tests {
         let t = Tracker::new(Port::Admin, 2, m.clone());
         let a = t.admit().unwrap();
         let b = t.admit().unwrap();
-        a.evictable.store(false, Ordering::Release);
+        busy(&a);
         let c = t.admit().expect("b, still evictable, makes room");
         assert!(b.evicted.load(Ordering::Acquire) && !a.evicted.load(Ordering::Acquire));
-        c.evictable.store(false, Ordering::Release);
+        busy(&c);
         assert!(t.admit().is_none(), "nothing open is evictable");
         drop(a);
         let d = t.admit();
@@ -471,7 +617,7 @@ mod tests {
         // The admin port keeps refusing instead: its busy connections are serving requests.
         let admin = Tracker::new(Port::Admin, 1, ConnMetrics::default());
         let busy = admin.admit().unwrap();
-        busy.evictable.store(false, Ordering::Release);
+        super::tests::busy(&busy);
         assert!(admin.admit().is_none());
     }
 
@@ -486,5 +632,30 @@ mod tests {
         drop(serving);
         assert!(evictable(&a));
         assert!(t.admit().is_some() && a.evicted.load(Ordering::Acquire));
+    }
+
+    #[test]
+    fn an_admin_port_at_its_cap_evicts_the_response_stuck_writing_the_longest() {
+        let t = Tracker::new(Port::Admin, 3, ConnMetrics::default());
+        let slots: Vec<_> = (0..3).map(|_| t.admit().unwrap()).collect();
+        let mut serving: Vec<_> = slots.iter().map(|s| Busy(s.clone()).serving()).collect();
+        for (s, since) in serving.iter_mut().zip([30, 10, 20]) {
+            s.writing();
+            s.slot.writing_since.store(since, Ordering::Release);
+        }
+        assert!(!evictable(&slots[1]), "writing: not idle");
+        assert!(t.admit().is_some(), "a response stuck writing makes room");
+        let evicted: Vec<_> = slots
+            .iter()
+            .map(|s| s.evicted.load(Ordering::Acquire))
+            .collect();
+        assert_eq!(evicted, [false, true, false], "the one writing the longest");
+        // A handler running on a connection keeps it, whatever else it writes.
+        let handler = Busy(slots[0].clone()).serving();
+        assert_eq!(slots[0].stuck_writing(), None);
+        drop(serving);
+        assert!(evictable(&slots[2]) && !evictable(&slots[0]));
+        drop(handler);
+        assert!(evictable(&slots[0]));
     }
 }

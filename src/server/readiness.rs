@@ -237,6 +237,7 @@ mod tests {
             body_limit: 1 << 20,
             bodies: BodyBudget::new(1 << 20),
             token: None,
+            caps: crate::server::fds::caps(None, 1, 1),
         });
         let (reporter, _server) = grpc::health().await;
         let health = HealthService::from_health_reporter(reporter.clone());

@@ -27,6 +27,7 @@ mod e2e_pd;
 mod e2e_precise;
 mod faults;
 mod faults_streams;
+mod fd_limit;
 mod hardening;
 mod router_headers;
 

@@ -6,8 +6,9 @@
 //!   `/metrics`, `/healthz` and `/readyz` stay open for scrapers and probes.
 //! - **What a caller may change**: nothing. `POST /debug/explain` plans a decision without
 //!   committing it; `/debug/pods` shows pod addresses, models and load.
-//! - **Memory**: at most [`serve::MAX_CONNECTIONS`] connections, each reading headers for at most
-//!   [`serve::HEADER_READ_TIMEOUT`] into hyper's bounded read buffer; explain inputs being read
+//! - **Memory**: at most [`serve::MAX_CONNECTIONS`] connections (fewer under a low file-descriptor
+//!   limit: `server::fds`), each reading headers for at most [`serve::HEADER_READ_TIMEOUT`] into
+//!   hyper's bounded read buffer and writing a response for at most [`serve::WRITE_TIMEOUT`]; explain inputs being read
 //!   hold at most 2 × `body_limit_bytes` + 1 MiB, all callers together, from a budget of the
 //!   port's own (the gRPC port's is never spent here).
 
@@ -27,11 +28,14 @@ use crate::pods::PodRegistry;
 use crate::scoring::SessionStore;
 
 use super::conns::{self, ConnMetrics};
+use super::fds::ConnCaps;
 use super::readiness::Readiness;
 use crate::budget::BodyBudget;
 
 pub(super) mod routes;
 mod serve;
+
+pub(crate) use serve::MAX_CONNECTIONS;
 
 use routes::AdminState;
 
@@ -45,6 +49,8 @@ pub(crate) struct AdminSettings<'a> {
     pub body_limit: usize,
     /// `pods.stale_after_ms`: `/debug/pods` shows older metrics as stale.
     pub stale_after: Duration,
+    /// Both ports' connection caps in force (this port's is `admin_max_connections`).
+    pub caps: ConnCaps,
 }
 
 /// What the admin port reads.
@@ -91,10 +97,12 @@ pub(crate) async fn start(
         // spend the data plane's (ext_proc bodies would get 503s).
         bodies: BodyBudget::new(explain_limit),
         body_limit: explain_limit,
+        caps: cfg.caps,
     });
     let listener =
         conns::bind(admin_addr).with_context(|| format!("binding admin listener {admin_addr}"))?;
-    Ok(serve::serve(listener, app, conn_metrics, closing))
+    let limits = serve::Limits::new(cfg.caps.admin_max_connections);
+    Ok(serve::serve(listener, app, conn_metrics, limits, closing))
 }
 
 /// The admin bearer token: `admin.token_file` (trimmed) wins over `admin.token`; none = open.

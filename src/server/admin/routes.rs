@@ -19,6 +19,7 @@ use crate::decide::{DecideRequest, Decider};
 use crate::extproc::reply::Rejection;
 use crate::pods::{prefill_models, PodRegistry};
 use crate::scoring::SessionStore;
+use crate::server::fds::ConnCaps;
 use crate::server::readiness::Readiness;
 
 /// What the admin handlers read.
@@ -45,6 +46,8 @@ pub struct AdminState {
     pub bodies: BodyBudget,
     /// Bearer token `/debug/*` requires; `None` = open.
     pub token: Option<Arc<str>>,
+    /// Both ports' connection caps, for `/debug/pods`.
+    pub caps: ConnCaps,
 }
 
 /// The admin router.
@@ -188,6 +191,7 @@ async fn debug_pods(State(s): State<AdminState>) -> Json<Value> {
         "mode": s.mode,
         "index": { "backend": s.decider.index().describe(), "stats": s.decider.index().stats() },
         "sessions": s.sessions.len(),
+        "connections": s.caps,
         "pods": pods,
     }))
 }
