@@ -20,6 +20,8 @@ use tokio::net::TcpStream;
 use super::table::{Style, Table};
 #[path = "hostile_envoy.rs"]
 mod hostile_envoy;
+#[path = "hostile_grpc.rs"]
+mod grpc;
 use kv_testkit::deploy::{
     find_envoy, local_router_config, Binaries, EnvoyProc, RouterProc, SimPod,
 };
@@ -483,6 +485,21 @@ pub async fn run(bins: &Binaries, hold: Duration, only: Option<&str>) -> Result<
     s.attack(
         "Pick flood: 40 streams, 60 MiB announced, 40 MiB sent",
         pick_flood(router.grpc, 1, 40, 60 << 20, 40 << 20),
+    )
+    .await;
+    s.attack(
+        "extproc-stalled-messages: 40 streams, 64 MiB announced, 1 MiB sent",
+        grpc::extproc_stalled_messages(router.grpc, 40, 64 << 20, 1 << 20),
+    )
+    .await;
+    s.attack(
+        "pick-holds-budget: 40 Pick streams, 16 MiB announced, 1 MiB sent, ext_proc beside",
+        grpc::pick_holds_budget(router.grpc, 40, 16 << 20, 1 << 20),
+    )
+    .await;
+    s.attack(
+        "extproc-stream-flood: 5 conns x 4,000 streams sending request headers",
+        grpc::extproc_stream_flood(router.grpc, 5, 4_000),
     )
     .await;
     let explain = "POST /debug/explain HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: 125000000\r\n\r\n{\"body\": \"".to_string();
