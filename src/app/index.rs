@@ -6,8 +6,8 @@ use std::time::Duration;
 
 use tracing::{info, warn};
 
-use crate::config::Config;
-use crate::index::{build_index, KvIndex, RedisMetrics};
+use crate::config::{Config, IndexBackend};
+use crate::index::{build_index_among, KvIndex, MembersFeed, PodMembers, RedisMetrics};
 use crate::ingest::{self, CatchUp, IngestMetrics};
 use crate::pods::PodRegistry;
 use crate::scoring::SessionStore;
@@ -17,10 +17,14 @@ use crate::supervise::Supervisor;
 /// The index, its replica load sharing and the session store.
 type Built = (Arc<dyn KvIndex>, Arc<dyn LoadShare>, Arc<SessionStore>);
 
-/// Builds the index, its replica load sharing and the session store. Fails only on a Redis
-/// setting that cannot work.
-pub(super) fn build(cfg: &Config, redis: Option<RedisMetrics>) -> anyhow::Result<Built> {
-    let built = build_index(&cfg.index, &cfg.kv_events, &cfg.blocks, redis)?;
+/// Builds the index, its replica load sharing and the session store; a shared index's mirror
+/// keeps records for the pods in `members` only. Fails only on a Redis setting that cannot work.
+pub(super) fn build(
+    cfg: &Config,
+    redis: Option<RedisMetrics>,
+    members: PodMembers,
+) -> anyhow::Result<Built> {
+    let built = build_index_among(&cfg.index, &cfg.kv_events, &cfg.blocks, redis, members)?;
     let mut sessions = SessionStore::new(cfg.scorers.session.capacity, cfg.scorers.session.ttl_ms);
     if let Some(shared) = built.sessions {
         let budget = Duration::from_millis(cfg.index.redis.lookup_budget_ms);
@@ -59,4 +63,33 @@ pub(super) fn start_ingestion(
         });
     }
     catch_up
+}
+
+/// With `backend: redis`, starts the `pod_members` loop: every change of the registry's pod set
+/// goes to the shared index's mirror through `feed`.
+pub(super) fn follow_pods(
+    cfg: &Config,
+    supervisor: &Supervisor,
+    pods: &Arc<PodRegistry>,
+    feed: MembersFeed,
+) {
+    if !matches!(cfg.index.backend, IndexBackend::Redis) {
+        return;
+    }
+    let pods = pods.clone();
+    supervisor.spawn("pod_members", move || {
+        let (pods, feed) = (pods.clone(), feed.clone());
+        async move {
+            let mut changed = pods.watch();
+            loop {
+                // Generation 0: the sources have not listed anything yet.
+                if *changed.borrow_and_update() > 0 {
+                    feed.list(pods.snapshot().pods().iter().map(|p| p.id().clone()));
+                }
+                if changed.changed().await.is_err() {
+                    return;
+                }
+            }
+        }
+    });
 }

@@ -63,7 +63,9 @@ struct Shared {
 pub async fn run(cfg: Config, tokenizers: TokenizerRegistry) -> anyhow::Result<()> {
     let telemetry = Telemetry::register(&cfg);
     let pods = Arc::new(PodRegistry::with_engines(EngineResolver::new(&cfg.pods)));
-    let (index, share, sessions) = index::build(&cfg, telemetry.redis)?;
+    // The shared index's mirror follows the pod set the pod sources list (fed below).
+    let (members_feed, members) = crate::index::PodMembers::channel();
+    let (index, share, sessions) = index::build(&cfg, telemetry.redis, members)?;
     let mode = mode(&cfg);
     let decider = Arc::new(
         Decider::new(
@@ -84,6 +86,7 @@ pub async fn run(cfg: Config, tokenizers: TokenizerRegistry) -> anyhow::Result<(
     }));
     info!(mode, policy = cfg.policy.as_str(), "kv-router starting");
     let supervisor = telemetry.supervisor;
+    index::follow_pods(&cfg, &supervisor, &pods, members_feed);
     let catch_up = index::start_ingestion(&cfg, &supervisor, &pods, &index, telemetry.ingest);
     let flow = telemetry.flow.map(|m| {
         let flow = FlowControl::new(cfg.flow_control.clone(), m);

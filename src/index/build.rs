@@ -5,7 +5,8 @@
 use std::sync::Arc;
 
 use super::{
-    EventIndex, EventIndexConfig, KvIndex, Local, MemoryIndex, RedisIndex, RedisMetrics, Tuning,
+    EventIndex, EventIndexConfig, KvIndex, Local, MemoryIndex, PodMembers, RedisIndex,
+    RedisMetrics, Tuning,
 };
 use crate::config::{BlocksConfig, IndexBackend, IndexConfig, KvEventsConfig};
 use crate::scoring::SharedSessions;
@@ -26,12 +27,25 @@ pub struct BuiltIndex {
 /// else learned from the router's own decisions (keys of at most `blocks.max_blocks` blocks);
 /// shared through Redis with `backend: redis`, whose metric families go to `metrics`
 /// (unregistered when `None`). Fails only on a Redis setting that cannot work (an unreadable
-/// password file, a malformed URL). Must run inside a tokio runtime.
+/// password file, a malformed URL). Must run inside a tokio runtime. A Redis index's mirror keeps
+/// records for every pod named to it: the router uses [`build_index_among`].
 pub fn build_index(
     index: &IndexConfig,
     events: &KvEventsConfig,
     blocks: &BlocksConfig,
     metrics: Option<RedisMetrics>,
+) -> anyhow::Result<BuiltIndex> {
+    build_index_among(index, events, blocks, metrics, PodMembers::everyone())
+}
+
+/// [`build_index`], a Redis index's mirror keeping records only for the pods in `members` (the
+/// router's pod set).
+pub fn build_index_among(
+    index: &IndexConfig,
+    events: &KvEventsConfig,
+    blocks: &BlocksConfig,
+    metrics: Option<RedisMetrics>,
+    members: PodMembers,
 ) -> anyhow::Result<BuiltIndex> {
     // A new backend must say here how it is built.
     Ok(match index.backend {
@@ -61,7 +75,7 @@ pub fn build_index(
             let metrics = metrics.unwrap_or_else(RedisMetrics::unregistered);
             let local = local_index(index, events, blocks);
             let redis = Arc::new(
-                RedisIndex::new(&index.redis, local, tuning, metrics)
+                RedisIndex::with_members(&index.redis, local, tuning, metrics, members)
                     .map_err(anyhow::Error::msg)?,
             );
             BuiltIndex {

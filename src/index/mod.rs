@@ -30,14 +30,15 @@ use thiserror::Error;
 use crate::blocks::BlockKey;
 use crate::pods::PodId;
 
-pub use build::{build_index, index_capacity, BuiltIndex};
+pub use build::{build_index, build_index_among, index_capacity, BuiltIndex};
 pub use events::{EventIndex, EventIndexConfig};
 pub use memory::MemoryIndex;
 pub use redis::{
     decode_lookup_reply as decode_redis_lookup_reply, member as redis_member,
     parse_member as parse_redis_member, parse_run as parse_redis_run,
-    run_member as redis_run_member, Local, Reason as RedisFallbackReason, RedisIndex, RedisMetrics,
-    Reload as RedisReload, Source as RedisSource, Tuning, RUN as REDIS_SNAPSHOT_RUN,
+    run_member as redis_run_member, Local, MembersFeed, PodMembers, Reason as RedisFallbackReason,
+    RedisIndex, RedisMetrics, Reload as RedisReload, Source as RedisSource, Tuning,
+    Unknown as RedisUnknown, RUN as REDIS_SNAPSHOT_RUN,
 };
 
 use crate::events::KvEventBatch;

@@ -160,6 +160,8 @@ pub enum Reload {
     /// The stream could not be read (connection lost, Redis restarted): changes published
     /// meanwhile may be lost.
     Reconnect,
+    /// Pods joined the pod set: their snapshots, whose records the mirror had dropped.
+    Join,
 }
 
 impl EncodeLabelValue for Reload {
@@ -168,8 +170,32 @@ impl EncodeLabelValue for Reload {
             Reload::Start => "start",
             Reload::Gap => "gap",
             Reload::Reconnect => "reconnect",
+            Reload::Join => "join",
         })
     }
+}
+
+/// Where the mirror met a pod outside the router's pod set (and dropped its records).
+#[derive(Debug, Clone, Copy, Hash, PartialEq, Eq)]
+pub enum Unknown {
+    /// A stream entry (counted per entry).
+    Stream,
+    /// A pod named in `P:pods` at a load (counted per pod).
+    Load,
+}
+
+impl EncodeLabelValue for Unknown {
+    fn encode(&self, encoder: &mut LabelValueEncoder) -> std::fmt::Result {
+        encoder.write_str(match self {
+            Unknown::Stream => "stream",
+            Unknown::Load => "load",
+        })
+    }
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub(crate) struct UnknownLabel {
+    pub(crate) from: Unknown,
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -213,6 +239,7 @@ pub struct RedisMetrics {
     pub(crate) mirror_reload_entries: Counter,
     pub(crate) mirror_errors: Counter,
     pub(crate) mirror_bad_entries: Counter,
+    pub(crate) mirror_unknown_pods: Family<UnknownLabel, Counter>,
     pub(crate) mirror_behind: Gauge,
     pub(crate) mirror_restarts: Counter,
     pub(crate) load_lag: Histogram,
@@ -250,6 +277,7 @@ impl RedisMetrics {
             mirror_reload_entries: Counter::default(),
             mirror_errors: Counter::default(),
             mirror_bad_entries: Counter::default(),
+            mirror_unknown_pods: Family::default(),
             mirror_behind: Gauge::default(),
             mirror_restarts: Counter::default(),
             // 10 µs .. ~2.6 s
@@ -337,7 +365,7 @@ impl RedisMetrics {
         );
         registry.register(
             "redis_mirror_reloads",
-            "Times the mirror loaded the shared index from Redis, by reason (start, gap, reconnect)",
+            "Times the mirror loaded the shared index from Redis, by reason (start, gap, reconnect, join)",
             m.mirror_reloads.clone(),
         );
         registry.register(
@@ -354,6 +382,11 @@ impl RedisMetrics {
             "redis_mirror_bad_entries",
             "Stream entries the mirror could not read (skipped)",
             m.mirror_bad_entries.clone(),
+        );
+        registry.register(
+            "redis_mirror_unknown_pod",
+            "Records for pods outside this router's pod set, dropped: stream entries, and pods named in P:pods at a load",
+            m.mirror_unknown_pods.clone(),
         );
         registry.register(
             "redis_mirror_behind",
@@ -484,6 +517,22 @@ impl RedisMetrics {
             .get_or_create(&ReloadLabel { reason })
             .inc();
         self.mirror_reload_entries.inc_by(entries);
+    }
+
+    /// Counts `n` records for pods outside the pod set, met in `from`.
+    pub(crate) fn unknown_pods(&self, from: Unknown, n: u64) {
+        if n > 0 {
+            self.mirror_unknown_pods
+                .get_or_create(&UnknownLabel { from })
+                .inc_by(n);
+        }
+    }
+
+    /// Records for pods outside the pod set dropped so far, met in `from` (tests, benchmarks).
+    pub fn unknown_pods_total(&self, from: Unknown) -> u64 {
+        self.mirror_unknown_pods
+            .get_or_create(&UnknownLabel { from })
+            .get()
     }
 
     /// Mirror reloads so far for `reason` (tests, benchmarks).

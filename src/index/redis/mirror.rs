@@ -9,6 +9,9 @@
 //! - At start, after a connection error, and when entries it had not read were trimmed (it
 //!   fell behind by more than the stream keeps), it loads the shared index from the pods'
 //!   snapshot sets (no `SCAN`), then reads on from the stream position taken before the load. Loading merges: it never clears what the replica knows.
+//! - It keeps records only for the pods in the router's pod set (`members.rs`): the first load
+//!   waits for the pod sources' first listing, a pod that joins has its snapshot loaded then,
+//!   and one that leaves has its entries dropped here.
 //!
 //! Precise mode: every replica subscribes to every pod's KV events itself, so only the
 //! speculative records travel on the stream.
@@ -34,7 +37,8 @@ use tracing::{info, warn};
 use super::announced::{Announced, Kind};
 use super::conn::{to_index_error, Handle};
 use super::load::{self, LoadStream, Seen};
-use super::metrics::{Dropped, Reload};
+use super::members::{Following, PodMembers};
+use super::metrics::{Dropped, Reload, Unknown};
 use super::peers::{self, Peers};
 use super::snapshot;
 use super::state::{Local, Shared};
@@ -55,6 +59,9 @@ const PUBLISH_BATCH: usize = 256;
 /// A replica that cannot load the shared index at start routes on its own after this (fail
 /// open: Redis down must never keep every replica unready).
 const LOAD_GRACE: Duration = Duration::from_secs(10);
+/// How long the first load waits for the pod sources' first listing (then it loads the pods
+/// listed by then, and each pod listed later as it joins).
+const LISTING_GRACE: Duration = Duration::from_secs(10);
 
 /// A change one replica publishes for the others.
 #[derive(Debug, Clone, PartialEq)]
@@ -222,7 +229,12 @@ pub(super) struct Mirror {
 
 impl Mirror {
     /// Starts the publisher and the reader (each restarted if it panics, and counted).
-    pub(super) fn start(cfg: &RedisConfig, shared: Arc<Shared>, local: Arc<Local>) -> Arc<Self> {
+    pub(super) fn start(
+        cfg: &RedisConfig,
+        shared: Arc<Shared>,
+        local: Arc<Local>,
+        members: PodMembers,
+    ) -> Arc<Self> {
         let (tx, rx) = mpsc::channel(cfg.write_queue.max(1));
         let origin = rand::random();
         let peers = cfg.mirror_load.then(|| Peers::bind(cfg, origin)).flatten();
@@ -273,7 +285,9 @@ impl Mirror {
             });
         }
         let (sh, m) = (shared.clone(), mirror.clone());
-        supervise(shared, move || read(sh.clone(), m.clone(), local.clone()));
+        supervise(shared, move || {
+            read(sh.clone(), m.clone(), local.clone(), members.clone())
+        });
         mirror
     }
 
@@ -545,10 +559,15 @@ async fn apply(shared: &Shared, mirror: &Mirror, local: &Local, origin: u64, cha
     }
 }
 
-/// Follows the stream, applying the other replicas' changes; loads from Redis at start, after
-/// a connection error and after a gap.
-async fn read(shared: Arc<Shared>, mirror: Arc<Mirror>, local: Arc<Local>) {
+/// Follows the stream, applying the other replicas' changes for the pods in `members`; loads
+/// from Redis at start (once the pod sources listed their pods), after a connection error, after
+/// a gap, and for each pod that joins.
+async fn read(shared: Arc<Shared>, mirror: Arc<Mirror>, local: Arc<Local>, members: PodMembers) {
     let started = Instant::now();
+    let mut members = Following::new(members);
+    if !mirror.loaded.load(Ordering::Acquire) {
+        members.first_listing(LISTING_GRACE).await;
+    }
     let mut pos: Option<EntryId> = None;
     // The stream head the last load covered: entries trimmed up to it are in the snapshot.
     let mut covered = EntryId::default();
@@ -561,7 +580,10 @@ async fn read(shared: Arc<Shared>, mirror: Arc<Mirror>, local: Arc<Local>) {
     let key = shared.schema.stream();
     loop {
         let Some(from) = pos else {
-            match snapshot::load(&shared, &local).await {
+            // The load covers the pods that joined; those that left go.
+            let changes = members.catch_up();
+            forget(&local, &changes.left).await;
+            match snapshot::load(&shared, &local, &members).await {
                 Ok(loaded) => {
                     let (from, n) = (loaded.from, loaded.keys);
                     shared.metrics.reloaded(reason, n);
@@ -584,6 +606,28 @@ async fn read(shared: Arc<Shared>, mirror: Arc<Mirror>, local: Arc<Local>) {
             }
             continue;
         };
+        let changes = members.catch_up();
+        forget(&local, &changes.left).await;
+        if !changes.joined.is_empty() {
+            match snapshot::load_pods(&shared, &local, &changes.joined).await {
+                Ok(n) => {
+                    shared.metrics.reloaded(Reload::Join, n);
+                    info!(
+                        pods = changes.joined.len(),
+                        entries = n,
+                        "redis mirror loaded the pods that joined"
+                    );
+                }
+                Err(e) => {
+                    // A full reload loads them, and every other pod listed.
+                    tracing::debug!(error = %e, "redis mirror could not load the pods that joined; reloading once it can");
+                    shared.metrics.mirror_errors.inc();
+                    pos = None;
+                    reason = Reload::Reconnect;
+                    continue;
+                }
+            }
+        }
         let read = async {
             let mut con = shared.conn.mirror().await?;
             let entries = read_after(&mut con, &key, from).await?;
@@ -621,6 +665,9 @@ async fn read(shared: Arc<Shared>, mirror: Arc<Mirror>, local: Arc<Local>) {
             }
             match parse_entry(&e.map) {
                 Some((origin, _)) if origin == mirror.origin => {}
+                Some((_, Change::Record { pod, .. })) if !members.admits(&pod) => {
+                    shared.metrics.unknown_pods(Unknown::Stream, 1);
+                }
                 Some((origin, change)) => {
                     let wall = match &change {
                         Change::Record { wall, .. } | Change::Session { wall, .. } => *wall,
@@ -647,6 +694,15 @@ async fn read(shared: Arc<Shared>, mirror: Arc<Mirror>, local: Arc<Local>) {
             .set(i64::from(behind > mirror.max_lag_ms));
         pos = Some(last);
         mirror.applied.send_replace(last);
+    }
+}
+
+/// Drops the mirror's entries of pods that left the pod set (this replica's own; the router
+/// forgets them in Redis as well).
+async fn forget(local: &Local, left: &[PodId]) {
+    for pod in left {
+        // The in-process indexes cannot fail.
+        let _ = local.index().forget_pod(pod).await;
     }
 }
 

@@ -15,6 +15,7 @@ mod conn;
 mod load;
 #[cfg(test)]
 mod long_prompt_tests;
+mod members;
 mod metrics;
 mod mirror;
 #[cfg(test)]
@@ -48,7 +49,8 @@ use tokio::sync::{mpsc, oneshot};
 use xxhash_rust::xxh3::Xxh3;
 
 use self::conn::Conn;
-pub use self::metrics::{Reason, RedisMetrics, Reload, Source};
+pub use self::members::{MembersFeed, PodMembers};
+pub use self::metrics::{Reason, RedisMetrics, Reload, Source, Unknown};
 use self::mirror::{Change, Mirror};
 pub use self::schema::{decode_lookup_reply, member, parse_member, parse_run, run_member, RUN};
 use self::schema::{Schema, Scripts};
@@ -80,13 +82,24 @@ pub struct RedisIndex {
 
 impl RedisIndex {
     /// Connects lazily to the Redis of `cfg` (nothing is dialled until the first request), with
-    /// `local` as this replica's own index. Must run inside a tokio runtime (it starts the
-    /// writer task).
+    /// `local` as this replica's own index, its mirror keeping records for every pod. Must run
+    /// inside a tokio runtime (it starts the writer task).
     pub fn new(
         cfg: &RedisConfig,
         local: Local,
         tuning: Tuning,
         metrics: RedisMetrics,
+    ) -> Result<Self, String> {
+        Self::with_members(cfg, local, tuning, metrics, PodMembers::everyone())
+    }
+
+    /// [`RedisIndex::new`], its mirror keeping records only for the pods in `members`.
+    pub fn with_members(
+        cfg: &RedisConfig,
+        local: Local,
+        tuning: Tuning,
+        metrics: RedisMetrics,
+        members: PodMembers,
     ) -> Result<Self, String> {
         let password = cfg.resolve_password()?;
         let conn = Conn::open(cfg, password.as_deref())?;
@@ -134,7 +147,7 @@ impl RedisIndex {
         });
         let local = Arc::new(local);
         let mirror = (cfg.lookups == RedisLookups::Mirror)
-            .then(|| Mirror::start(cfg, shared.clone(), local.clone()));
+            .then(|| Mirror::start(cfg, shared.clone(), local.clone(), members));
         // Bounded by a quarter of the TTL, so a skipped entry's key still outlives most of it.
         let refresh_ms = match mirror {
             Some(_) => cfg.record_refresh_ms.min(tuning.record_ttl_ms / 4),

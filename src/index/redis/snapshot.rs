@@ -15,6 +15,8 @@
 use futures::future::join_all;
 
 use super::conn::{to_index_error, Handle};
+use super::members::Following;
+use super::metrics::Unknown;
 use super::schema::{parse_member, parse_run, RUN};
 use super::state::{Local, Shared};
 use super::stream::{newest, EntryId, MAX_POD};
@@ -101,9 +103,17 @@ pub(super) struct Loaded {
     pub keys: u64,
 }
 
-/// Loads every pod's recorded entries from Redis into `local`, oldest first, and answers where
-/// the stream is to be read from.
-pub(super) async fn load(shared: &Shared, local: &Local) -> Result<Loaded, IndexError> {
+/// Pod names read from `P:pods` per round trip.
+const SCAN_COUNT: usize = 1_000;
+
+/// Loads the recorded entries of every pod in `P:pods` that `members` admits from Redis into
+/// `local`, oldest first, and answers where the stream is to be read from. Pods it does not
+/// admit are counted and not read.
+pub(super) async fn load(
+    shared: &Shared,
+    local: &Local,
+    members: &Following,
+) -> Result<Loaded, IndexError> {
     let mut con = shared.conn.write().await?;
     // Rewound: an entry is published before its snapshot is written, so the last seconds of the
     // stream are read again (applying an entry twice only refreshes it).
@@ -113,55 +123,101 @@ pub(super) async fn load(shared: &Shared, local: &Local) -> Result<Loaded, Index
         EntryId(0, 0) => newest,
         EntryId(ms, _) => EntryId(ms.saturating_sub(rewind), 0),
     };
-    let pods: Vec<Vec<u8>> = redis::cmd("SMEMBERS")
-        .arg(shared.schema.pods())
-        .query_async(&mut con)
-        .await
-        .map_err(|e| to_index_error(&e))?;
-    let (wall_now, ttl) = (shared.wall_now(), shared.tuning.record_ttl_ms);
     let mut loaded = 0u64;
-    for pod in pods {
-        let Some(pod) = std::str::from_utf8(&pod)
-            .ok()
-            .filter(|p| !p.is_empty() && p.len() <= MAX_POD)
-            .map(PodId::new)
-        else {
-            continue;
-        };
-        let mut start = 0isize;
-        loop {
-            let (read, entries) = if shared.snapshot {
-                scored(shared, &mut con, &pod, start).await?
-            } else {
-                hashed(shared, &con, &pod, start).await?
+    // SSCAN may name a pod twice; the set of those loaded is bounded by the pods admitted.
+    let mut done = ahash::AHashSet::new();
+    let mut unknown = 0u64;
+    let mut cursor = 0u64;
+    loop {
+        let (next, names): (u64, Vec<Vec<u8>>) = redis::cmd("SSCAN")
+            .arg(shared.schema.pods())
+            .arg(cursor)
+            .arg("COUNT")
+            .arg(SCAN_COUNT)
+            .query_async(&mut con)
+            .await
+            .map_err(|e| to_index_error(&e))?;
+        for name in names {
+            let Some(pod) = std::str::from_utf8(&name)
+                .ok()
+                .filter(|p| !p.is_empty() && p.len() <= MAX_POD)
+                .map(PodId::new)
+            else {
+                continue;
             };
-            for (keys, expiry) in entries {
-                if expiry <= wall_now {
-                    continue;
-                }
-                let at = shared.mono(expiry.saturating_sub(ttl));
-                match local {
-                    Local::Memory(m) => m.record(&pod, &keys, at).await?,
-                    Local::Events(ev) => {
-                        for key in &keys {
-                            let key = std::slice::from_ref(key);
-                            ev.record_past(&pod, key, ev.held_prefix(&pod, key), at);
-                        }
-                    }
-                }
-                loaded += keys.len() as u64;
+            if !members.admits(&pod) {
+                unknown += 1;
+                continue;
             }
-            if read < LOAD_CHUNK {
-                break;
+            if done.insert(pod.clone()) {
+                loaded += load_pod(shared, &mut con, local, &pod).await?;
             }
-            start += LOAD_CHUNK;
         }
+        if next == 0 {
+            break;
+        }
+        cursor = next;
     }
+    shared.metrics.unknown_pods(Unknown::Load, unknown);
     Ok(Loaded {
         from,
         head: newest,
         keys: loaded,
     })
+}
+
+/// Loads `pods`' recorded entries from Redis into `local` (pods that joined the pod set), and
+/// answers how many keys it loaded.
+pub(super) async fn load_pods(
+    shared: &Shared,
+    local: &Local,
+    pods: &[PodId],
+) -> Result<u64, IndexError> {
+    let mut con = shared.conn.write().await?;
+    let mut loaded = 0u64;
+    for pod in pods {
+        loaded += load_pod(shared, &mut con, local, pod).await?;
+    }
+    Ok(loaded)
+}
+
+/// Loads `pod`'s unexpired entries into `local`, oldest first; answers how many keys.
+async fn load_pod(
+    shared: &Shared,
+    con: &mut Handle,
+    local: &Local,
+    pod: &PodId,
+) -> Result<u64, IndexError> {
+    let (wall_now, ttl) = (shared.wall_now(), shared.tuning.record_ttl_ms);
+    let mut loaded = 0u64;
+    let mut start = 0isize;
+    loop {
+        let (read, entries) = if shared.snapshot {
+            scored(shared, con, pod, start).await?
+        } else {
+            hashed(shared, con, pod, start).await?
+        };
+        for (keys, expiry) in entries {
+            if expiry <= wall_now {
+                continue;
+            }
+            let at = shared.mono(expiry.saturating_sub(ttl));
+            match local {
+                Local::Memory(m) => m.record(pod, &keys, at).await?,
+                Local::Events(ev) => {
+                    for key in &keys {
+                        let key = std::slice::from_ref(key);
+                        ev.record_past(pod, key, ev.held_prefix(pod, key), at);
+                    }
+                }
+            }
+            loaded += keys.len() as u64;
+        }
+        if read < LOAD_CHUNK {
+            return Ok(loaded);
+        }
+        start += LOAD_CHUNK;
+    }
 }
 
 /// Keys loaded together, and their expiry.
