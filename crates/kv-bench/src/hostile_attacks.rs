@@ -18,10 +18,10 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
 use super::table::{Style, Table};
-#[path = "hostile_envoy.rs"]
-mod hostile_envoy;
 #[path = "hostile_grpc.rs"]
 mod grpc;
+#[path = "hostile_envoy.rs"]
+mod hostile_envoy;
 use kv_testkit::deploy::{
     find_envoy, local_router_config, Binaries, EnvoyProc, RouterProc, SimPod,
 };
@@ -450,22 +450,29 @@ async fn dribble(
     (Held(tasks), note)
 }
 
-/// What the documented bound allows: base + factor × (data-plane budget + the admin port's).
-pub const BASE: u64 = 80 << 20;
-pub const FACTOR: f64 = 2.2;
-
-/// Runs every attack whose name contains `only` (all without it); `hold` is how long each is held.
-pub async fn run(bins: &Binaries, hold: Duration, only: Option<&str>) -> Result<Vec<AttackResult>> {
+/// Runs every attack whose name contains `only` (all without it); `hold` is how long each is held;
+/// `omit`: config keys left out of the router's file (an earlier build refuses newer keys).
+pub async fn run(
+    bins: &Binaries,
+    hold: Duration,
+    only: Option<&str>,
+    omit: &[&str],
+) -> Result<Vec<AttackResult>> {
     let sim_args: Vec<String> = ["--ttft-base-ms", "1", "--model", "m"]
         .iter()
         .map(|s| s.to_string())
         .collect();
     let pod = SimPod::spawn(&bins.vllm_sim, &sim_args)?;
-    let cfg = local_router_config(&[pod.addr])?;
-    let explain_budget = cfg.body_limit_bytes * 2 + (1 << 20);
-    let bound =
-        BASE + (FACTOR * (cfg.server.max_buffered_body_bytes + explain_budget) as f64) as u64;
-    let mut router = RouterProc::spawn(&bins.kv_router, &cfg).await?;
+    let mut cfg = local_router_config(&[pod.addr])?;
+    // The values deploy/base/router.yaml ships, so the documented worst case applies.
+    cfg.server.max_buffered_body_bytes = 96 << 20;
+    cfg.server.max_connections = 1024;
+    let bound = kv_testkit::memory_bounds::documented(&kv_testkit::repo_root())
+        .ok()
+        .and_then(|bs| bs.into_iter().find(|b| b.component == "router"))
+        .map(|b| b.bound)
+        .context("docs/operations.md documents no [router] bound")?;
+    let mut router = RouterProc::spawn_without(&bins.kv_router, &cfg, omit).await?;
     router.wait_pods_ready(1, Duration::from_secs(20)).await?;
     let pid = router.process().pid().context("router pid")?;
     let mut s = Session {

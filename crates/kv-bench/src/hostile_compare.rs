@@ -5,6 +5,14 @@
 use super::hostile_attacks::AttackResult;
 use super::table::{Style, Table};
 
+/// Config keys the current router knows and the one these comparisons started from
+/// (revision 7c5f830) refuses: left out of the config written for `--before-router`.
+pub const NEWER_KEYS: &[&str] = &[
+    "server.message_timeout_ms",
+    "server.max_extproc_streams",
+    "pick_api.max_buffered_bytes",
+];
+
 /// One side's figures in one cell.
 fn cell(r: Option<&AttackResult>) -> String {
     let Some(r) = r else {

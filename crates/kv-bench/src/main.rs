@@ -179,11 +179,12 @@ async fn real_main(cli: Cli) -> Result<()> {
             let before = match &a.before_router {
                 Some(old) => {
                     let old = Binaries::new(old, &bins.vllm_sim);
-                    Some(bench::hostile_attacks::run(&old, hold, a.only.as_deref()).await?)
+                    let omit = bench::hostile_compare::NEWER_KEYS;
+                    Some(bench::hostile_attacks::run(&old, hold, a.only.as_deref(), omit).await?)
                 }
                 None => None,
             };
-            let results = bench::hostile_attacks::run(&bins, hold, a.only.as_deref()).await?;
+            let results = bench::hostile_attacks::run(&bins, hold, a.only.as_deref(), &[]).await?;
             println!("{}", bench::hostile_attacks::table(&results, Style::Plain));
             if a.markdown {
                 println!(

@@ -51,11 +51,17 @@ impl RouterProc {
     /// until `GET /readyz` answers 200. If a listen port turns out to be taken, retries with
     /// fresh ports.
     pub async fn spawn(bin: &Path, config: &Config) -> Result<Self> {
+        Self::spawn_without(bin, config, &[]).await
+    }
+
+    /// As [`Self::spawn`], with the dotted keys in `omit` left out of the config file written
+    /// (an earlier build refuses keys it does not know).
+    pub async fn spawn_without(bin: &Path, config: &Config, omit: &[&str]) -> Result<Self> {
         let mut config = config.clone();
         let mut attempt = 0;
         loop {
             attempt += 1;
-            match Self::spawn_once(bin, &config).await {
+            match Self::spawn_once(bin, &config, omit).await {
                 Ok(r) => return Ok(r),
                 Err((e, addr_in_use)) if addr_in_use && attempt < 4 => {
                     tracing::warn!("kv-router port clash, retrying: {e:#}");
@@ -67,7 +73,11 @@ impl RouterProc {
         }
     }
 
-    async fn spawn_once(bin: &Path, config: &Config) -> Result<Self, (anyhow::Error, bool)> {
+    async fn spawn_once(
+        bin: &Path,
+        config: &Config,
+        omit: &[&str],
+    ) -> Result<Self, (anyhow::Error, bool)> {
         let plain = |e: anyhow::Error| (e, false);
         let grpc: SocketAddr = config
             .listen
@@ -83,7 +93,13 @@ impl RouterProc {
             .map_err(plain)?;
         let dir = temp_dir("kv-router-").map_err(plain)?;
         let cfg_path = dir.path().join("router.yaml");
-        let yaml = serde_yaml::to_string(config)
+        let mut value = serde_yaml::to_value(config)
+            .context("serialize router config")
+            .map_err(plain)?;
+        for key in omit {
+            remove_key(&mut value, key);
+        }
+        let yaml = serde_yaml::to_string(&value)
             .context("serialize router config")
             .map_err(plain)?;
         std::fs::write(&cfg_path, yaml).map_err(|e| plain(e.into()))?;
@@ -200,5 +216,38 @@ impl RouterProc {
     /// The router's whole log (stderr), which goes with the process's directory.
     pub fn log_path(&self) -> std::path::PathBuf {
         self.proc.dir().join("stderr.log")
+    }
+}
+
+/// Removes `dotted` (`server.max_extproc_streams`) from a YAML mapping, when present.
+fn remove_key(value: &mut serde_yaml::Value, dotted: &str) {
+    let (parent, last) = match dotted.rsplit_once('.') {
+        Some((p, l)) => (Some(p), l),
+        None => (None, dotted),
+    };
+    let mut at = value;
+    for part in parent.into_iter().flat_map(|p| p.split('.')) {
+        match at.get_mut(part) {
+            Some(v) => at = v,
+            None => return,
+        }
+    }
+    if let Some(m) = at.as_mapping_mut() {
+        m.remove(last);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::remove_key;
+
+    #[test]
+    fn remove_key_drops_a_nested_key_and_ignores_missing_ones() {
+        let mut v: serde_yaml::Value =
+            serde_yaml::from_str("server: { a: 1, b: 2 }\ntop: 3\n").unwrap();
+        remove_key(&mut v, "server.a");
+        remove_key(&mut v, "top");
+        remove_key(&mut v, "nowhere.x");
+        assert_eq!(serde_yaml::to_string(&v).unwrap(), "server:\n  b: 2\n");
     }
 }
