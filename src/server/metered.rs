@@ -49,6 +49,7 @@ pub struct Meter {
     pub budget_key: &'static str,
     /// A message started must be complete within this.
     pub message_timeout: Duration,
+    /// How long each message's reservation lasts.
     pub hold: Hold,
     /// Counts refusals (`body_budget`, `message_timeout`).
     pub errors: Errors,
