@@ -18,6 +18,9 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
 use super::table::{Style, Table};
+
+#[path = "hostile_admin.rs"]
+mod admin;
 use kv_testkit::deploy::{
     find_envoy, local_router_config, Binaries, EnvoyProc, RouterProc, SimPod,
 };
@@ -505,6 +508,17 @@ pub async fn run(bins: &Binaries, hold: Duration, only: Option<&str>) -> Result<
         dribble(router.admin, 2_000, b"GET /healthz HTTP/1.1\r\nhost: x\r\n"),
     )
     .await;
+    s.attack(
+        "admin-h2-zero-window: 520 HTTP/2 conns asking /metrics with a zero window, reconnecting",
+        admin::h2_zero_window(router.admin, 520),
+    )
+    .await;
+    s.attack(
+        "admin-slow-read: 600 HTTP/1.1 conns reading /metrics a byte a second, reconnecting",
+        admin::slow_read(router.admin, 600),
+    )
+    .await;
+    admin::fd_limit(&mut s, bins, pod.addr, 1024, 2_000).await?;
     let envoy = find_envoy(None)?;
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../envoy");
     for (mode, file) in [
