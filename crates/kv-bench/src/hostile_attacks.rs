@@ -18,6 +18,8 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
 use super::table::{Style, Table};
+#[path = "hostile_admin.rs"]
+mod admin;
 #[path = "hostile_grpc.rs"]
 mod grpc;
 #[path = "hostile_envoy.rs"]
@@ -261,6 +263,10 @@ struct Session<'a> {
     bound: u64,
     hold: Duration,
     only: Option<&'a str>,
+    /// Config keys left out of a router's file (an earlier build refuses newer ones).
+    omit: &'a [&'a str],
+    /// The config every router of the run starts from.
+    cfg: kv_router::config::Config,
     results: Vec<AttackResult>,
 }
 
@@ -481,6 +487,8 @@ pub async fn run(
         bound,
         hold,
         only,
+        omit,
+        cfg: cfg.clone(),
         results: Vec::new(),
     };
     let preface = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
@@ -531,6 +539,17 @@ pub async fn run(
         dribble(router.admin, 2_000, b"GET /healthz HTTP/1.1\r\nhost: x\r\n"),
     )
     .await;
+    s.attack(
+        "admin-h2-zero-window: 520 HTTP/2 conns asking /metrics with a zero window, reconnecting",
+        admin::h2_zero_window(router.admin, 520),
+    )
+    .await;
+    s.attack(
+        "admin-slow-read: 600 HTTP/1.1 conns reading /metrics a byte a second, reconnecting",
+        admin::slow_read(router.admin, 600),
+    )
+    .await;
+    admin::fd_limit(&mut s, bins, 1024, 2_000).await?;
     let envoy = find_envoy(None)?;
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../envoy");
     for (mode, file) in [
