@@ -122,12 +122,8 @@ impl Following {
             joined: now.difference(known).cloned().collect(),
             left: known.difference(&now).cloned().collect(),
         };
-        changes
-            .joined
-            .sort_unstable_by(|a, b| a.as_str().cmp(b.as_str()));
-        changes
-            .left
-            .sort_unstable_by(|a, b| a.as_str().cmp(b.as_str()));
+        changes.joined.sort_unstable();
+        changes.left.sort_unstable();
         self.known = Some(now);
         changes
     }
