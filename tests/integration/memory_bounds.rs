@@ -11,7 +11,7 @@
 use std::fs;
 use std::path::{Path, PathBuf};
 
-use kv_router::config::Config;
+use kv_router::config::{Config, KubernetesOverrides};
 use kv_testkit::memory_bounds::{documented, parse, quantity, Bound};
 use serde::Deserialize;
 use serde_yaml::Value;
@@ -207,7 +207,8 @@ fn the_router_terms_are_the_values_every_overlay_ships() {
         for (key, file) in router_layers(&overlays.join(&name)) {
             fs::copy(&file, dir.join(key)).unwrap();
         }
-        let cfg = Config::load(&dir).unwrap_or_else(|e| panic!("{name:?}: {e}"));
+        let cfg = Config::load_with(&dir, KubernetesOverrides::default())
+            .unwrap_or_else(|e| panic!("{name:?}: {e}"));
         for t in &b.terms {
             let Some(want) = router_input(&cfg, &t.source) else {
                 continue;
