@@ -168,7 +168,10 @@ pub(super) async fn fd_limit(
     );
     std::fs::write(&script, body)?;
     std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755))?;
-    let mut router = RouterProc::spawn_without(&script, &s.cfg, s.omit).await?;
+    // The default cap, which alone once exceeded a 1,024 descriptor limit.
+    let mut cfg = s.cfg.clone();
+    cfg.server.max_connections = 10_000;
+    let mut router = RouterProc::spawn_without(&script, &cfg, s.omit).await?;
     router.wait_pods_ready(1, Duration::from_secs(20)).await?;
     let caps = router.debug_pods().await?["connections"].clone();
     let pid = router.process().pid().context("router pid")?;
