@@ -289,6 +289,25 @@ impl Session<'_> {
     }
 }
 
+/// Opens a gRPC stream to `path` on `client`, sends `data` (a message's start) and keeps it open;
+/// None once the connection is gone.
+async fn open_stalled(
+    client: &h2::client::SendRequest<Bytes>,
+    path: &str,
+    data: &Bytes,
+) -> Option<(h2::client::ResponseFuture, h2::SendStream<Bytes>)> {
+    let req = http::Request::post(path)
+        .header("content-type", "application/grpc")
+        .header("te", "trailers")
+        .body(())
+        .ok()?;
+    let mut c = client.clone().ready().await.ok()?;
+    let (resp, mut body) = c.send_request(req, false).ok()?;
+    body.reserve_capacity(data.len());
+    let _ = body.send_data(data.clone(), false);
+    Some((resp, body))
+}
+
 /// Streams to `Pick` announcing `announce` bytes and sending `send`, then stalling.
 async fn pick_flood(
     grpc: SocketAddr,
@@ -317,19 +336,11 @@ async fn pick_flood(
             let mut held = Vec::new();
             let mut answers = Vec::new();
             for _ in 0..streams {
-                let req = http::Request::post("http://x/kvrouter.v1.Picker/Pick")
-                    .header("content-type", "application/grpc")
-                    .header("te", "trailers")
-                    .body(())
-                    .unwrap();
-                let Ok(mut c) = client.clone().ready().await else {
+                let Some((resp, body)) =
+                    open_stalled(&client, "http://x/kvrouter.v1.Picker/Pick", &data).await
+                else {
                     break;
                 };
-                let Ok((resp, mut body)) = c.send_request(req, false) else {
-                    break;
-                };
-                body.reserve_capacity(data.len());
-                let _ = body.send_data(data.clone(), false);
                 held.push(body);
                 answers.push(resp);
             }

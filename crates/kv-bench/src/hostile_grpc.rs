@@ -18,7 +18,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::StreamExt;
 use tonic::transport::Channel;
 
-use super::{pick_flood, Held};
+use super::{open_stalled, pick_flood, Held};
 use crate::extproc_client::{body, headers, message};
 
 type Note = Arc<parking_lot::Mutex<String>>;
@@ -83,19 +83,9 @@ pub(super) async fn extproc_stalled_messages(
         let mut held = Vec::new();
         let mut answers = Vec::new();
         for _ in 0..streams {
-            let req = http::Request::post(PROCESS)
-                .header("content-type", "application/grpc")
-                .header("te", "trailers")
-                .body(())
-                .expect("request");
-            let Ok(mut client) = client.clone().ready().await else {
+            let Some((resp, body)) = open_stalled(&client, PROCESS, &data).await else {
                 break;
             };
-            let Ok((resp, mut body)) = client.send_request(req, false) else {
-                break;
-            };
-            body.reserve_capacity(data.len());
-            let _ = body.send_data(data.clone(), false);
             held.push(body);
             answers.push(resp);
         }
