@@ -120,6 +120,8 @@ struct ClosedLabels {
 pub struct ConnMetrics {
     open: Family<PortLabels, Gauge>,
     closed: Family<ClosedLabels, Counter>,
+    /// gRPC requests whose illegal `:authority` was rewritten (`super::authority`).
+    pub authority_rewritten: Counter,
 }
 
 impl ConnMetrics {
@@ -135,6 +137,11 @@ impl ConnMetrics {
             "connections_closed",
             "Connections the router closed to bound them (refused or evicted at the cap, handshake, header or write timeout), by listener",
             m.closed.clone(),
+        );
+        registry.register(
+            "grpc_authority_rewritten",
+            "gRPC requests whose :authority the HTTP/2 server would refuse (Istio's outbound|port||host) that the router rewrote to host:port, or dropped",
+            m.authority_rewritten.clone(),
         );
         m
     }

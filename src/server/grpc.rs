@@ -33,29 +33,34 @@ use std::time::Duration;
 
 use anyhow::Context;
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::ExternalProcessorServer;
+use futures::TryStreamExt;
 use tokio::time::interval;
 use tonic_health::pb::health_server::HealthServer;
 use tonic_health::server::{HealthReporter, HealthService};
 use tonic_health::ServingStatus;
 
-use crate::config::{GrpcTlsConfig, PickApiConfig, ServerConfig};
+use crate::config::{PickApiConfig, ServerConfig};
 use crate::decide::Decider;
-use crate::extproc::{ExtProc, ExtProcMetrics};
+use crate::extproc::{ExtProc, ExtProcMetrics, TestHooks};
 use crate::flow::FlowControl;
 use crate::supervise::Supervisor;
 
+use super::authority::AuthorityFix;
 use super::conns::{self, ConnMetrics};
 use super::metered::{Hold, Meter, Metered};
 use super::pick::proto::picker_server::PickerServer;
 use super::pick::PickService;
 use super::readiness::Readiness;
+use super::tls::{self, MaybeTls};
 use crate::budget::BodyBudget;
 
 /// gRPC health service names (Endpoint Picker Protocol).
-pub(super) const HEALTH_SERVICES: [&str; 3] = [
+/// `inference-extension` is the Gateway API Inference Extension chart's readiness probe.
+pub(super) const HEALTH_SERVICES: [&str; 4] = [
     "liveness",
     "readiness",
     "envoy.service.ext_proc.v3.ExternalProcessor",
+    "inference-extension",
 ];
 
 /// The gRPC port's settings: its parts of `router.yaml`.
@@ -66,6 +71,8 @@ pub(crate) struct GrpcSettings<'a> {
     pub body_limit: usize,
     /// `destination_header`: also set the destination as a request header.
     pub destination_header: bool,
+    /// `conformance_test_hooks`: the GIE conformance suite's selection and report headers.
+    pub test_hooks: Option<TestHooks>,
     /// `server`: connections, streams, the buffered-body budget, TLS.
     pub server: &'a ServerConfig,
     /// `pick_api`: what Pick callers may do, and their largest message.
@@ -119,6 +126,9 @@ pub(crate) async fn start(
     if let Some(flow) = flow {
         extproc = extproc.with_flow_control(flow);
     }
+    if let Some(hooks) = cfg.test_hooks {
+        extproc = extproc.with_test_hooks(hooks);
+    }
     let message_timeout = Duration::from_millis(cfg.server.message_timeout_ms);
     // Validated to at most 1 GiB; saturating all the same so no value can wrap the limit.
     let limit = cfg.body_limit.saturating_add(1 << 20);
@@ -150,40 +160,24 @@ pub(crate) async fn start(
     );
     let addr = cfg.addr;
     let listener = conns::bind(addr).with_context(|| format!("binding gRPC listener {addr}"))?;
+    let rewritten = conn_metrics.authority_rewritten.clone();
+    let tls = tls::acceptor(&cfg.server.tls)?;
     let incoming = conns::incoming(
         listener,
         cfg.server.max_connections,
         Duration::from_millis(cfg.server.handshake_timeout_ms),
         conn_metrics,
-    );
-    Ok(grpc_builder(&cfg.server.tls)?
+    )
+    .map_ok(move |conn| {
+        AuthorityFix::new(MaybeTls::new(conn, tls.as_ref()), true, rewritten.clone())
+    });
+    Ok(tonic::transport::Server::builder()
         .http2_keepalive_interval(Some(Duration::from_secs(30)))
         .max_concurrent_streams(Some(cfg.server.max_concurrent_streams))
         .add_service(health_service)
         .add_service(extproc)
         .add_service(pick)
         .serve_with_incoming_shutdown(incoming, closed))
-}
-
-/// The gRPC server, with TLS (and client-certificate verification) when configured.
-fn grpc_builder(tls: &GrpcTlsConfig) -> anyhow::Result<tonic::transport::Server> {
-    use tonic::transport::{Certificate, Identity, ServerTlsConfig};
-    let (Some(cert), Some(key)) = (&tls.cert_file, &tls.key_file) else {
-        return Ok(tonic::transport::Server::builder());
-    };
-    let read = |what: &str, path: &str| {
-        std::fs::read(path).with_context(|| format!("server.tls.{what}: cannot read {path}"))
-    };
-    let mut config = ServerTlsConfig::new().identity(Identity::from_pem(
-        read("cert_file", cert)?,
-        read("key_file", key)?,
-    ));
-    if let Some(ca) = &tls.client_ca_file {
-        config = config.client_ca_root(Certificate::from_pem(read("client_ca_file", ca)?));
-    }
-    tonic::transport::Server::builder()
-        .tls_config(config)
-        .context("server.tls: the certificate or key is not usable")
 }
 
 /// The gRPC health services: liveness SERVING, readiness NOT_SERVING until [`report`] says.

@@ -13,9 +13,11 @@
 //! sections and hands it what it serves from.
 
 pub(crate) mod admin;
+pub(crate) mod authority;
 pub(crate) mod conns;
 pub(crate) mod fds;
 pub(crate) mod grpc;
 pub(crate) mod metered;
 pub(crate) mod pick;
 pub(crate) mod readiness;
+pub(crate) mod tls;
