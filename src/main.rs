@@ -42,6 +42,10 @@ enum Command {
         /// Namespace of that InferencePool (sets pods.kubernetes.pool.namespace).
         #[arg(long)]
         pool_namespace: Option<String>,
+        /// Turn on the Gateway API Inference Extension conformance-test hooks (sets
+        /// conformance_test_hooks; test clusters only: a client header then picks the pod).
+        #[arg(long)]
+        conformance_test_hooks: bool,
     },
     /// Validate a config file and list every problem.
     CheckConfig {
@@ -87,18 +91,20 @@ fn main() -> ExitCode {
             config,
             pool_name,
             pool_namespace,
+            conformance_test_hooks,
         } => {
             let overrides = KubernetesOverrides {
                 pool_name,
                 pool_namespace,
             };
-            let (cfg, tokenizers) = match load(&config, overrides) {
+            let (mut cfg, tokenizers) = match load(&config, overrides) {
                 Ok(loaded) => loaded,
                 Err(e) => {
                     eprintln!("{e}");
                     return ExitCode::from(BAD_CONFIG);
                 }
             };
+            cfg.conformance_test_hooks |= conformance_test_hooks;
             kv_router::telemetry::init_logging(&cfg.log);
             allocator::return_freed_memory();
             let rt = match tokio::runtime::Builder::new_multi_thread()

@@ -11,6 +11,7 @@ use tracing::{info, warn};
 
 use crate::config::Config;
 use crate::decide::Decider;
+use crate::extproc::TestHooks;
 use crate::flow::FlowControl;
 use crate::index::KvIndex;
 use crate::ingest::CatchUp;
@@ -42,6 +43,30 @@ pub fn mode(cfg: &Config) -> &'static str {
         }
         (true, false) => "precise: vLLM KV events + exact token blocks for models with a tokenizer",
     }
+}
+
+/// `conformance_test_hooks`, with the pool they report; logged loudly, since the selection
+/// header lets any client that reaches the gateway choose its own pod.
+fn test_hooks(cfg: &Config) -> Option<TestHooks> {
+    if !cfg.conformance_test_hooks {
+        return None;
+    }
+    let kubernetes = cfg.pods.kubernetes.as_ref();
+    let pool = kubernetes.and_then(|k| {
+        let pool = k.pool.as_ref()?;
+        // As the watch resolves it: the pool's, the source's, then the downward API's.
+        let ns = [&pool.namespace, &k.namespace]
+            .into_iter()
+            .find(|n| !n.is_empty())
+            .cloned()
+            .or_else(|| std::env::var("NAMESPACE").ok())?;
+        Some(format!("{ns}/{}", pool.name))
+    });
+    warn!(
+        pool = pool.as_deref().unwrap_or("-"),
+        "conformance_test_hooks is ON: the test-epp-endpoint-selection request header chooses the pod; never enable it where clients are not trusted"
+    );
+    Some(TestHooks { pool })
 }
 
 /// The long-lived state the loops and servers share.
@@ -145,6 +170,7 @@ pub async fn run(cfg: Config, tokenizers: TokenizerRegistry) -> anyhow::Result<(
             addr: grpc_addr,
             body_limit: cfg.body_limit_bytes,
             destination_header: cfg.destination_header,
+            test_hooks: test_hooks(&cfg),
             server: &server,
             pick_api: &cfg.pick_api,
         },

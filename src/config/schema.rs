@@ -48,6 +48,10 @@ pub struct Config {
     pub disaggregation: DisaggConfig,
     /// Requests held in the router while every pod is saturated (priorities, fairness).
     pub flow_control: FlowConfig,
+    /// The Gateway API Inference Extension's conformance-test hooks: the
+    /// `test-epp-endpoint-selection` request header picks the candidates and responses carry
+    /// `x-conformance-test-*` headers. Test clusters only: any client could steer itself.
+    pub conformance_test_hooks: bool,
 }
 
 /// Admin port access: `/debug/*` needs `Authorization: Bearer <token>` when a token is set;
@@ -233,6 +237,7 @@ impl Default for Config {
             admin: AdminConfig::default(),
             disaggregation: DisaggConfig::default(),
             flow_control: FlowConfig::default(),
+            conformance_test_hooks: false,
         }
     }
 }

@@ -5,6 +5,7 @@
 //! reply. FULL_DUPLEX_STREAMED (Endpoint Picker Protocol): buffer the body to end of stream,
 //! then the headers reply with the decision, then the body echoed as `streamed_response` chunks.
 
+pub mod hooks;
 pub mod reply;
 
 use std::future::Future;
@@ -39,6 +40,7 @@ use crate::pods::InflightGuard;
 use crate::telemetry::{ErrorKind, Errors};
 use reply::Rejection;
 
+pub use hooks::TestHooks;
 pub use reply::{
     DESTINATION_HEADER, DESTINATION_SERVED_HEADER, LB_NAMESPACE, OWNED_HEADERS, SUBSET_KEY,
     SUBSET_NAMESPACE,
@@ -134,6 +136,8 @@ pub struct ExtProc {
     /// `flow_control.enabled`: requests wait here while every pod is saturated.
     flow: Option<Arc<FlowControl>>,
     streams: Arc<StreamCap>,
+    /// `conformance_test_hooks`: the GIE suite's selection and report headers.
+    hooks: Option<Arc<TestHooks>>,
 }
 
 impl ExtProc {
@@ -164,6 +168,12 @@ impl ExtProc {
         self
     }
 
+    /// Honours the conformance suite's selection header and answers its report headers.
+    pub fn with_test_hooks(mut self, hooks: TestHooks) -> Self {
+        self.hooks = Some(Arc::new(hooks));
+        self
+    }
+
     /// A service over the shared decision path.
     pub fn new(
         decider: Arc<Decider>,
@@ -182,6 +192,7 @@ impl ExtProc {
                 open: AtomicUsize::new(0),
                 limit: usize::MAX,
             }),
+            hooks: None,
         }
     }
 }
@@ -280,6 +291,10 @@ struct StreamState {
     headers: Vec<(String, String)>,
     path: String,
     subset: Option<Vec<String>>,
+    /// The conformance hooks' `test-epp-endpoint-selection` entries (hooks on only).
+    selection: Option<Vec<String>>,
+    /// The destination list sent to the gateway (the hooks report its primary).
+    destination: Option<String>,
     body: Chunks,
     /// `body`'s share of the service's buffered-bytes budget.
     reserved: Reservation,
@@ -356,6 +371,8 @@ impl ExtProc {
             headers: Vec::new(),
             path: String::new(),
             subset: None,
+            selection: None,
+            destination: None,
             body: Chunks::default(),
             reserved: self.budget.reservation(),
             largest_chunk: 0,
@@ -436,7 +453,15 @@ impl ExtProc {
                             g.complete();
                         }
                     }
-                    send(&tx, reply::response_headers_continue()).await
+                    let set = match &self.hooks {
+                        Some(hooks) => hooks::response_headers(
+                            hooks,
+                            msg.metadata_context.as_ref(),
+                            st.destination.as_deref(),
+                        ),
+                        None => Vec::new(),
+                    };
+                    send(&tx, reply::response_headers_set(&set)).await
                 }
                 Some(In::ResponseBody(b)) => {
                     let eos = b.end_of_stream;
@@ -497,6 +522,9 @@ impl ExtProc {
         tx: &Tx,
     ) -> bool {
         st.headers = read_headers(headers);
+        if self.hooks.is_some() {
+            st.selection = hooks::selection(&st.headers);
+        }
         st.path = st
             .headers
             .iter()
@@ -601,6 +629,9 @@ impl ExtProc {
             }
         };
         let destination = decision.plan.destination();
+        if self.hooks.is_some() {
+            st.destination = Some(destination.clone());
+        }
         st.guard = decision.guard.map(InflightGuard::ends_with_drop);
         st.prefill_guard = decision.prefill_guard.map(InflightGuard::ends_with_drop);
         let set_header = self.destination_header;
@@ -661,12 +692,29 @@ impl ExtProc {
         body: Option<&[u8]>,
         tx: &Tx,
     ) -> Result<(Decision, Option<PendingRecord>), Rejection> {
+        let subset = hooks::restrict(st.subset.as_deref(), st.selection.as_deref());
         let req = || DecideRequest {
             path: &st.path,
             headers: &st.headers,
             body,
-            subset: st.subset.as_deref(),
+            subset: subset.as_deref(),
         };
+        let result = self.decide_in(st, req, tx).await;
+        match result {
+            // Said so: the client's own header left nothing, not the gateway's hint.
+            Err(Rejection::Decide(DecideError::EmptySubset)) if st.selection.is_some() => {
+                Err(Rejection::Unselected)
+            }
+            r => r,
+        }
+    }
+
+    async fn decide_in<'a>(
+        &self,
+        st: &StreamState,
+        req: impl Fn() -> DecideRequest<'a>,
+        tx: &Tx,
+    ) -> Result<(Decision, Option<PendingRecord>), Rejection> {
         // Boxed: the decision's state lives only while it runs, not in every open stream's task.
         let Some(fc) = &self.flow else {
             return Ok(Box::pin(self.decider.decide_reply_first(req())).await?);
@@ -684,7 +732,11 @@ impl ExtProc {
             Rejection::Queue(r, retry_after)
         };
         let ticket = fc
-            .enqueue(fc.classify(&st.headers), model, st.subset.clone())
+            .enqueue(
+                fc.classify(&st.headers),
+                model,
+                req().subset.map(<[String]>::to_vec),
+            )
             .map_err(refused)?;
         // Envoy restarts its timer once per message: one extension covers the whole wait. If the
         // stream is gone this future is dropped with it (and the ticket leaves the queue).

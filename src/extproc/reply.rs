@@ -235,9 +235,18 @@ pub fn request_trailers_continue() -> ProcessingResponse {
 
 /// Response headers: continue.
 pub fn response_headers_continue() -> ProcessingResponse {
+    response_headers_set(&[])
+}
+
+/// Response headers: continue, with these headers set (overwriting a backend's copies).
+pub fn response_headers_set(set: &[(&str, String)]) -> ProcessingResponse {
+    let mutation = (!set.is_empty()).then(|| HeaderMutation {
+        set_headers: set.iter().map(|(k, v)| header(k, v)).collect(),
+        remove_headers: vec![],
+    });
     ProcessingResponse {
         response: Some(Out::ResponseHeaders(HeadersResponse {
-            response: common(None, false),
+            response: common(mutation, false),
         })),
         ..Default::default()
     }
@@ -282,6 +291,8 @@ pub enum Rejection {
     Overloaded,
     /// Flow control refused the request (every pod saturated): retry after this many seconds.
     Queue(Refusal, u64),
+    /// Conformance hooks: no healthy pod matches the `test-epp-endpoint-selection` header.
+    Unselected,
 }
 
 impl From<DecideError> for Rejection {
@@ -295,6 +306,7 @@ impl Rejection {
     pub fn status(&self) -> u16 {
         match self {
             Rejection::Decide(DecideError::NoHealthyPod | DecideError::EmptySubset) => 503,
+            Rejection::Unselected => 503,
             Rejection::Decide(DecideError::ModelNotFound(_)) => 404,
             Rejection::Decide(DecideError::BadRequest(_)) => 400,
             Rejection::BodyTooLarge(_) => 413,
@@ -310,6 +322,7 @@ impl Rejection {
             Rejection::BodyTooLarge(_) => ErrorKind::BodyTooLarge,
             Rejection::Overloaded => ErrorKind::BodyBudget,
             Rejection::Queue(..) => ErrorKind::FlowControl,
+            Rejection::Unselected => ErrorKind::EmptySubset,
         }
     }
 
@@ -323,6 +336,9 @@ impl Rejection {
             Rejection::Overloaded => {
                 "the router is buffering too many request bodies; retry shortly".to_string()
             }
+            Rejection::Unselected => {
+                "no healthy inference pod matches the test-epp-endpoint-selection header".into()
+            }
             Rejection::Queue(r, _) => match r {
                 Refusal::QueueFull => "every pod is saturated and the router's queue is full",
                 Refusal::Timeout => "every pod is saturated and the request waited too long",
@@ -335,9 +351,8 @@ impl Rejection {
     /// OpenAI-style JSON error body.
     pub fn openai_body(&self) -> Vec<u8> {
         let (ty, code) = match self {
-            Rejection::Decide(DecideError::NoHealthyPod | DecideError::EmptySubset) => {
-                ("ServiceUnavailableError", "no_healthy_upstream")
-            }
+            Rejection::Decide(DecideError::NoHealthyPod | DecideError::EmptySubset)
+            | Rejection::Unselected => ("ServiceUnavailableError", "no_healthy_upstream"),
             Rejection::Decide(DecideError::ModelNotFound(_)) => {
                 ("NotFoundError", "model_not_found")
             }

@@ -52,6 +52,7 @@ async fn port(edit: impl Fn(&mut Config)) -> (SocketAddr, Errors) {
             addr,
             body_limit: cfg.body_limit_bytes,
             destination_header: false,
+            test_hooks: None,
             server: &cfg.server,
             pick_api: &cfg.pick_api,
         };

@@ -19,6 +19,7 @@ mod extproc;
 mod grpc_tls;
 
 // End to end through the real Envoy, kv-router and vllm-sim.
+mod conformance_hooks;
 mod e2e;
 mod e2e_accuracy;
 mod e2e_flow;
