@@ -60,7 +60,7 @@ impl Entry {
         match (self, other) {
             (Entry::Ip(a), Entry::Ip(b)) => (a == b).then(|| self.clone()),
             (Entry::Ip(ip), Entry::Addr(a)) | (Entry::Addr(a), Entry::Ip(ip)) => {
-                (a.ip() == *ip).then(|| Entry::Addr(*a))
+                (a.ip() == *ip).then_some(Entry::Addr(*a))
             }
             (a, b) => (a.text() == b.text()).then(|| a.clone()),
         }

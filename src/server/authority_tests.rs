@@ -239,9 +239,8 @@ async fn oversized_or_broken_blocks_end_the_connection_with_an_error() {
     let mut bomb = vec![0x40];
     encode_string(&mut bomb, b"x-a");
     encode_string(&mut bomb, &[b'a'; 3000]);
-    for _ in 0..10 {
-        bomb.push(0xbe); // dynamic table entry 62: the 3 KB field again
-    }
+    // Dynamic table entry 62, ten times: the 3 KB field again and again.
+    bomb.extend(std::iter::repeat_n(0xbe, 10));
     let mut input = PREFACE.to_vec();
     input.extend(frame(HEADERS, END_HEADERS, 1, &bomb));
     let (out, _) = through(input, 4096).await;

@@ -69,7 +69,7 @@ pub(crate) fn acceptor(tls: &GrpcTlsConfig) -> anyhow::Result<Option<TlsAcceptor
 
 enum State<S> {
     Plain(S),
-    Handshake(Accept<S>),
+    Handshake(Box<Accept<S>>),
     Tls(Box<TlsStream<S>>),
     Failed,
 }
@@ -87,7 +87,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Connected<ConnectInfo = TcpConnectInfo>
         let info = io.connect_info();
         let state = match acceptor {
             None => State::Plain(io),
-            Some(a) => State::Handshake(a.accept(io)),
+            Some(a) => State::Handshake(Box::new(a.accept(io))),
         };
         Self { state, info }
     }
@@ -97,7 +97,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> MaybeTls<S> {
     /// Drives the handshake; ready once the connection can carry bytes (or has failed).
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         if let State::Handshake(accept) = &mut self.state {
-            match ready!(Pin::new(accept).poll(cx)) {
+            match ready!(Pin::new(accept.as_mut()).poll(cx)) {
                 Ok(tls) => self.state = State::Tls(Box::new(tls)),
                 Err(e) => {
                     self.state = State::Failed;
