@@ -115,8 +115,8 @@ fn policy_selects(np: &Value, pod: &Pod) -> bool {
 /// A rule's ports resolved on `dst` (a named port `dst` lacks opens nothing).
 fn rule_ports(rule: &Value, dst: &Pod) -> Reach {
     let ports = seq_of(&rule["ports"]);
-    if rule["ports"].is_null() {
-        return Reach::All;
+    if ports.is_empty() {
+        return Reach::All; // missing or empty: every port
     }
     let mut out = BTreeSet::new();
     for p in ports {
@@ -158,7 +158,7 @@ fn reach(policies: &[&Value], src: &Pod, dst: &Pod) -> Option<Reach> {
         let ns = np["metadata"]["namespace"].as_str().unwrap();
         for rule in seq_of(&np["spec"]["ingress"]) {
             let from = seq_of(&rule["from"]);
-            if rule["from"].is_null() || from.iter().any(|p| peer_admits(p, ns, src)) {
+            if from.is_empty() || from.iter().any(|p| peer_admits(p, ns, src)) {
                 r.add(rule_ports(rule, dst));
             }
         }
