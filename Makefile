@@ -15,7 +15,7 @@ ENVOY_MIN_VERSION ?= 1.36.4
 ENVOY_MIN    := $(abspath $(VENV))/envoy-$(basename $(ENVOY_MIN_VERSION))/envoy/_bin/envoy
 TEST_THREADS ?= 4
 
-.PHONY: help envoy envoy-min build test demo bench bench-quick soak fuzz microbench fmt lint clean redis-server deploy-tools image llama
+.PHONY: help envoy envoy-min build test demo bench bench-quick soak fuzz microbench fmt lint clean redis-server deploy-tools image image-tag llama
 
 help: ## list the targets
 	@echo "kv-router make targets:"
@@ -43,16 +43,27 @@ $(VENV)/.deploy-tools: deploy/requirements.txt $(VENV)/bin/envoy
 
 deploy-tools: $(VENV)/.deploy-tools ## install the offline manifest checkers into $(VENV)
 
-# The workspace version (Cargo.toml) tags the image; the revision goes into `kv-router --version`.
+# The image's tag is the workspace version (Cargo.toml) and the checkout's revision, -dirty when
+# tracked files differ from it: every commit's image gets a tag of its own, so a node that has
+# an older build under the same tag (imagePullPolicy IfNotPresent) cannot run it instead. The
+# revision also goes into `kv-router --version`. `make -s image-tag` prints the tag for newTag.
 VERSION := $(shell sed -n 's/^version = "\(.*\)"$$/\1/p' Cargo.toml | head -n 1)
-IMAGE ?= kv-router:$(VERSION)
+GIT_REVISION := $(shell git rev-parse --short=12 HEAD 2>/dev/null)
+GIT_DIRTY := $(if $(shell git status --porcelain --untracked-files=no 2>/dev/null),-dirty)
+IMAGE_TAG ?= $(VERSION)$(if $(GIT_REVISION),-$(GIT_REVISION)$(GIT_DIRTY))
+IMAGE ?= kv-router:$(IMAGE_TAG)
 # docker, else podman, else buildah (CONTAINER_TOOL=... to choose)
 CONTAINER_TOOL ?= $(firstword $(foreach t,docker podman buildah,$(if $(shell command -v $(t) 2>/dev/null),$(t))))
-image: ## build the kv-router image (kv-router + vllm-sim) with docker/podman/buildah; IMAGE=name:tag
+image: ## build the kv-router image (kv-router + vllm-sim) with docker/podman/buildah; IMAGE=name:tag (default kv-router:VERSION-REVISION)
 	@test -n "$(CONTAINER_TOOL)" || { echo "error: none of docker, podman, buildah is installed" >&2; exit 1; }
 	$(CONTAINER_TOOL) $(if $(filter buildah,$(notdir $(CONTAINER_TOOL))),bud,build) \
-	  --build-arg KV_ROUTER_GIT_REVISION=$$(git rev-parse --short=12 HEAD 2>/dev/null) \
+	  --build-arg KV_ROUTER_GIT_REVISION=$(GIT_REVISION) \
+	  --label org.opencontainers.image.version=$(VERSION) \
+	  --label org.opencontainers.image.revision=$(GIT_REVISION) \
 	  -t $(IMAGE) .
+
+image-tag: ## print the tag `make image` gives the image (VERSION-REVISION[-dirty]): your kustomization's newTag
+	@echo $(IMAGE_TAG)
 
 build: ## cargo build --release --workspace --bins (kv-router, vllm-sim, kv-bench)
 	$(CARGO) build --release --workspace --bins

@@ -384,10 +384,33 @@ fn kv_router_reports_its_version_and_revision() {
     }
 }
 
+/// `git` in the checkout, trimmed; None without git or a checkout.
+fn git(args: &[&str]) -> Option<String> {
+    let out = Command::new("git")
+        .args(args)
+        .current_dir(root())
+        .output()
+        .ok()
+        .filter(|o| o.status.success())?;
+    Some(String::from_utf8_lossy(&out.stdout).trim().to_string())
+}
+
+/// `make -s -n image` with these variables: the commands it would run.
+fn image_plan(vars: &[&str]) -> String {
+    let out = Command::new("make")
+        .args(["-s", "-n", "image", "CONTAINER_TOOL=docker"])
+        .args(vars)
+        .current_dir(root())
+        .output()
+        .unwrap();
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
 #[test]
-fn manifests_and_make_image_carry_the_crate_version() {
+fn the_image_tag_carries_the_version_and_the_revision() {
     let version = env!("CARGO_PKG_VERSION");
-    // Every kustomize `images:` override of kv-router's image names this release.
+    // The manifests name the image by a placeholder (newName and newTag both to be set by the
+    // user's kustomization, deploy/README.md "Image"): every override names this release.
     let mut seen = 0;
     for entry in walk_yaml(&root().join("deploy")) {
         let text = std::fs::read_to_string(&entry).unwrap();
@@ -410,18 +433,38 @@ fn manifests_and_make_image_carry_the_crate_version() {
         }
     }
     assert!(seen >= 1, "no kustomization sets kv-router's image");
-    // `make image` tags with it by default.
-    let out = Command::new("make")
-        .args(["-s", "-n", "image", "CONTAINER_TOOL=docker"])
+    // `make image` tags VERSION-REVISION (-dirty when tracked files changed) and stamps the
+    // same revision into the binary and the image's labels; `make image-tag` prints the tag.
+    let Some(head) = git(&["rev-parse", "--short=12", "HEAD"]) else {
+        return; // no checkout: nothing to compare the tag with
+    };
+    let dirty =
+        git(&["status", "--porcelain", "--untracked-files=no"]).is_some_and(|s| !s.is_empty());
+    let tag = format!("{version}-{head}{}", if dirty { "-dirty" } else { "" });
+    let plan = image_plan(&[]);
+    for want in [
+        format!("-t kv-router:{tag} ."),
+        format!("--build-arg KV_ROUTER_GIT_REVISION={head} "),
+        format!("--label org.opencontainers.image.version={version} "),
+        format!("--label org.opencontainers.image.revision={head} "),
+    ] {
+        assert!(plan.contains(&want), "make image: no `{want}` in\n{plan}");
+    }
+    let printed = Command::new("make")
+        .args(["-s", "image-tag"])
         .current_dir(root())
         .output()
         .unwrap();
-    let plan = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(String::from_utf8_lossy(&printed.stdout).trim(), tag);
+    // A binary built from this checkout reports the revision the tag names.
     assert!(
-        plan.contains(&format!("-t kv-router:{version}"))
-            && plan.contains("KV_ROUTER_GIT_REVISION="),
-        "make image: {plan}"
+        tag.contains(kv_router::GIT_REVISION),
+        "{tag} vs {}",
+        kv_router::GIT_REVISION
     );
+    // The tag or the whole name can still be chosen.
+    assert!(image_plan(&["IMAGE_TAG=1.2.3"]).contains("-t kv-router:1.2.3 ."));
+    assert!(image_plan(&["IMAGE=reg.example/kv-router:x"]).contains("-t reg.example/kv-router:x ."));
 }
 
 fn walk_yaml(dir: &Path) -> Vec<PathBuf> {

@@ -130,6 +130,8 @@ if [ -n "$out" ]; then printf '%s\n' "$body" >"$out"; else printf '%s\n' "$body"
 /// Writes what kv-bench's `--scrape` would have saved around each run: pod i served 10 + i
 /// requests in every run; router 0 decided all but 3 of them, router 1 the other 3 (both with
 /// counts from earlier runs). With FAKE_MISROUTE, router 1 sent one more to pod 0 than it served.
+/// Every pod counted 1,000 prompt tokens in each run, of which 500 hit its prefix cache under
+/// round robin and FAKE_KV_HITS (default 800) under kv-router (on top of earlier runs' counts).
 const KV_BENCH: &str = r#"
 dir="" scrapes="" labels=""
 while [ $# -gt 0 ]; do
@@ -152,8 +154,16 @@ for label in $labels; do
       for ip in $ips; do
         n=$((10 + i))
         case "$name:$when" in
-          sim-$i:before) echo "vllm:request_success_total{model_name=\"sim-model\",engine=\"0\",finished_reason=\"length\"} 7.0" >>"$f" ;;
-          sim-$i:after) echo "vllm:request_success_total{model_name=\"sim-model\",engine=\"0\",finished_reason=\"length\"} $((7 + n)).0" >>"$f" ;;
+          sim-$i:before)
+            echo "vllm:request_success_total{model_name=\"sim-model\",engine=\"0\",finished_reason=\"length\"} 7.0" >>"$f"
+            echo "vllm:prefix_cache_queries_total{model_name=\"sim-model\",engine=\"0\"} 3000.0" >>"$f"
+            echo "vllm:prefix_cache_hits_total{model_name=\"sim-model\",engine=\"0\"} 2900.0" >>"$f" ;;
+          sim-$i:after)
+            hits=500
+            if [ "$label" = kv-router ]; then hits="${FAKE_KV_HITS:-800}"; fi
+            echo "vllm:request_success_total{model_name=\"sim-model\",engine=\"0\",finished_reason=\"length\"} $((7 + n)).0" >>"$f"
+            echo "vllm:prefix_cache_queries_total{model_name=\"sim-model\",engine=\"0\"} 4000.0" >>"$f"
+            echo "vllm:prefix_cache_hits_total{model_name=\"sim-model\",engine=\"0\"} $((2900 + hits)).0" >>"$f" ;;
           router-0:before) echo "kv_router_decisions_total{reason=\"scored\",pod=\"$ip:8000\"} 5" >>"$f" ;;
           router-0:after) echo "kv_router_decisions_total{reason=\"scored\",pod=\"$ip:8000\"} $((5 + n - 3))" >>"$f" ;;
           router-1:before) echo "kv_router_decisions_total{reason=\"spread\",pod=\"$ip:8000\"} 2" >>"$f" ;;
@@ -660,4 +670,123 @@ fn the_round_robin_baseline_is_a_valid_envoy_config() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
+}
+
+/// The margin demo.sh states (`MIN_HIT_GAIN="${MIN_HIT_GAIN:-N}"`), in percentage points.
+fn min_hit_gain() -> u32 {
+    let text = fs::read_to_string(root().join("deploy/kind/demo.sh")).unwrap();
+    text.split("MIN_HIT_GAIN=\"${MIN_HIT_GAIN:-")
+        .nth(1)
+        .and_then(|r| r.split('}').next())
+        .and_then(|n| n.parse().ok())
+        .expect("demo.sh states its margin as MIN_HIT_GAIN=\"${MIN_HIT_GAIN:-N}\"")
+}
+
+#[test]
+fn kv_router_must_beat_round_robin_by_the_stated_margin() {
+    // The stand-in pods: 1,000 prompt tokens each per run, 500 cached under round robin (50 %).
+    let gain = min_hit_gain();
+    let readme = fs::read_to_string(root().join("deploy/README.md")).unwrap();
+    assert!(
+        readme.contains(&format!("`MIN_HIT_GAIN`, default {gain}")),
+        "deploy/README.md must state the demo's margin ({gain} points) and why"
+    );
+    let r = demo(&[], &[]);
+    assert_ok(&r);
+    assert!(
+        r.stderr
+            .contains("round robin 50.00 %, kv-router 80.00 %, 30.00 points apart")
+            && r.stderr.contains("hit ratio check passed"),
+        "{}",
+        r.stderr
+    );
+    // Exactly the margin passes; a hundredth of a point less fails, and so does a loss.
+    let exactly = 500 + gain * 10; // of 1,000 per pod
+    let r = demo(&[], &[("FAKE_KV_HITS", &exactly.to_string())]);
+    assert_ok(&r);
+    for hits in [(exactly - 1).to_string(), "400".to_string()] {
+        let r = demo(&[], &[("FAKE_KV_HITS", &hits)]);
+        assert!(
+            !r.ok,
+            "kv-router {hits}/1000 must fail the demo:\n{}",
+            r.stderr
+        );
+        assert!(r.stderr.contains("hit ratio check failed"), "{}", r.stderr);
+        assert!(!r.stderr.contains("routing check passed"), "{}", r.stderr);
+        r.must("kind", &["delete", "cluster", "--name", NAME]);
+    }
+    let r = demo(&[], &[("FAKE_KV_HITS", "400")]);
+    assert!(r.stderr.contains("-10.00 points above"), "{}", r.stderr);
+    // The margin can be raised (and is checked before anything runs).
+    let r = demo(&[], &[("MIN_HIT_GAIN", "31")]);
+    assert!(
+        !r.ok && r.stderr.contains("short of the 31 points"),
+        "{}",
+        r.stderr
+    );
+    let r = demo(&[], &[("MIN_HIT_GAIN", "ten")]);
+    assert!(!r.ok && r.calls.is_empty(), "{}", r.listing());
+}
+
+/// Any mapping key naming a retry policy, anywhere in an Envoy config.
+fn retry_keys(v: &Value, out: &mut Vec<String>) {
+    match v {
+        Value::Mapping(m) => {
+            for (k, v) in m {
+                if k.as_str().is_some_and(|k| k.contains("retr")) {
+                    out.push(format!("{k:?}: {v:?}"));
+                }
+                retry_keys(v, out);
+            }
+        }
+        Value::Sequence(s) => s.iter().for_each(|v| retry_keys(v, out)),
+        _ => {}
+    }
+}
+
+#[test]
+fn gateway_retries_are_off_on_every_demo_route() {
+    // A retry is served by a pod kv-router did not pick for it: decided = served needs one
+    // attempt per request. Envoy retries only where a route says so; Istio retries twice unless told.
+    let r = demo(&[], &[]);
+    assert_ok(&r);
+    for cm in ["envoy-config", "envoy-round-robin-config"] {
+        let d = r
+            .rendered
+            .iter()
+            .find(|d| {
+                d["kind"] == "ConfigMap"
+                    && d["metadata"]["name"]
+                        .as_str()
+                        .is_some_and(|n| n.starts_with(&format!("{cm}-")))
+            })
+            .unwrap_or_else(|| panic!("ConfigMap {cm} applied"));
+        let envoy: Value = serde_yaml::from_str(d["data"]["envoy.yaml"].as_str().unwrap()).unwrap();
+        let mut found = Vec::new();
+        retry_keys(&envoy, &mut found);
+        assert!(found.is_empty(), "{cm}: {found:?}");
+    }
+    for path in ["istio-envoyfilter", "gateway-api"] {
+        let r = demo(&["--path", path], &[]);
+        assert_ok(&r);
+        r.must(
+            "istioctl",
+            &["install", "meshConfig.defaultHttpRetryPolicy.attempts=0"],
+        );
+        if path == "istio-envoyfilter" {
+            let vs = r
+                .rendered("VirtualService", "llm")
+                .expect("VirtualService llm");
+            let routes = vs["spec"]["http"].as_sequence().unwrap();
+            assert!(!routes.is_empty());
+            for route in routes {
+                assert_eq!(
+                    route["retries"]["attempts"].as_u64(),
+                    Some(0),
+                    "route {:?} may retry",
+                    route["name"]
+                );
+            }
+        }
+    }
 }

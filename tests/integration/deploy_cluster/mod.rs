@@ -481,7 +481,12 @@ fn network_policies_select_the_rendered_pods_and_their_ports() {
                 )
             })
             .collect();
-        let policies: Vec<&Value> = of_kind(&docs, "NetworkPolicy").collect();
+        // The model pods' policies (named ports, pods an overlay may leave to its user) are
+        // evaluated by deploy_manifests/network_policy.rs; these are the others.
+        let model = str_map(&named(&docs, "Service", "vllm")["spec"]["selector"]);
+        let policies: Vec<&Value> = of_kind(&docs, "NetworkPolicy")
+            .filter(|np| !selects(&model, &str_map(&np["spec"]["podSelector"]["matchLabels"])))
+            .collect();
         let mut router_ports = BTreeSet::new();
         let mut router_isolated = false;
         for np in &policies {

@@ -7,6 +7,8 @@
 //!   configs in ConfigMaps pass `envoy --mode validate`, kv-router's config layers parse, and the
 //!   Role grants exactly what the discovery code calls;
 //! - (`pd`) the P/D overlays' pods carry the roles, ports and flags the router and sidecar read;
+//! - (`network_policy`) the model pods admit exactly their gateway, kv-router and P/D peers;
+//! - (`images`) third-party images are pinned by digest, or listed with the reason they are not;
 //! - (`scripts`) `deploy/kind/demo.sh` passes shellcheck; the Dockerfile passes hadolint and
 //!   copies only paths that exist and that `.dockerignore` keeps.
 #![cfg(feature = "kubernetes")]
@@ -20,6 +22,8 @@ use kv_router::config::{Config, KubernetesOverrides};
 use kv_router::pods::kubernetes::{required_rbac, RbacRule};
 use serde_yaml::Value;
 
+mod images;
+mod network_policy;
 mod pd;
 mod scripts;
 
