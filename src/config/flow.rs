@@ -11,6 +11,13 @@ use super::disagg::header_problem;
 /// Longest flow id or objective name kept (longer ones are cut: they are client-supplied).
 pub const MAX_FLOW_ID_BYTES: usize = 64;
 
+/// The InferenceObjective APIs a pool's objectives can be watched through: llm-d's current
+/// group, and the Gateway API Inference Extension's (removed there after v1.5).
+pub const OBJECTIVE_APIS: [&str; 2] = [
+    "llm-d.ai/v1alpha2",
+    "inference.networking.x-k8s.io/v1alpha2",
+];
+
 /// Time a released request has, past `queue_timeout_ms`, to be decided and answered.
 pub const EXTENSION_MARGIN_MS: u64 = 1_000;
 
@@ -47,8 +54,14 @@ pub struct FlowConfig {
     /// The header naming the request's objective (a gateway sets it); `objectives` maps it to a
     /// priority, which wins over `priority_header`.
     pub objective_header: String,
-    /// Objective name -> priority.
+    /// Objective name -> priority: for objectives no watched InferenceObjective names (a watched
+    /// one wins).
     pub objectives: BTreeMap<String, i32>,
+    /// The InferenceObjective API (`group/version`, one of [`OBJECTIVE_APIS`]) watched in the
+    /// pool's namespace when pods come from an InferencePool (`pods.kubernetes.pool`) and the
+    /// headers are trusted; objectives whose `spec.poolRef` names that pool give their
+    /// `spec.priority` to requests naming them. Empty: none watched.
+    pub objective_api: String,
     /// The header naming the request's flow (tenant); requests without one share one flow.
     pub flow_header: String,
     /// Named flows' weights (share of releases within a priority); others weigh 1. Only named
@@ -78,6 +91,7 @@ impl Default for FlowConfig {
             shed_below: 0,
             objective_header: "x-gateway-inference-objective".into(),
             objectives: BTreeMap::new(),
+            objective_api: OBJECTIVE_APIS[0].into(),
             flow_header: "x-kv-router-flow".into(),
             flows: BTreeMap::new(),
             max_flows: 1024,
@@ -93,6 +107,15 @@ impl FlowConfig {
         self.queue_timeout_ms
             .saturating_add(EXTENSION_MARGIN_MS)
             .min(self.envoy_max_message_timeout_ms)
+    }
+
+    /// The InferenceObjective API to watch as (group, version), when one is watched: flow control
+    /// on, trusted headers (nothing else reads an objective) and an API named.
+    pub fn watched_objective_api(&self) -> Option<(&str, &str)> {
+        if !self.enabled || !self.trust_client_headers {
+            return None;
+        }
+        self.objective_api.split_once('/')
     }
 
     /// The priorities a request can have: from the lowest configured class (an objective's, the
@@ -149,6 +172,13 @@ impl FlowConfig {
         {
             bad("objectives", "at most 1024 names of 1-64 bytes");
         }
+        if !self.objective_api.is_empty() && !OBJECTIVE_APIS.contains(&self.objective_api.as_str())
+        {
+            bad(
+                "objective_api",
+                "must be llm-d.ai/v1alpha2, inference.networking.x-k8s.io/v1alpha2 or empty",
+            );
+        }
         if self.flows.len() > 1024
             || self.flows.iter().any(|(k, w)| {
                 k.is_empty() || k.len() > MAX_FLOW_ID_BYTES || !(1..=1000).contains(w)
@@ -198,8 +228,27 @@ mod tests {
         let default = Config::default().flow_control;
         assert!(!default.enabled && !default.trust_client_headers);
         assert_eq!(default.priority_range(), (-1, 0));
+        // Watched only where something reads objectives: flow control on, trusted headers.
+        assert_eq!(default.watched_objective_api(), None);
+        assert_eq!(
+            ok.flow_control.watched_objective_api(),
+            Some(("llm-d.ai", "v1alpha2"))
+        );
+        let legacy = Config::from_yaml(
+            "pods: { static: [{ address: 127.0.0.1:1 }] }\nflow_control: {enabled: true, trust_client_headers: true, objective_api: inference.networking.x-k8s.io/v1alpha2}\n",
+        )
+        .unwrap();
+        assert_eq!(
+            legacy.flow_control.watched_objective_api(),
+            Some(("inference.networking.x-k8s.io", "v1alpha2"))
+        );
+        let off = Config::from_yaml(
+            "pods: { static: [{ address: 127.0.0.1:1 }] }\nflow_control: {enabled: true, trust_client_headers: true, objective_api: \"\"}\n",
+        )
+        .unwrap();
+        assert_eq!(off.flow_control.watched_objective_api(), None);
         let err = Config::from_yaml(
-            "flow_control: {max_queued: 0, queue_timeout_ms: 0, flow_header: Bad, identity_header: X-User, flows: {a: 0}, recheck_ms: 0, envoy_max_message_timeout_ms: 0}\n",
+            "flow_control: {max_queued: 0, queue_timeout_ms: 0, flow_header: Bad, identity_header: X-User, flows: {a: 0}, recheck_ms: 0, envoy_max_message_timeout_ms: 0, objective_api: inference.networking.k8s.io/v1}\n",
         )
         .unwrap_err()
         .to_string();
@@ -211,6 +260,7 @@ mod tests {
             "flow_control.flows",
             "flow_control.recheck_ms",
             "flow_control.envoy_max_message_timeout_ms",
+            "flow_control.objective_api",
         ] {
             assert!(err.contains(key), "{key} missing from {err}");
         }

@@ -25,7 +25,7 @@ pub use correction::CorrectionConfig;
 pub use disagg::{header_problem, DisaggConfig, PodRole, DEFAULT_PREFILL_HEADER, ROLE_LABEL};
 pub use engine::{CustomEngine, EngineSetting, Preset, MAX_METRIC_NAME_BYTES};
 pub use error::{ConfigError, Problem};
-pub use flow::{FlowConfig, EXTENSION_MARGIN_MS, MAX_FLOW_ID_BYTES};
+pub use flow::{FlowConfig, EXTENSION_MARGIN_MS, MAX_FLOW_ID_BYTES, OBJECTIVE_APIS};
 pub use kubernetes::{KubernetesConfig, KubernetesOverrides, PoolRef, PortRef};
 pub use lora::{LoraScorerConfig, MAX_LORA_ADAPTERS, MAX_LORA_NAME_BYTES};
 pub use pods::{DnsSource, PodsConfig, StaticPod};

@@ -36,6 +36,11 @@ struct RejectLabels {
     flow: String,
 }
 
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct LimitLabels {
+    reason: &'static str,
+}
+
 type HistogramFamily<L> = Family<L, Histogram, fn() -> Histogram>;
 
 fn wait_histogram() -> Histogram {
@@ -44,12 +49,15 @@ fn wait_histogram() -> Histogram {
 }
 
 /// `kv_router_flow_queued{priority,flow}`, `kv_router_flow_wait_seconds{priority,flow,outcome}`,
-/// `kv_router_flow_rejections_total{reason,priority,flow}`.
+/// `kv_router_flow_rejections_total{reason,priority,flow}`, `kv_router_flow_objectives_watched`,
+/// `kv_router_flow_objectives_limited_total{reason}`.
 #[derive(Debug, Clone)]
 pub struct FlowMetrics {
     queued: Family<QueueLabels, Gauge>,
     wait: HistogramFamily<WaitLabels>,
     rejections: Family<RejectLabels, Counter>,
+    objectives: Gauge,
+    objectives_limited: Family<LimitLabels, Counter>,
     priorities: Arc<BTreeSet<i32>>,
 }
 
@@ -62,6 +70,8 @@ impl FlowMetrics {
             queued: Family::default(),
             wait: Family::new_with_constructor(wait_histogram),
             rejections: Family::default(),
+            objectives: Gauge::default(),
+            objectives_limited: Family::default(),
             priorities: Arc::new(priorities),
         };
         registry.register(
@@ -79,7 +89,27 @@ impl FlowMetrics {
             "Requests flow control answered with 429 (queue full, timed out, shed)",
             m.rejections.clone(),
         );
+        registry.register(
+            "flow_objectives_watched",
+            "InferenceObjectives of the pool whose priority requests get",
+            m.objectives.clone(),
+        );
+        registry.register(
+            "flow_objectives_limited",
+            "InferenceObjective events limited: dropped past the cap (over_cap) or priority clamped to the classes' range (clamped)",
+            m.objectives_limited.clone(),
+        );
         m
+    }
+
+    pub(super) fn objectives_known(&self, n: usize) {
+        self.objectives.set(i64::try_from(n).unwrap_or(i64::MAX));
+    }
+
+    pub(super) fn objective_limited(&self, reason: &'static str) {
+        self.objectives_limited
+            .get_or_create(&LimitLabels { reason })
+            .inc();
     }
 
     fn priority(&self, p: i32) -> String {

@@ -12,6 +12,7 @@
 //! from the configuration, never from a client's header.
 
 mod metrics;
+pub mod objectives;
 pub mod queue;
 
 use std::collections::HashMap;
@@ -24,6 +25,7 @@ use tokio::time::Instant;
 
 use crate::config::{FlowConfig, MAX_FLOW_ID_BYTES};
 pub use metrics::FlowMetrics;
+pub use objectives::{Objective, Watched};
 use queue::{FlowId, Pushed, Queue, Slot};
 
 /// How long the dispatcher waits for a released request to be committed (so that its pod's
@@ -86,6 +88,8 @@ pub struct FlowControl {
     wake: Notify,
     metrics: FlowMetrics,
     other: Arc<str>,
+    /// Priorities of the pool's InferenceObjectives (filled by the watch, when one runs).
+    watched: Arc<Watched>,
 }
 
 /// A queued request. Dropping it before it was released takes it out of the queue.
@@ -116,6 +120,7 @@ impl FlowControl {
             queue: Mutex::new(Queue::new(cfg.max_queued, cfg.max_flows)),
             per_model: Mutex::new(HashMap::new()),
             wake: Notify::new(),
+            watched: Arc::new(Watched::new(cfg.priority_range(), metrics.clone())),
             metrics,
             other: Arc::from("other"),
             cfg,
@@ -127,10 +132,16 @@ impl FlowControl {
         &self.cfg
     }
 
+    /// The watched InferenceObjectives' priorities (what the watch feeds).
+    pub fn objectives(&self) -> Arc<Watched> {
+        self.watched.clone()
+    }
+
     /// The request's priority and flow. Its flow is the identity header's value; with
     /// `trust_client_headers`, else the flow header's; else the one shared flow. Its priority,
-    /// only with `trust_client_headers`, is the objective's, else the priority header's (clamped
-    /// to [`FlowConfig::priority_range`]); otherwise, and by default, `default_priority`.
+    /// only with `trust_client_headers`, is the objective's (a watched InferenceObjective's, else
+    /// the `objectives` map's), else the priority header's (clamped to
+    /// [`FlowConfig::priority_range`]); otherwise, and by default, `default_priority`.
     pub fn classify(&self, headers: &[(String, String)]) -> Class {
         let get = |name: &str| {
             headers
@@ -149,7 +160,10 @@ impl FlowControl {
         let priority = if trusted {
             let (lo, hi) = self.cfg.priority_range();
             get(&self.cfg.objective_header)
-                .and_then(|o| self.cfg.objectives.get(o).copied())
+                .and_then(|o| {
+                    let watched = self.watched.priority(o);
+                    watched.or_else(|| self.cfg.objectives.get(o).copied())
+                })
                 .or_else(|| get(&self.cfg.priority_header).and_then(|p| p.parse::<i32>().ok()))
                 .map_or(self.cfg.default_priority, |p| p.clamp(lo, hi))
         } else {

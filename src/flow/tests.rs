@@ -87,6 +87,47 @@ fn classify_reads_objective_then_priority_then_default_when_trusted() {
 }
 
 #[test]
+fn a_watched_objective_wins_over_the_map_which_covers_the_rest() {
+    let (fc, _) = flow_control(trusted());
+    let watched = fc.objectives();
+    let obj = |name: &str, priority: i64| Objective {
+        name: name.into(),
+        priority,
+        for_pool: true,
+    };
+    let p = |o: &str| {
+        fc.classify(&headers(&[
+            ("x-gateway-inference-objective", o),
+            ("x-kv-router-priority", "3"),
+        ]))
+        .priority
+    };
+    watched.apply(&obj("batch", 4));
+    watched.apply(&obj("premium", 8));
+    assert_eq!(p("batch"), 4, "the object wins over the map's -10");
+    assert_eq!(p("premium"), 8, "an object the map does not name");
+    assert_eq!(p("chat"), 10, "the map covers objectives no object names");
+    assert_eq!(p("nope"), 3, "neither: the priority header");
+    // Outside the classes' range (-10..=10 here): clamped, so shedding and bands still hold.
+    watched.apply(&obj("premium", 1_000));
+    assert_eq!(p("premium"), 10);
+    watched.apply(&obj("premium", -1_000));
+    assert_eq!(p("premium"), -10);
+    assert_eq!(
+        fc.enqueue(class(p("premium")), None, None).err(),
+        Some(Refusal::Shed),
+        "below shed_below: sheddable"
+    );
+    watched.delete("batch");
+    assert_eq!(p("batch"), -10, "deleted: back to the map");
+    // Untrusted headers read no objective, watched or not.
+    let (fc, _) = flow_control(cfg());
+    fc.objectives().apply(&obj("premium", 8));
+    let h = headers(&[("x-gateway-inference-objective", "premium")]);
+    assert_eq!(fc.classify(&h).priority, 0);
+}
+
+#[test]
 fn untrusted_headers_buy_nothing() {
     let (fc, _) = flow_control(FlowConfig {
         identity_header: "x-tenant".into(),
