@@ -37,7 +37,11 @@ pub(super) async fn start(
         refresh_ms = refresh_ms.min(k.refresh_ms);
         let models = cfg.models.clone();
         let source = crate::pods::KubernetesSource::start(k.clone(), models, Some(errors.clone()));
-        sources.push(Box::new(source.await?));
+        let mut source = source.await?;
+        if let Some(flow) = &shared.flow {
+            source.watch_objectives(flow.config(), flow.objectives());
+        }
+        sources.push(Box::new(source));
     }
     // Static-only pod sets never change, but the first pass must happen now.
     let first: Vec<_> = futures::future::join_all(sources.iter().map(|s| s.pods())).await;

@@ -4,8 +4,11 @@
 //! are not terminating are candidates; a pod that stops qualifying leaves the set.
 //!
 //! Who may change what: the API server is trusted for the pod list; the router needs `list` and
-//! `watch` on pods (and on the one InferencePool) in one namespace — [`required_rbac`] is exactly
-//! what this code calls, and the shipped Role is checked against it.
+//! `watch` on pods (and on the one InferencePool, and with flow control's trusted headers the
+//! InferenceObjectives: [`objectives`]) in one namespace — [`required_rbac`] is exactly what this
+//! code calls, and the shipped Role is checked against it.
+
+mod objectives;
 
 use std::collections::BTreeMap;
 use std::net::{IpAddr, SocketAddr};
@@ -25,7 +28,7 @@ use tokio::task::JoinHandle;
 use tracing::{debug, info, warn};
 
 use super::{PodId, PodSource, PodSourceError, PodSpec, ENGINE_LABEL};
-use crate::config::{KubernetesConfig, PortRef};
+use crate::config::{FlowConfig, KubernetesConfig, PortRef};
 use crate::telemetry::{ErrorKind, Errors};
 
 /// API group of InferencePool.
@@ -46,8 +49,11 @@ pub struct RbacRule {
     pub resource_names: Vec<String>,
 }
 
-/// Exactly the API calls this source makes, as Role rules.
-pub fn required_rbac(cfg: &KubernetesConfig) -> Vec<RbacRule> {
+pub use objectives::OBJECTIVES_RESOURCE;
+
+/// Exactly the API calls this source makes, as Role rules: with `flow` (flow control on, trusted
+/// headers, an `objective_api`) and a pool, the InferenceObjectives' watch too.
+pub fn required_rbac(cfg: &KubernetesConfig, flow: &FlowConfig) -> Vec<RbacRule> {
     let lw = vec!["list".to_string(), "watch".to_string()];
     let mut rules = vec![RbacRule {
         api_group: String::new(),
@@ -60,9 +66,17 @@ pub fn required_rbac(cfg: &KubernetesConfig) -> Vec<RbacRule> {
         rules.push(RbacRule {
             api_group: POOL_GROUP.into(),
             resource: "inferencepools".into(),
-            verbs: lw,
+            verbs: lw.clone(),
             resource_names: vec![pool.name.clone()],
         });
+        if let Some((group, _)) = flow.watched_objective_api() {
+            rules.push(RbacRule {
+                api_group: group.into(),
+                resource: OBJECTIVES_RESOURCE.into(),
+                verbs: lw,
+                resource_names: vec![],
+            });
+        }
     }
     rules
 }
@@ -104,11 +118,18 @@ pub struct KubernetesSource {
     namespace: String,
     view: Arc<Mutex<View>>,
     task: JoinHandle<()>,
+    client: kube::Client,
+    pool: Option<String>,
+    metrics: Option<Errors>,
+    objectives: Option<JoinHandle<()>>,
 }
 
 impl Drop for KubernetesSource {
     fn drop(&mut self) {
         self.task.abort();
+        if let Some(t) = &self.objectives {
+            t.abort();
+        }
     }
 }
 
@@ -171,13 +192,14 @@ impl KubernetesSource {
             "watching model pods through the Kubernetes API"
         );
         let view = Arc::new(Mutex::new(View::default()));
+        let pool = cfg.pool.as_ref().map(|p| p.name.clone());
         let watch = Watch {
-            client,
+            client: client.clone(),
             namespace: pods_ns.clone(),
             cfg,
             models,
             view: view.clone(),
-            metrics,
+            metrics: metrics.clone(),
         };
         let task = tokio::spawn(supervise(watch));
         Ok(Self {
@@ -185,7 +207,34 @@ impl KubernetesSource {
             namespace: pods_ns,
             view,
             task,
+            client,
+            pool,
+            metrics,
+            objectives: None,
         })
+    }
+
+    /// Starts the watch of the pool namespace's InferenceObjectives into `watched` when `flow`
+    /// watches them ([`FlowConfig::watched_objective_api`]) and pods come from a pool; else
+    /// nothing. [`required_rbac`] names the same condition.
+    pub fn watch_objectives(&mut self, flow: &FlowConfig, watched: Arc<crate::flow::Watched>) {
+        let (Some(pool), Some((group, version))) = (&self.pool, flow.watched_objective_api())
+        else {
+            return;
+        };
+        if let Some(t) = self.objectives.take() {
+            t.abort();
+        }
+        let w = objectives::ObjectiveWatch {
+            client: self.client.clone(),
+            namespace: self.namespace.clone(),
+            pool: pool.clone(),
+            group: group.into(),
+            version: version.into(),
+            watched,
+            errors: self.metrics.clone(),
+        };
+        self.objectives = Some(tokio::spawn(objectives::run(w)));
     }
 }
 
@@ -649,15 +698,35 @@ mod tests {
             selector: "app=vllm".into(),
             ..Default::default()
         };
-        let rules = required_rbac(&cfg);
-        assert_eq!(rules.len(), 1);
+        let off = FlowConfig::default();
+        let on = FlowConfig {
+            enabled: true,
+            trust_client_headers: true,
+            ..Default::default()
+        };
+        let rules = required_rbac(&cfg, &on);
+        assert_eq!(rules.len(), 1, "no pool: no objectives");
         assert_eq!(rules[0].verbs, vec!["list", "watch"]);
         cfg.pool = Some(crate::config::PoolRef {
             name: "p".into(),
             namespace: String::new(),
         });
-        let rules = required_rbac(&cfg);
+        let rules = required_rbac(&cfg, &off);
+        assert_eq!(rules.len(), 2);
         assert_eq!(rules[1].resource, "inferencepools");
         assert_eq!(rules[1].resource_names, vec!["p"]);
+        let rules = required_rbac(&cfg, &on);
+        assert_eq!(rules[2].api_group, "llm-d.ai");
+        assert_eq!(rules[2].resource, "inferenceobjectives");
+        assert_eq!(rules[2].verbs, vec!["list", "watch"]);
+        assert!(rules[2].resource_names.is_empty());
+        let legacy = FlowConfig {
+            objective_api: "inference.networking.x-k8s.io/v1alpha2".into(),
+            ..on
+        };
+        assert_eq!(
+            required_rbac(&cfg, &legacy)[2].api_group,
+            "inference.networking.x-k8s.io"
+        );
     }
 }

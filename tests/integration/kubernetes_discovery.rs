@@ -151,7 +151,10 @@ async fn selector_watch_tracks_adds_readiness_terminations_and_deletes() {
     expect(&src, &[], "d deleted").await;
 
     // What the code called is exactly what required_rbac (and so the shipped Role) grants.
-    assert_eq!(calls(&stub), rbac_triples(&required_rbac(&cfg)));
+    assert_eq!(
+        calls(&stub),
+        rbac_triples(&required_rbac(&cfg, &Default::default()))
+    );
     for r in stub.requests() {
         assert_eq!(r.namespace, NS, "every call stays in the pods' namespace");
         assert_eq!(r.label_selector.as_deref(), Some("app=vllm"));
@@ -343,7 +346,10 @@ async fn inference_pool_selector_and_target_ports_are_followed() {
     );
     expect(&src, &["10.4.0.1:8000", "10.4.0.2:8000"], "pool recreated").await;
 
-    assert_eq!(calls(&stub), rbac_triples(&required_rbac(&cfg)));
+    assert_eq!(
+        calls(&stub),
+        rbac_triples(&required_rbac(&cfg, &Default::default()))
+    );
     for r in stub.requests().iter().filter(|r| r.kind == Kind::Pool) {
         // resourceNames in the Role only authorise requests that name the pool.
         assert_eq!(r.field_selector.as_deref(), Some("metadata.name=vllm-pool"));

@@ -49,4 +49,6 @@ mod kind_demo;
 #[cfg(feature = "kubernetes")]
 mod kubernetes_discovery;
 #[cfg(feature = "kubernetes")]
+mod kubernetes_objectives;
+#[cfg(feature = "kubernetes")]
 mod memory_bounds;

@@ -483,7 +483,7 @@ fn every_overlay_renders_and_validates_offline() {
             .kubernetes
             .as_ref()
             .unwrap_or_else(|| panic!("{}: kv-router does not use pods.kubernetes", r.name));
-        let want: BTreeSet<RbacRule> = required_rbac(k).into_iter().collect();
+        let want: BTreeSet<RbacRule> = required_rbac(k, &cfg.flow_control).into_iter().collect();
         let have = role_rules(r);
         if want != have {
             failures.push(format!(

@@ -1,5 +1,5 @@
-//! A stub Kubernetes API server on 127.0.0.1 for the discovery tests: list + watch of pods and
-//! InferencePools with resourceVersions, label/field selectors, bookmarks, watches that end,
+//! A stub Kubernetes API server on 127.0.0.1 for the discovery tests: list + watch of pods,
+//! InferencePools and InferenceObjectives (llm-d.ai and the older x-k8s.io group) with resourceVersions, label/field selectors, bookmarks, watches that end,
 //! 410 Gone for compacted versions, bearer-token auth, and a log of every request (for RBAC).
 //! It speaks the wire protocol kube-rs (and client-go) use; it is not a mock of our code.
 #![allow(dead_code)]
@@ -30,6 +30,10 @@ pub enum Kind {
     Pod,
     /// inference.networking.k8s.io/v1 inferencepools.
     Pool,
+    /// llm-d.ai/v1alpha2 inferenceobjectives.
+    Objective,
+    /// inference.networking.x-k8s.io/v1alpha2 inferenceobjectives (GIE up to v1.5).
+    LegacyObjective,
 }
 
 impl Kind {
@@ -37,12 +41,15 @@ impl Kind {
         match self {
             Kind::Pod => "v1",
             Kind::Pool => "inference.networking.k8s.io/v1",
+            Kind::Objective => "llm-d.ai/v1alpha2",
+            Kind::LegacyObjective => "inference.networking.x-k8s.io/v1alpha2",
         }
     }
     fn kind(self) -> &'static str {
         match self {
             Kind::Pod => "Pod",
             Kind::Pool => "InferencePool",
+            Kind::Objective | Kind::LegacyObjective => "InferenceObjective",
         }
     }
     /// `(apiGroup, resource)` as RBAC names it.
@@ -50,6 +57,8 @@ impl Kind {
         match self {
             Kind::Pod => ("", "pods"),
             Kind::Pool => ("inference.networking.k8s.io", "inferencepools"),
+            Kind::Objective => ("llm-d.ai", "inferenceobjectives"),
+            Kind::LegacyObjective => ("inference.networking.x-k8s.io", "inferenceobjectives"),
         }
     }
 }
@@ -133,6 +142,14 @@ impl KubeStub {
             .route(
                 "/apis/inference.networking.k8s.io/v1/namespaces/{ns}/inferencepools",
                 get(handler(Kind::Pool)),
+            )
+            .route(
+                "/apis/llm-d.ai/v1alpha2/namespaces/{ns}/inferenceobjectives",
+                get(handler(Kind::Objective)),
+            )
+            .route(
+                "/apis/inference.networking.x-k8s.io/v1alpha2/namespaces/{ns}/inferenceobjectives",
+                get(handler(Kind::LegacyObjective)),
             )
             .fallback(|| async { (StatusCode::NOT_FOUND, "not served by the stub") })
             .with_state(shared.clone());
@@ -310,6 +327,15 @@ pub fn pool(ns: &str, name: &str, match_labels: Value, ports: &[u16]) -> Value {
             "endpointPickerRef": {"name": "kv-router", "port": {"number": 9002}}
         }
     })
+}
+
+/// An InferenceObjective (either group's: the same spec) for `pool` with `priority`.
+pub fn objective(ns: &str, name: &str, pool: &str, priority: Option<i64>) -> Value {
+    let mut spec = json!({"poolRef": {"group": "inference.networking.k8s.io", "name": pool}});
+    if let Some(p) = priority {
+        spec["priority"] = json!(p);
+    }
+    json!({"metadata": {"name": name, "namespace": ns}, "spec": spec})
 }
 
 type Params = Query<BTreeMap<String, String>>;
