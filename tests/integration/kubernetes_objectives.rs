@@ -240,3 +240,100 @@ async fn the_older_group_is_watched_when_configured_and_nothing_when_off() {
         .iter()
         .all(|r| r.resource != kube_stub::Kind::Objective.rbac().1));
 }
+
+/// The kv-router binary with flow control on and trusted headers, its pods from an InferencePool
+/// on the stub: it watches the pool's objectives (the app's wiring), as its metrics show.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_router_watches_its_pools_objectives() {
+    use crate::common::{
+        self,
+        deploy::{self, RouterProc, SimPod},
+    };
+
+    let stub = KubeStub::start().await;
+    let bins = common::bins();
+    let args: Vec<String> = common::FAST_SIM.iter().map(|s| s.to_string()).collect();
+    let sim = SimPod::spawn(&bins.vllm_sim, &args).expect("start vllm-sim");
+    stub.apply(
+        Kind::Pool,
+        pool(NS, POOL, json!({"app": "vllm"}), &[sim.addr.port()]),
+    );
+    stub.apply(
+        Kind::Pod,
+        kube_stub::pod(
+            NS,
+            "vllm-0",
+            json!({"app": "vllm"}),
+            Some("127.0.0.1"),
+            true,
+            &[],
+        ),
+    );
+    stub.apply(Kind::Objective, objective(NS, "chat", POOL, Some(5)));
+    stub.apply(
+        Kind::Objective,
+        objective(NS, "theirs", "elsewhere", Some(5)),
+    );
+    let mut cfg = deploy::local_router_config(&[]).unwrap();
+    cfg.pods.kubernetes = Some(KubernetesConfig {
+        namespace: NS.into(),
+        kubeconfig: Some(stub.kubeconfig(NS)),
+        refresh_ms: 50,
+        pool: Some(PoolRef {
+            name: POOL.into(),
+            namespace: String::new(),
+        }),
+        ..Default::default()
+    });
+    cfg.flow_control.enabled = true;
+    cfg.flow_control.trust_client_headers = true;
+    let router = RouterProc::spawn(&bins.kv_router, &cfg)
+        .await
+        .expect("start kv-router");
+    let watched = || async {
+        let text = reqwest::get(format!("{}/metrics", router.admin_url()))
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        text.lines()
+            .find(|l| l.starts_with("kv_router_flow_objectives_watched "))
+            .map(|l| l.rsplit(' ').next().unwrap().to_string())
+    };
+    let until = |want: &'static str, what: &'static str| {
+        let watched = &watched;
+        let router = &router;
+        async move {
+            let deadline = Instant::now() + Duration::from_secs(10);
+            loop {
+                let got = watched().await;
+                if got.as_deref() == Some(want) {
+                    return;
+                }
+                assert!(
+                    Instant::now() < deadline,
+                    "{what}: kv_router_flow_objectives_watched is {got:?}, expected {want}\n{}",
+                    router.stderr_tail(30)
+                );
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    };
+    until("1", "the pool's one objective listed").await;
+    stub.apply(Kind::Objective, objective(NS, "batch", POOL, Some(-1)));
+    until("2", "one created").await;
+    stub.delete(Kind::Objective, NS, "chat");
+    until("1", "one deleted").await;
+    let flow = cfg.flow_control.clone();
+    let k = cfg.pods.kubernetes.clone().unwrap();
+    let want: BTreeSet<_> = required_rbac(&k, &flow)
+        .iter()
+        .flat_map(|r| {
+            r.verbs
+                .iter()
+                .map(|v| (r.api_group.clone(), r.resource.clone(), v.clone()))
+        })
+        .collect();
+    assert_eq!(calls(&stub), want);
+}
