@@ -200,3 +200,46 @@ pub async fn run(opts: &Options, progress: impl FnMut(&CaseResult)) -> anyhow::R
     let rig = rig::Rig::start(opts).await?;
     Ok(cases::run_all(rig, opts, progress).await)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn result(name: &str, mode: Option<Mode>, outcome: Outcome) -> CaseResult {
+        CaseResult {
+            name: name.into(),
+            mode,
+            outcome,
+        }
+    }
+
+    #[test]
+    fn the_summary_counts_by_mode_and_skips_apart() {
+        let report = Report {
+            results: vec![
+                result("health.x", None, Outcome::Pass(String::new())),
+                result(
+                    "buffered/a",
+                    Some(Mode::Buffered),
+                    Outcome::Pass("ok".into()),
+                ),
+                result(
+                    "buffered/b",
+                    Some(Mode::Buffered),
+                    Outcome::Fail("no".into()),
+                ),
+                result(
+                    "full-duplex/a",
+                    Some(Mode::FullDuplex),
+                    Outcome::Skip("x".into()),
+                ),
+            ],
+        };
+        assert_eq!(report.failed(), ["buffered/b"]);
+        assert_eq!(
+            report.summary(),
+            "epp-conformance: 2 passed, 1 failed, 1 skipped (mode buffered: 1/2 passed, health: 1/1 passed)"
+        );
+        assert_eq!(report.results[2].to_string(), "FAIL buffered/b: no");
+    }
+}

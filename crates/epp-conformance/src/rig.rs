@@ -443,3 +443,48 @@ impl Rig {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_layout_needs_three_ips_and_two_ports_of_one() {
+        let l =
+            PodLayout::parse("127.0.0.2:1,127.0.0.3:1, 127.0.0.4:1,127.0.0.4:2,[::1]:3").unwrap();
+        assert_eq!(l, PodLayout::parse(&l.comma_list()).unwrap());
+        assert_eq!(l.v6, Some("[::1]:3".parse().unwrap()));
+        assert_eq!(PodLayout::default_fixed(true).all().len(), 5);
+        assert_eq!(PodLayout::default_fixed(false).all().len(), 4);
+        for bad in [
+            "127.0.0.2:1,127.0.0.2:2,127.0.0.4:1,127.0.0.4:2",
+            "127.0.0.2:1,127.0.0.3:1,127.0.0.4:1,127.0.0.5:2",
+            "127.0.0.2:1,127.0.0.3:1,127.0.0.4:1,127.0.0.4:1",
+            "127.0.0.2:1,127.0.0.3:1,127.0.0.4:1,127.0.0.4:2,127.0.0.6:1",
+            "127.0.0.2:1,127.0.0.3:1,127.0.0.4:1",
+        ] {
+            assert!(PodLayout::parse(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn placeholders_render_every_name() {
+        let l = PodLayout::parse("127.0.0.2:1,127.0.0.3:1,127.0.0.4:1,127.0.0.4:2").unwrap();
+        let ph = Placeholders::new(&l, Path::new("/tmp/w")).unwrap();
+        let out = ph.render("{pods}|{pods_json}|{pods_objects_json}|{model}|{config}|{grpc_addr}");
+        let parts: Vec<&str> = out.split('|').collect();
+        assert_eq!(parts[0], "127.0.0.2:1,127.0.0.3:1,127.0.0.4:1,127.0.0.4:2");
+        let json: Vec<String> = serde_json::from_str(parts[1]).unwrap();
+        assert_eq!(json.len(), 4);
+        let objects: serde_json::Value = serde_json::from_str(parts[2]).unwrap();
+        assert_eq!(objects[3]["address"], "127.0.0.4:2");
+        assert_eq!(parts[3], MODEL);
+        assert_eq!(parts[4], "/tmp/w/picker-config");
+        assert_eq!(parts[5], format!("127.0.0.1:{}", ph.port("grpc_port")));
+        assert_eq!(
+            ph.render("{unknown}"),
+            "{unknown}",
+            "unknown names stay as they are"
+        );
+    }
+}
