@@ -16,6 +16,7 @@ use crate::decide::Decider;
 use crate::index::index_capacity;
 use crate::pods::{prefill_models, scaled_capacity, LoadSample, PodMetrics, PodRegistry};
 use crate::scoring::SessionStore;
+use crate::telemetry::gie::{GieMetrics, PodSample};
 use crate::telemetry::{ErrorKind, Errors};
 
 use super::Shared;
@@ -57,6 +58,7 @@ impl MaintenanceMetrics {
 pub(super) struct Gauges {
     pub pods: PodMetrics,
     pub maintenance: MaintenanceMetrics,
+    pub gie: GieMetrics,
     pub errors: Errors,
 }
 
@@ -98,6 +100,21 @@ async fn maintenance(
         let now = Instant::now();
         let snapshot = pods.snapshot();
         let models = prefill_models(snapshot.pods(), decider.ttft_prior());
+        let healthy: Vec<PodSample> = snapshot
+            .pods()
+            .iter()
+            .filter(|p| p.is_healthy())
+            .map(|p| {
+                let load = p.load(now, stale_after);
+                PodSample {
+                    pod: p.id().to_string(),
+                    waiting: load.waiting,
+                    running: load.running,
+                    kv_usage: load.kv_usage,
+                }
+            })
+            .collect();
+        gauges.gie.observe_pool(&healthy);
         for (pod, model) in snapshot.pods().iter().zip(&models) {
             if pod.take_restart() {
                 gauges.pods.engine_restarted(pod.id());

@@ -145,6 +145,7 @@ pub async fn run(cfg: Config, tokenizers: TokenizerRegistry) -> anyhow::Result<(
     let gauges = Gauges {
         pods: telemetry.pods,
         maintenance: telemetry.maintenance,
+        gie: telemetry.gie,
         errors,
     };
     maintenance::start(&cfg, &shared, gauges);
@@ -168,6 +169,7 @@ pub async fn run(cfg: Config, tokenizers: TokenizerRegistry) -> anyhow::Result<(
     let grpc = grpc::start(
         GrpcSettings {
             addr: grpc_addr,
+            health_addr: cfg.grpc_health_addr(),
             body_limit: cfg.body_limit_bytes,
             destination_header: cfg.destination_header,
             test_hooks: test_hooks(&cfg),

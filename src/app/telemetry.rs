@@ -13,6 +13,7 @@ use crate::index::RedisMetrics;
 use crate::ingest::IngestMetrics;
 use crate::pods::PodMetrics;
 use crate::supervise::Supervisor;
+use crate::telemetry::gie::GieMetrics;
 use crate::telemetry::Errors;
 
 use super::maintenance::MaintenanceMetrics;
@@ -42,6 +43,8 @@ pub(super) struct Telemetry {
     pub conns: ConnMetrics,
     /// Flow control (`flow_control.enabled` only).
     pub flow: Option<FlowMetrics>,
+    /// The Gateway API Inference Extension's families.
+    pub gie: GieMetrics,
 }
 
 impl Telemetry {
@@ -50,11 +53,13 @@ impl Telemetry {
         let mut root = Registry::default();
         // KV-event ingestion registers its own families under the same prefix.
         let ingest = Arc::new(IngestMetrics::register(&mut root));
+        let pool = cfg.pods.kubernetes.as_ref().and_then(|k| k.pool.as_ref());
+        let gie = GieMetrics::register(&mut root, pool.map(|p| p.name.as_str()));
         let registry = root.sub_registry_with_prefix("kv_router");
         crate::telemetry::register_build_info(registry);
         let errors = Errors::register(registry);
         let decisions = DecisionMetrics::register(registry, errors.clone());
-        let extproc = ExtProcMetrics::register(registry, errors.clone());
+        let extproc = ExtProcMetrics::register(registry, errors.clone()).with_gie(gie.clone());
         let pods = PodMetrics::register(registry);
         let maintenance = MaintenanceMetrics::register(registry);
         let supervisor = Supervisor::register(registry);
@@ -77,6 +82,7 @@ impl Telemetry {
             redis,
             conns,
             flow,
+            gie,
         }
     }
 }

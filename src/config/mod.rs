@@ -104,6 +104,12 @@ impl Config {
         self.listen.grpc.parse().expect("validated")
     }
 
+    /// Parsed health-only listen address, if any (valid after [`Config::validate`]).
+    pub fn grpc_health_addr(&self) -> Option<SocketAddr> {
+        (!self.listen.grpc_health.is_empty())
+            .then(|| self.listen.grpc_health.parse().expect("validated"))
+    }
+
     /// Parsed admin listen address (valid after [`Config::validate`]).
     pub fn admin_addr(&self) -> SocketAddr {
         self.listen.admin.parse().expect("validated")

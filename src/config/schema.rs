@@ -250,6 +250,9 @@ pub struct Listen {
     pub grpc: String,
     /// Admin HTTP: /metrics, /healthz, /readyz, /debug/*.
     pub admin: String,
+    /// gRPC health only, on a port of its own (the Gateway API Inference Extension chart probes
+    /// 9003); empty: none (health is on `grpc` in any case).
+    pub grpc_health: String,
 }
 
 impl Default for Listen {
@@ -257,6 +260,7 @@ impl Default for Listen {
         Self {
             grpc: "127.0.0.1:9002".into(),
             admin: "127.0.0.1:9090".into(),
+            grpc_health: String::new(),
         }
     }
 }

@@ -23,6 +23,14 @@ impl Config {
                 bad(key, "must be an ip:port socket address");
             }
         }
+        if !self.listen.grpc_health.is_empty()
+            && self.listen.grpc_health.parse::<SocketAddr>().is_err()
+        {
+            bad(
+                "listen.grpc_health",
+                "must be an ip:port socket address, or empty",
+            );
+        }
         if self.body_limit_bytes < 1024 {
             bad("body_limit_bytes", "must be at least 1024");
         }

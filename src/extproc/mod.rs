@@ -37,6 +37,7 @@ use crate::budget::{BodyBudget, Refused, Reservation};
 use crate::decide::{DecideError, DecideRequest, Decider, Decision, PendingRecord, Saturated};
 use crate::flow::FlowControl;
 use crate::pods::InflightGuard;
+use crate::telemetry::gie::{GieMetrics, Running};
 use crate::telemetry::{ErrorKind, Errors};
 use reply::Rejection;
 
@@ -57,12 +58,28 @@ pub struct ExtProcMetrics {
     streams: Family<ModeLabels, Counter>,
     open: Gauge,
     errors: Errors,
+    /// The GIE `inference_objective_*` families, when registered.
+    gie: Option<GieMetrics>,
 }
 
 impl ExtProcMetrics {
     /// The error counter the streams report to.
     pub fn errors(&self) -> Errors {
         self.errors.clone()
+    }
+
+    /// Also reports routed and refused requests to GIE's per-model families.
+    pub fn with_gie(mut self, gie: GieMetrics) -> Self {
+        self.gie = Some(gie);
+        self
+    }
+
+    /// A refusal, in the error counter and GIE's (the model is not known yet).
+    fn refused(&self, kind: ErrorKind) {
+        self.errors.inc(kind);
+        if let Some(g) = &self.gie {
+            g.refused(None, kind.as_str());
+        }
     }
 }
 
@@ -83,6 +100,7 @@ impl ExtProcMetrics {
             streams: Family::default(),
             open: Gauge::default(),
             errors,
+            gie: None,
         };
         registry.register(
             "extproc_open_streams",
@@ -304,6 +322,8 @@ struct StreamState {
     guard: Option<InflightGuard>,
     /// The prefill pod's charge of a disaggregated request, released at the first response.
     prefill_guard: Option<InflightGuard>,
+    /// In GIE's `inference_objective_running_requests` until the stream ends.
+    running: Option<Running>,
 }
 
 impl StreamState {
@@ -379,6 +399,7 @@ impl ExtProc {
             decided: false,
             guard: None,
             prefill_guard: None,
+            running: None,
         };
         let mut first = true;
         let mut ending = None;
@@ -395,7 +416,7 @@ impl ExtProc {
                         Some(refused) => {
                             let r = if refused == Refused::TooLarge {
                                 let r = Rejection::BodyTooLarge(self.body_limit);
-                                self.metrics.errors.inc(r.kind());
+                                self.metrics.refused(r.kind());
                                 r
                             } else {
                                 Rejection::Overloaded
@@ -568,13 +589,13 @@ impl ExtProc {
         st.largest_chunk = st.largest_chunk.max(chunk.len());
         if st.body.len() + chunk.len() > self.body_limit {
             let r = Rejection::BodyTooLarge(self.body_limit);
-            self.metrics.errors.inc(r.kind());
+            self.metrics.refused(r.kind());
             send(tx, reply::immediate_error(&r)).await;
             return false;
         }
         if !st.reserved.grow(chunk.len()) {
             let r = Rejection::Overloaded;
-            self.metrics.errors.inc(r.kind());
+            self.metrics.refused(r.kind());
             send(tx, reply::immediate_error(&r)).await;
             return false;
         }
@@ -624,10 +645,16 @@ impl ExtProc {
             Ok(d) => d,
             Err(e) => {
                 // The decision path or flow control counted the error.
+                if let Some(g) = &self.metrics.gie {
+                    g.refused(None, e.kind().as_str());
+                }
                 send(tx, reply::immediate_error(&e)).await;
                 return false;
             }
         };
+        if let Some(g) = &self.metrics.gie {
+            st.running = Some(g.routed(decision.model.as_deref()));
+        }
         let destination = decision.plan.destination();
         if self.hooks.is_some() {
             st.destination = Some(destination.clone());

@@ -65,6 +65,8 @@ const HANDSHAKE_BYTES: u64 = 24;
 pub enum Port {
     Grpc,
     Admin,
+    /// `listen.grpc_health`: gRPC health alone, held like the gRPC port.
+    GrpcHealth,
 }
 
 /// Why the router closed a connection (the `reason` label).
@@ -88,6 +90,7 @@ impl EncodeLabelValue for Port {
         e.write_str(match self {
             Port::Grpc => "grpc",
             Port::Admin => "admin",
+            Port::GrpcHealth => "grpc_health",
         })
     }
 }
@@ -197,7 +200,7 @@ impl Slot {
 
     fn evictable(&self) -> bool {
         match self.port {
-            Port::Grpc => self.evictable.load(Ordering::Acquire),
+            Port::Grpc | Port::GrpcHealth => self.evictable.load(Ordering::Acquire),
             Port::Admin => self.idle(),
         }
     }
@@ -266,7 +269,7 @@ impl Tracker {
                 writing.min().map(|(_, i)| i)
             };
             let victim = match self.port {
-                Port::Grpc => oldest.or_else(quietest),
+                Port::Grpc | Port::GrpcHealth => oldest.or_else(quietest),
                 Port::Admin => oldest.or_else(stuck),
             };
             let Some(oldest) = victim else {
@@ -461,7 +464,7 @@ impl AsyncRead for Guarded {
         let before = buf.filled().len();
         let res = Pin::new(&mut this.inner).poll_read(cx, buf);
         let got = buf.filled().len() - before;
-        if matches!(res, Poll::Ready(Ok(()))) && got > 0 && this.slot.port == Port::Grpc {
+        if matches!(res, Poll::Ready(Ok(()))) && got > 0 && this.slot.port != Port::Admin {
             this.slot.last_read.store(now_ms(), Ordering::Relaxed);
             if let Some(need) = this.handshake_bytes {
                 this.read += got as u64;
@@ -522,7 +525,18 @@ pub fn incoming(
     handshake_timeout: Duration,
     metrics: ConnMetrics,
 ) -> impl futures::Stream<Item = io::Result<Guarded>> {
-    let tracker = Tracker::new(Port::Grpc, cap, metrics);
+    incoming_on(Port::Grpc, listener, cap, handshake_timeout, metrics)
+}
+
+/// [`incoming`] for a gRPC listener labelled `port`.
+pub fn incoming_on(
+    port: Port,
+    listener: TcpListener,
+    cap: usize,
+    handshake_timeout: Duration,
+    metrics: ConnMetrics,
+) -> impl futures::Stream<Item = io::Result<Guarded>> {
+    let tracker = Tracker::new(port, cap, metrics);
     futures::stream::unfold(listener, move |listener| {
         let tracker = tracker.clone();
         async move {

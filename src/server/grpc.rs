@@ -28,6 +28,7 @@
 
 use std::future::Future;
 use std::net::SocketAddr;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -67,6 +68,8 @@ pub(super) const HEALTH_SERVICES: [&str; 4] = [
 pub(crate) struct GrpcSettings<'a> {
     /// `listen.grpc`.
     pub addr: SocketAddr,
+    /// `listen.grpc_health`: health alone on a port of its own, if set.
+    pub health_addr: Option<SocketAddr>,
     /// `body_limit_bytes`: the largest ext_proc request body.
     pub body_limit: usize,
     /// `destination_header`: also set the destination as a request header.
@@ -158,6 +161,17 @@ pub(crate) async fn start(
             errors,
         },
     );
+    let closed: Closed = futures::FutureExt::shared(Box::pin(closed));
+    let health_only = match cfg.health_addr {
+        None => None,
+        Some(addr) => Some(health_only(
+            addr,
+            health_service.clone(),
+            Duration::from_millis(cfg.server.handshake_timeout_ms),
+            conn_metrics.clone(),
+            closed.clone(),
+        )?),
+    };
     let addr = cfg.addr;
     let listener = conns::bind(addr).with_context(|| format!("binding gRPC listener {addr}"))?;
     let rewritten = conn_metrics.authority_rewritten.clone();
@@ -171,12 +185,55 @@ pub(crate) async fn start(
     .map_ok(move |conn| {
         AuthorityFix::new(MaybeTls::new(conn, tls.as_ref()), true, rewritten.clone())
     });
-    Ok(tonic::transport::Server::builder()
+    let main = tonic::transport::Server::builder()
         .http2_keepalive_interval(Some(Duration::from_secs(30)))
         .max_concurrent_streams(Some(cfg.server.max_concurrent_streams))
         .add_service(health_service)
         .add_service(extproc)
         .add_service(pick)
+        .serve_with_incoming_shutdown(incoming, closed);
+    Ok(async move {
+        match health_only {
+            None => main.await,
+            Some(health) => {
+                let (m, h) = tokio::join!(main, health);
+                m.and(h)
+            }
+        }
+    })
+}
+
+/// Resolves when the listeners stop accepting (both ports wait on it).
+type Closed = futures::future::Shared<Pin<Box<dyn Future<Output = ()> + Send>>>;
+
+/// Connections the health-only port keeps at once: probes, not traffic.
+const HEALTH_PORT_CONNECTIONS: usize = 64;
+
+/// The health-only listener (`listen.grpc_health`): plaintext (kubelet gRPC probes speak no
+/// TLS), the same health services, at most [`HEALTH_PORT_CONNECTIONS`] connections and 8 streams
+/// each. Binds now; serves once polled, until `closed`.
+fn health_only(
+    addr: SocketAddr,
+    health: HealthServer<HealthService>,
+    handshake_timeout: Duration,
+    conn_metrics: ConnMetrics,
+    closed: Closed,
+) -> anyhow::Result<impl Future<Output = Result<(), tonic::transport::Error>>> {
+    let listener =
+        conns::bind(addr).with_context(|| format!("binding gRPC health listener {addr}"))?;
+    let rewritten = conn_metrics.authority_rewritten.clone();
+    let incoming = conns::incoming_on(
+        conns::Port::GrpcHealth,
+        listener,
+        HEALTH_PORT_CONNECTIONS,
+        handshake_timeout,
+        conn_metrics,
+    )
+    .map_ok(move |conn| AuthorityFix::new(MaybeTls::new(conn, None), true, rewritten.clone()));
+    Ok(tonic::transport::Server::builder()
+        .http2_keepalive_interval(Some(Duration::from_secs(30)))
+        .max_concurrent_streams(Some(8))
+        .add_service(health)
         .serve_with_incoming_shutdown(incoming, closed))
 }
 

@@ -50,6 +50,7 @@ async fn port(edit: impl Fn(&mut Config)) -> (SocketAddr, Errors) {
             .unwrap();
         let settings = GrpcSettings {
             addr,
+            health_addr: None,
             body_limit: cfg.body_limit_bytes,
             destination_header: false,
             test_hooks: None,

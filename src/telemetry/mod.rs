@@ -2,6 +2,8 @@
 //! component registers its own families (`decide`, `extproc`, `pods`, `ingest`, `app`); labels
 //! are closed enums or pod addresses, never prompt text or raw error strings.
 
+pub mod gie;
+
 use std::fmt::Write as _;
 
 use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue, LabelValueEncoder};

@@ -29,6 +29,7 @@ mod e2e_precise;
 mod faults;
 mod faults_streams;
 mod fd_limit;
+mod gie_surface;
 mod hardening;
 mod router_headers;
 
