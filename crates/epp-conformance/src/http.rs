@@ -64,16 +64,7 @@ pub fn client() -> reqwest::Client {
 
 async fn collect(r: reqwest::Response) -> Result<Resp> {
     let status = r.status().as_u16();
-    let headers = r
-        .headers()
-        .iter()
-        .map(|(k, v)| {
-            (
-                k.as_str().to_string(),
-                String::from_utf8_lossy(v.as_bytes()).into_owned(),
-            )
-        })
-        .collect();
+    let headers = kv_testkit::runner::header_pairs(r.headers());
     let body = r
         .bytes()
         .await
@@ -265,16 +256,7 @@ pub async fn post_sse(
     }
     let r = req.send().await.with_context(|| format!("POST {path}"))?;
     let status = r.status().as_u16();
-    let headers: Vec<(String, String)> = r
-        .headers()
-        .iter()
-        .map(|(k, v)| {
-            (
-                k.as_str().to_string(),
-                String::from_utf8_lossy(v.as_bytes()).into_owned(),
-            )
-        })
-        .collect();
+    let headers: Vec<(String, String)> = kv_testkit::runner::header_pairs(r.headers());
     let mut stream = r.bytes_stream();
     let mut raw = Vec::new();
     let mut pending = Vec::new();

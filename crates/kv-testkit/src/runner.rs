@@ -84,6 +84,19 @@ impl StreamOutcome {
     }
 }
 
+/// A response's headers as (name, value) pairs, values read lossily as UTF-8.
+pub fn header_pairs(headers: &reqwest::header::HeaderMap) -> Vec<(String, String)> {
+    headers
+        .iter()
+        .map(|(k, v)| {
+            (
+                k.as_str().to_string(),
+                String::from_utf8_lossy(v.as_bytes()).into_owned(),
+            )
+        })
+        .collect()
+}
+
 /// An HTTP client for benchmark traffic (no proxy, generous pool, no overall timeout).
 pub fn client() -> reqwest::Client {
     reqwest::Client::builder()
@@ -129,16 +142,7 @@ async fn stream_inner(
     }
     let resp = req.send().await.context("request failed")?;
     out.status = Some(resp.status().as_u16());
-    out.headers = resp
-        .headers()
-        .iter()
-        .map(|(k, v)| {
-            (
-                k.as_str().to_string(),
-                String::from_utf8_lossy(v.as_bytes()).into_owned(),
-            )
-        })
-        .collect();
+    out.headers = header_pairs(resp.headers());
     let is_sse = out
         .header("content-type")
         .is_some_and(|c| c.starts_with("text/event-stream"));
