@@ -40,6 +40,12 @@ impl SessionKey {
         Self(xxh3_64(id.as_bytes()))
     }
 
+    /// Key of a served response's id: a request chaining `previous_response_id` finds the pod
+    /// that produced that response under it (the response side sets it, the request side reads).
+    pub fn response(id: &str) -> Self {
+        Self::of(&format!("response\0{id}"))
+    }
+
     /// The hash (what a shared store keys on; the id itself is never stored).
     pub fn hash(self) -> u64 {
         self.0
