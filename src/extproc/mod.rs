@@ -306,6 +306,9 @@ impl EncodeLabelValue for BodyMode {
 struct StreamState {
     mode: BodyMode,
     response_full_duplex: bool,
+    /// Response body chunks reach the router as they come (STREAMED or FULL_DUPLEX): the first
+    /// one marks the end of the prefill.
+    response_body_streamed: bool,
     headers: Vec<(String, String)>,
     path: String,
     subset: Option<Vec<String>>,
@@ -388,6 +391,7 @@ impl ExtProc {
         let mut st = StreamState {
             mode: BodyMode::Buffered,
             response_full_duplex: false,
+            response_body_streamed: false,
             headers: Vec::new(),
             path: String::new(),
             subset: None,
@@ -440,8 +444,12 @@ impl ExtProc {
                         Ok(BodySendMode::Streamed) => BodyMode::Streamed,
                         _ => BodyMode::Buffered,
                     };
-                    st.response_full_duplex = BodySendMode::try_from(pc.response_body_mode)
-                        == Ok(BodySendMode::FullDuplexStreamed);
+                    let response_mode = BodySendMode::try_from(pc.response_body_mode);
+                    st.response_full_duplex = response_mode == Ok(BodySendMode::FullDuplexStreamed);
+                    st.response_body_streamed = matches!(
+                        response_mode,
+                        Ok(BodySendMode::FullDuplexStreamed | BodySendMode::Streamed)
+                    );
                 }
                 self.metrics
                     .streams
@@ -463,7 +471,13 @@ impl ExtProc {
                 Some(In::RequestTrailers(_)) => self.on_request_trailers(&mut st, &tx).await,
                 Some(In::ResponseHeaders(h)) => {
                     if let Some(g) = st.guard.as_mut() {
-                        g.prefill_done();
+                        // A streamed response's headers leave before its prefill (even queued);
+                        // a whole response's come after it.
+                        if !is_event_stream(h.headers.as_ref()) {
+                            g.prefill_done();
+                        } else if !st.response_body_streamed {
+                            g.prefill_by_estimate();
+                        }
                     }
                     // The decode pod answers once the prefill pod handed over the prompt.
                     if let Some(g) = st.prefill_guard.take() {
@@ -486,6 +500,9 @@ impl ExtProc {
                 }
                 Some(In::ResponseBody(b)) => {
                     let eos = b.end_of_stream;
+                    if let Some(g) = st.guard.as_mut() {
+                        g.prefill_done();
+                    }
                     let out = if st.response_full_duplex {
                         reply::response_body_echo(b.body, eos)
                     } else {
@@ -781,6 +798,22 @@ impl ExtProc {
 
 async fn send(tx: &Tx, msg: ProcessingResponse) -> bool {
     tx.send(Box::new(msg)).await.is_ok()
+}
+
+/// Whether response headers announce server-sent events (a streamed completion).
+fn is_event_stream(map: Option<&HeaderMap>) -> bool {
+    map.is_some_and(|m| {
+        m.headers.iter().any(|h| {
+            h.key.eq_ignore_ascii_case("content-type") && {
+                let v = if h.raw_value.is_empty() {
+                    h.value.as_bytes()
+                } else {
+                    &h.raw_value
+                };
+                v.len() >= 17 && v[..17].eq_ignore_ascii_case(b"text/event-stream")
+            }
+        })
+    })
 }
 
 /// Header names lower-cased; values from `raw_value`, falling back to `value`.

@@ -350,9 +350,25 @@ impl InflightGuard {
     pub fn settle(mut self) {
         self.drop_completes = false;
     }
-    /// The pod's response has started: its prefill is over.
+    /// The pod's first token is out: its prefill is over.
     pub fn prefill_done(&mut self) {
         self.release_tokens(Release::Started);
+    }
+
+    /// The response started, but its first token will not be seen (a streamed response whose
+    /// body does not pass the router): the uncached tokens count until their estimated prefill
+    /// end, as a settled request's do. Streamed headers come before the prefill, even queued.
+    pub fn prefill_by_estimate(&mut self) {
+        if self.prefill_done {
+            return;
+        }
+        let tokens = self.tokens;
+        self.release_tokens(Release::Settled);
+        self.pod
+            .inflight
+            .settling
+            .lock()
+            .push_tokens(tokens, self.tokens_until);
     }
 
     fn release_tokens(&mut self, how: Release) {

@@ -28,6 +28,8 @@ use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::StreamExt;
 use tonic::Streaming;
 
+mod response;
+
 struct Harness {
     client: ExternalProcessorClient<tonic::transport::Channel>,
     pods: Arc<PodRegistry>,

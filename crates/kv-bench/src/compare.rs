@@ -419,12 +419,13 @@ pub async fn compare(
         let target = match strategy {
             Strategy::RoundRobin => fleet.rr_envoy.url(),
             _ => {
-                let s = Stack::start(
+                let s = Stack::start_behind(
                     bins,
                     &fleet,
                     strategy.router_config(&base, &opts.model),
                     opts.replicas(strategy),
                     redis.as_deref(),
+                    strategy.envoy_template(),
                 )
                 .await
                 .with_context(|| format!("starting {label}"))?;

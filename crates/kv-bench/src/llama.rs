@@ -71,7 +71,7 @@ pub async fn compare(
                     .await
                     .with_context(|| format!("starting {label}"))?;
                 r.wait_pods_ready(pods, Duration::from_secs(30)).await?;
-                let t = deploy::envoy_template("override-host-buffered.yaml")?;
+                let t = deploy::envoy_template(strategy.envoy_template())?;
                 let e = EnvoyProc::spawn_with(&envoy_bin, &t, Some(r.grpc), &addrs, &eopts).await?;
                 router = Some(r);
                 e

@@ -32,6 +32,10 @@ pub enum Strategy {
     /// own in-flight load and conversation placements (not in compare's default set: run it
     /// beside `redis` to measure what sharing the load view changes).
     RedisOwnLoad,
+    /// The defaults behind Envoy's FULL_DUPLEX_STREAMED configuration (`gie-full-duplex.yaml`,
+    /// the Endpoint Picker Protocol) instead of BUFFERED: the router also sees each response,
+    /// its start and its end. Run beside `weighted`, it shows what the body mode changes.
+    WeightedFullDuplex,
     /// Weighted on a prefill/decode fleet: the router disaggregates long uncached prompts
     /// (the pods' roles kept; every other strategy sees the same pods as aggregated).
     Pd,
@@ -52,17 +56,19 @@ impl Strategy {
         Strategy::Redis,
     ];
 
-    /// Every strategy, baselines first: the aggregated ones, `redis-own-load`, then the P/D ones.
-    pub const ALL: [Strategy; 11] = {
-        let mut all = [Strategy::Pd; 11];
+    /// Every strategy, baselines first: the aggregated ones, `redis-own-load`,
+    /// `weighted-full-duplex`, then the P/D ones.
+    pub const ALL: [Strategy; 12] = {
+        let mut all = [Strategy::Pd; 12];
         let mut i = 0;
         while i < Strategy::AGGREGATED.len() {
             all[i] = Strategy::AGGREGATED[i];
             i += 1;
         }
         all[8] = Strategy::RedisOwnLoad;
-        all[9] = Strategy::Pd;
-        all[10] = Strategy::PrecisePd;
+        all[9] = Strategy::WeightedFullDuplex;
+        all[10] = Strategy::Pd;
+        all[11] = Strategy::PrecisePd;
         all
     };
 
@@ -78,6 +84,7 @@ impl Strategy {
             Strategy::Precise => "precise",
             Strategy::Redis => "redis",
             Strategy::RedisOwnLoad => "redis-own-load",
+            Strategy::WeightedFullDuplex => "weighted-full-duplex",
             Strategy::Pd => "pd",
             Strategy::PrecisePd => "precise-pd",
         }
@@ -95,6 +102,9 @@ impl Strategy {
                 "the fleet simulator models aggregated pods only; prefill/decode roles need \
                  live pods (kv-bench compare --pd-prefill)",
             ),
+            Strategy::WeightedFullDuplex => {
+                Some("body modes are Envoy's: the fleet simulator has no Envoy (kv-bench compare)")
+            }
             _ => None,
         }
     }
@@ -119,6 +129,14 @@ impl Strategy {
             Strategy::RoundRobin => 0,
             Strategy::Redis | Strategy::RedisOwnLoad => 2,
             _ => 1,
+        }
+    }
+
+    /// The Envoy configuration (under `envoy/`) the strategy's routers sit behind.
+    pub fn envoy_template(self) -> &'static str {
+        match self {
+            Strategy::WeightedFullDuplex => "gie-full-duplex.yaml",
+            _ => "override-host-buffered.yaml",
         }
     }
 
@@ -149,7 +167,7 @@ impl Strategy {
                 cfg.scorers.load.weight = 0.0;
                 cfg.gate.enabled = false;
             }
-            Strategy::Weighted | Strategy::Pd => {}
+            Strategy::Weighted | Strategy::WeightedFullDuplex | Strategy::Pd => {}
             Strategy::PredictedTtft => cfg.policy = Policy::PredictedTtft,
             Strategy::Redis | Strategy::RedisOwnLoad => {
                 cfg.index.backend = IndexBackend::Redis;
@@ -253,7 +271,10 @@ mod tests {
         assert!(Strategy::Pd.unavailable().is_some(), "not in the simulator");
         let aggregated: Vec<Strategy> = Strategy::ALL
             .into_iter()
-            .filter(|s| !s.disaggregates() && *s != Strategy::RedisOwnLoad)
+            .filter(|s| {
+                !s.disaggregates()
+                    && !matches!(s, Strategy::RedisOwnLoad | Strategy::WeightedFullDuplex)
+            })
             .collect();
         assert_eq!(aggregated, Strategy::AGGREGATED, "compare's default");
     }

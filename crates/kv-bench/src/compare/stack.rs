@@ -106,9 +106,29 @@ impl Stack {
     pub(crate) async fn start(
         bins: &Binaries,
         fleet: &CompareFleet,
+        cfg: Config,
+        replicas: usize,
+        redis_bin: Option<&std::path::Path>,
+    ) -> Result<Self> {
+        Self::start_behind(
+            bins,
+            fleet,
+            cfg,
+            replicas,
+            redis_bin,
+            "override-host-buffered.yaml",
+        )
+        .await
+    }
+
+    /// [`Self::start`] behind Envoy's configuration `envoy_template` (a file under `envoy/`).
+    pub(crate) async fn start_behind(
+        bins: &Binaries,
+        fleet: &CompareFleet,
         mut cfg: Config,
         replicas: usize,
         redis_bin: Option<&std::path::Path>,
+        envoy_template: &str,
     ) -> Result<Self> {
         let redis = redis_bin.map(RedisProc::start).transpose()?;
         if let Some(r) = &redis {
@@ -132,7 +152,7 @@ impl Stack {
         }
         let envoy = EnvoyProc::spawn_with(
             &fleet.envoy_bin,
-            &deploy::envoy_template("override-host-buffered.yaml")?,
+            &deploy::envoy_template(envoy_template)?,
             Some(routers[0].grpc),
             &addrs,
             &EnvoyOptions {
