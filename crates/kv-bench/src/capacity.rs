@@ -507,7 +507,13 @@ pub async fn run(bins: &Binaries, o: &CapacityOptions) -> Result<CapacityReport>
     let fleet = CompareFleet::start(bins, &copts).await?;
     let base = fleet.base_config()?;
     let addrs = fleet.addrs();
-    let workload = o.spec(0, 0).build().description;
+    // The arrivals are each rung's own (the notes say so), not the first rung's.
+    let built = o.spec(0, 0).build().description;
+    let workload = built
+        .split("; Poisson")
+        .next()
+        .unwrap_or(&built)
+        .to_string();
     let mut runs = Vec::new();
     let order = run_order(o.strategies.len(), o.ladder.len(), o.repeat);
     for (i, &(round, rung, k)) in order.iter().enumerate() {

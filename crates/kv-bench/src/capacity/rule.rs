@@ -32,9 +32,9 @@ pub fn capacity(points: &[RungPoint], slo_ms: f64) -> Option<f64> {
         .map(|p| p.qps);
     sorted
         .iter()
-        .filter(|p| first_fail.is_none_or(|f| p.qps < f))
+        .rev()
+        .find(|p| first_fail.is_none_or(|f| p.qps < f))
         .map(|p| p.qps)
-        .last()
 }
 
 /// The percentile `p` (0–100, nearest rank) of per-request TTFTs in ms, a failed request (None)
