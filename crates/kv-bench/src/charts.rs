@@ -153,6 +153,84 @@ pub fn time_series(
     Ok(svg)
 }
 
+/// A latency percentile against offered load, one line with markers per series, and the SLO as
+/// a dashed red line. A point whose failures reach the percentile (infinite) is drawn at the
+/// top of the frame; one that measured nothing (NaN) is left out.
+pub fn ttft_vs_qps(
+    title: &str,
+    y_desc: &str,
+    slo_ms: f64,
+    series: &[(String, Vec<(f64, f64)>)],
+) -> Result<String, ChartError> {
+    let e = err("ttft-vs-qps");
+    let mut svg = String::new();
+    {
+        let points = || series.iter().flat_map(|(_, v)| v.iter().copied());
+        let x_lo = points().map(|p| p.0).fold(f64::INFINITY, f64::min);
+        let x_lo = if x_lo.is_finite() { x_lo } else { 0.0 };
+        let x_hi = points().map(|p| p.0).fold(x_lo + 1.0, f64::max);
+        let finite_hi = points()
+            .map(|p| p.1)
+            .filter(|y| y.is_finite())
+            .fold(0.0, f64::max);
+        let y_hi = finite_hi.max(slo_ms).max(1.0) * 1.2;
+        let pad = (x_hi - x_lo) * 0.05;
+        let root = SVGBackend::with_string(&mut svg, SIZE).into_drawing_area();
+        root.fill(&WHITE).map_err(|x| e(&x))?;
+        let mut chart = ChartBuilder::on(&root)
+            .caption(title, ("sans-serif", 20))
+            .margin(12)
+            .x_label_area_size(40)
+            .y_label_area_size(60)
+            .build_cartesian_2d(x_lo - pad..x_hi + pad, 0.0..y_hi)
+            .map_err(|x| e(&x))?;
+        chart
+            .configure_mesh()
+            .x_desc("offered load (requests per second)")
+            .y_desc(y_desc)
+            .draw()
+            .map_err(|x| e(&x))?;
+        let red = RGBColor(200, 0, 0);
+        chart
+            .draw_series(DashedLineSeries::new(
+                [(x_lo - pad, slo_ms), (x_hi + pad, slo_ms)],
+                6,
+                4,
+                red.stroke_width(2),
+            ))
+            .map_err(|x| e(&x))?
+            .label(format!("SLO {slo_ms} ms"))
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], red.stroke_width(2)));
+        for (i, (label, values)) in series.iter().enumerate() {
+            let c = colour(i);
+            let shown: Vec<(f64, f64)> = values
+                .iter()
+                .filter(|p| !p.1.is_nan())
+                .map(|&(x, y)| (x, if y.is_finite() { y } else { y_hi }))
+                .collect();
+            chart
+                .draw_series(LineSeries::new(shown.iter().copied(), c.stroke_width(2)))
+                .map_err(|x| e(&x))?
+                .label(label.as_str())
+                .legend(move |(x, y)| {
+                    PathElement::new(vec![(x, y), (x + 18, y)], c.stroke_width(2))
+                });
+            chart
+                .draw_series(shown.iter().map(|&p| Circle::new(p, 3, c.filled())))
+                .map_err(|x| e(&x))?;
+        }
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::UpperLeft)
+            .background_style(WHITE.mix(0.85))
+            .border_style(BLACK)
+            .draw()
+            .map_err(|x| e(&x))?;
+        root.present().map_err(|x| e(&x))?;
+    }
+    Ok(svg)
+}
+
 /// A bar chart's frame: one labelled segment per group on x, `0..top` on y.
 type Bars<'a, 'b> =
     ChartContext<'a, SVGBackend<'b>, Cartesian2d<SegmentedCoord<RangedCoordusize>, RangedCoordf64>>;
@@ -365,11 +443,28 @@ mod tests {
         .unwrap();
         well_formed(&load);
         assert!(load.matches("<rect").count() >= 6);
+        let ladder = ttft_vs_qps(
+            "TTFT p90",
+            "ms",
+            500.0,
+            &[
+                ("weighted".into(), vec![(4.0, 100.0), (8.0, 300.0)]),
+                (
+                    "round-robin".into(),
+                    vec![(4.0, 400.0), (8.0, f64::INFINITY)],
+                ),
+                ("none".into(), vec![(4.0, f64::NAN)]),
+            ],
+        )
+        .unwrap();
+        well_formed(&ladder);
+        assert!(ladder.contains("SLO 500 ms") && ladder.contains("round-robin"));
     }
 
     #[test]
     fn empty_series_still_render() {
         well_formed(&ttft_cdf("none", &[("x".into(), vec![])]).unwrap());
         well_formed(&per_pod_load("none", &[]).unwrap());
+        well_formed(&ttft_vs_qps("none", "ms", 500.0, &[]).unwrap());
     }
 }

@@ -35,6 +35,10 @@ pub enum Cmd {
     /// redis: two replicas sharing a Redis index); report hit ratio against the oracles, TTFT,
     /// load balance.
     Compare(Box<CompareArgs>), // boxed: its flags make it far larger than the other variants
+    /// How many requests per second the fleet carries before TTFT breaks its SLO, per strategy:
+    /// a cache-bound fleet (6,000 blocks, max-num-seqs 8 per pod) under the cache-pressure
+    /// workload, Poisson arrivals up a QPS ladder, the strategies interleaved at every rung.
+    Capacity(Box<crate::capacity::CapacityArgs>),
     /// Run every benchmark of `make bench` and write results.md, results.json and images/.
     Report(ReportArgs),
     /// Added latency through real Envoy: direct, round robin, no-op ext_proc, kv-router.

@@ -121,6 +121,11 @@ impl CompareFleet {
         })
     }
 
+    /// The URL of the fleet's round-robin Envoy (no router): the `round-robin` strategy.
+    pub(crate) fn round_robin_url(&self) -> String {
+        self.rr_envoy.url()
+    }
+
     /// Pod addresses.
     pub fn addrs(&self) -> Vec<SocketAddr> {
         self.pods.iter().map(|p| p.sim.addr).collect()

@@ -3,6 +3,7 @@
 //! The process rigs, workloads and traces it drives come from `kv-testkit`; the simulated pods
 //! from `vllm-sim`; the router only through its public API.
 
+pub mod capacity;
 pub mod charts;
 pub mod cli;
 pub mod compare;

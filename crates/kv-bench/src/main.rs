@@ -125,6 +125,27 @@ async fn real_main(cli: Cli) -> Result<()> {
             Ok(())
         }
         Cmd::RedisIndex(a) => redis_index(&a).await,
+        Cmd::Capacity(a) => {
+            let opts = a.options()?;
+            let r = bench::capacity::run(&Binaries::beside_current_exe()?, &opts).await?;
+            let render = bench::capacity::render::table;
+            println!("{}\n", render(&r, Style::Plain));
+            println!("{}", bench::capacity::render::notes(&r));
+            if a.markdown {
+                let cmd: Vec<String> = std::env::args().skip(1).collect();
+                println!("\n### `kv-bench {}`\n", cmd.join(" "));
+                println!("{}", render(&r, Style::Markdown));
+            }
+            if let Some(path) = &a.svg {
+                std::fs::write(path, bench::capacity::render::chart(&r)?)
+                    .with_context(|| format!("writing {}", path.display()))?;
+                eprintln!("kv-bench: wrote {}", path.display());
+            }
+            if let Some(path) = &a.json {
+                write_json(path, &r)?;
+            }
+            Ok(())
+        }
         Cmd::Lora(a) => {
             let arms = bench::lora::run(&Binaries::beside_current_exe()?, &a).await?;
             println!("{}", bench::lora::markdown(&arms));

@@ -168,6 +168,12 @@ const SYNTHETIC: &str = "compare --workload trace --trace synthetic --trace-skip
 /// goal that three rounds of six strategies cannot (one round spans ±15 % on these windows).
 const SHARED_RUNS: &str = "--repeat 8 --strategies redis,weighted";
 
+/// The capacity ladder, short: the cache-pressure fleet and workload of `kv-bench capacity`'s
+/// defaults, four rungs of 15 measured seconds, the baseline and the two router indexes
+/// (about five minutes; the full ladder of five strategies takes about 45).
+const CAPACITY: &str = "capacity --qps 4,8,12,16 --rung-s 15 --warmup-s 5 \
+     --strategies round-robin,weighted,precise";
+
 /// Where the shared-index sections keep their rounds, under the report's directory: each
 /// report adds its rounds and judges the goal over all of them too (`compare --pool`).
 pub const POOL_FILE: &str = "paired-rounds/rounds.tsv";
@@ -189,6 +195,10 @@ fn plan(quick: bool, out: &std::path::Path) -> Vec<Planned> {
               format!("compare --workload multiturn --sessions 3 --turns 2 --max-tokens 8 {fast}")),
             p("Shared prefix", "shared-prefix",
               format!("compare --workload shared-prefix --groups 2 --prompts-per-group 3 --poisson-rate 50 {fast}")),
+            p("Capacity at a TTFT SLO", "capacity",
+              format!("capacity --qps 4,8 --strategies round-robin,weighted --rung-requests 6 \
+                       --warmup-s 0 --groups 10 --prefix-tokens 64 --question-tokens 16 \
+                       --output-tokens 4 {fast}")),
             p("Router overhead", "overhead", "overhead --quick".into()),
             p("Fleet simulation", "simulate", "simulate --trace conversation --pods 8 --quick".into()),
         ];
@@ -212,6 +222,7 @@ fn plan(quick: bool, out: &std::path::Path) -> Vec<Planned> {
           "compare --workload multiturn --sessions 32 --turns 6 --pods 8 --gpu-blocks 4096".into()),
         p("Shared prefix", "shared-prefix",
           "compare --workload shared-prefix --groups 40 --prompts-per-group 5 --system-tokens 6000 --question-tokens 1200 --output-tokens 100 --poisson-rate 8 --pods 8 --gpu-blocks 5120".into()),
+        p("Capacity at a TTFT SLO", "capacity", CAPACITY.into()),
         p("Router overhead", "overhead", "overhead".into()),
         p("Fleet simulation, 64 pods", "simulate",
           "simulate --trace conversation --pods 64 --gpu-blocks 31250".into()),
@@ -244,6 +255,17 @@ pub async fn report_all(a: &ReportArgs) -> Result<()> {
                     .await
                     .context("simulation thread")??;
                 results::simulate_section(
+                    item.title,
+                    item.slug,
+                    &command,
+                    &r,
+                    started.elapsed().as_secs_f64(),
+                )?
+            }
+            Cmd::Capacity(c) => {
+                let opts = c.options()?;
+                let r = super::capacity::run(&Binaries::beside_current_exe()?, &opts).await?;
+                super::capacity::render::section(
                     item.title,
                     item.slug,
                     &command,

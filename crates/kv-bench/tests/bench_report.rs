@@ -77,6 +77,25 @@ fn quick_report_is_produced_and_well_formed() {
     let md = std::fs::read_to_string(out.path().join("results.md")).unwrap();
     assert!(md.contains("Machine: "), "names the machine");
 
+    // The capacity ladder: both strategies at both rungs; instant sims meet the SLO at each.
+    let capacity: Vec<&Value> = sections
+        .iter()
+        .filter(|s| {
+            s["command"]
+                .as_str()
+                .unwrap()
+                .starts_with("kv-bench capacity")
+        })
+        .collect();
+    let [capacity] = capacity[..] else {
+        panic!("one capacity section: {capacity:?}")
+    };
+    assert_eq!(capacity["json"]["runs"].as_array().unwrap().len(), 4);
+    for c in capacity["json"]["capacities"].as_array().unwrap() {
+        assert_eq!(c["per_round"][0].as_f64(), Some(8.0), "{c}");
+    }
+    assert!(capacity["charts"][0]["file"] == "capacity-ttft-vs-qps.svg");
+
     // The shared index against one router: paired rounds, every replica's lookups answered
     // without falling back, and the goal judged in the section.
     let [shared] = shared[..] else {

@@ -1,9 +1,10 @@
 //! kv-testkit: what kv-router's end-to-end tests and kv-bench share. Process rigs that start and
 //! stop real Envoy, Redis/Valkey, simulated vLLM pods and routers on 127.0.0.1 (`deploy`), the
-//! workloads and Mooncake traces (`workload`, `trace`, `prose`, `splitmix`), and the load runner
-//! that streams them through an endpoint (`runner`), and the documented worst-case memory of each
-//! shipped component (`memory_bounds`).
+//! workloads and Mooncake traces (`workload`, `cache_pressure`, `trace`, `prose`, `splitmix`),
+//! the load runner that streams them through an endpoint (`runner`), and the documented
+//! worst-case memory of each shipped component (`memory_bounds`).
 
+pub mod cache_pressure;
 pub mod deploy;
 pub mod e2e;
 pub mod memory_bounds;

@@ -362,9 +362,9 @@ impl Workload {
 }
 
 /// A session of exactly one request.
-struct OneShot {
-    id: String,
-    request: Option<PlannedRequest>,
+pub(crate) struct OneShot {
+    pub(crate) id: String,
+    pub(crate) request: Option<PlannedRequest>,
 }
 
 impl Session for OneShot {
@@ -377,7 +377,7 @@ impl Session for OneShot {
     }
 }
 
-fn completion_body(model: &str, prompt: Value, max_tokens: u32) -> Value {
+pub(crate) fn completion_body(model: &str, prompt: Value, max_tokens: u32) -> Value {
     json!({
         "model": model,
         "prompt": prompt,
