@@ -11,6 +11,8 @@ mod metrics;
 mod recent;
 pub mod usage;
 
+use std::sync::Arc;
+
 use serde::Serialize;
 
 use crate::budget::Reservation;
@@ -203,8 +205,11 @@ pub struct Receipts {
     recent: Recent,
 }
 
-/// One routed request's receipt while its response passes.
+/// One routed request's receipt while its response passes. Dropped unjudged (the gateway reset
+/// the stream before the response's end reached kv-router: a response body it is not sent), it
+/// is judged on what it saw.
 pub struct Watch {
+    receipts: Arc<Receipts>,
     summary: Summary,
     scanner: Scanner,
     /// The gateway showed the response headers (else the response is not this router's to
@@ -234,11 +239,12 @@ impl Receipts {
 
     /// Starts the receipt of decision `d` of a request to `path` (its summary joins the ring);
     /// the response's bytes are kept under `held`.
-    pub fn watch(&self, d: &Decision, path: &str, held: Reservation) -> Box<Watch> {
+    pub fn watch(self: &Arc<Self>, d: &Decision, path: &str, held: Reservation) -> Box<Watch> {
         let summary = Summary::of(d);
         self.recent.record(summary.clone());
         let want_id = Api::from_path(path) == Api::Responses;
         Box::new(Watch {
+            receipts: self.clone(),
             summary,
             scanner: Scanner::new(None, want_id, held),
             shown: false,
@@ -284,7 +290,10 @@ impl Receipts {
                 .set(SessionKey::response(&id), pod, decider.now_ms());
         }
         w.ended = true;
-        let s = &w.summary;
+        self.count(&w.summary, usage);
+    }
+
+    fn count(&self, s: &Summary, usage: Usage) {
         match judge(
             s.predicted_cached_tokens,
             s.prompt_tokens,
@@ -296,6 +305,16 @@ impl Receipts {
                 self.recent.observe(s.id, o);
             }
             None => self.metrics.unobserved(&s.pod),
+        }
+    }
+}
+
+impl Drop for Watch {
+    fn drop(&mut self) {
+        if self.shown && !self.ended {
+            self.ended = true;
+            let usage = self.scanner.finish();
+            self.receipts.count(&self.summary, usage);
         }
     }
 }

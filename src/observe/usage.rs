@@ -341,8 +341,10 @@ fn last_value<T: serde::de::DeserializeOwned>(text: &[u8], key: &[u8]) -> Option
         let object = rest
             .strip_prefix(b":")
             .is_some_and(|v| v.trim_ascii_start().first() == Some(&b'{'));
-        if let Some(v) = object.then(|| value_after(rest)).flatten() {
-            return Some(v);
+        if object {
+            if let Some(v) = value_after(rest) {
+                return Some(v);
+            }
         }
         end = at;
     }

@@ -230,9 +230,11 @@ async fn explain_by_id(
             "GET /debug/explain needs ?id=<decision id>; POST a request to plan one",
         );
     };
-    let parsed = (!id.is_empty() && id.len() <= 16)
-        .then(|| u64::from_str_radix(id, 16).ok())
-        .flatten();
+    let parsed = if !id.is_empty() && id.len() <= 16 && id.bytes().all(|b| b.is_ascii_hexdigit()) {
+        u64::from_str_radix(id, 16).ok()
+    } else {
+        None
+    };
     let Some(id) = parsed else {
         return admin_error(
             StatusCode::BAD_REQUEST,
