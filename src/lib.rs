@@ -34,6 +34,7 @@ pub mod flow;
 pub mod index;
 mod ingest;
 pub mod keys;
+pub mod observe;
 pub mod picker;
 pub mod pod_id;
 pub mod pods;

@@ -15,6 +15,7 @@ use crate::extproc::TestHooks;
 use crate::flow::FlowControl;
 use crate::index::KvIndex;
 use crate::ingest::CatchUp;
+use crate::observe::Receipts;
 use crate::pods::{EngineResolver, PodRegistry};
 use crate::scoring::SessionStore;
 use crate::server::admin::{self, AdminSettings, AdminSources};
@@ -81,6 +82,8 @@ struct Shared {
     catch_up: Option<Arc<CatchUp>>,
     /// Requests held while every pod is saturated (`flow_control.enabled`).
     flow: Option<Arc<FlowControl>>,
+    /// Route receipts (`receipts.enabled`).
+    receipts: Option<Arc<Receipts>>,
 }
 
 /// Runs the router until a shutdown signal. `tokenizers` were loaded from `cfg.tokenizers`
@@ -124,6 +127,9 @@ pub async fn run(cfg: Config, tokenizers: TokenizerRegistry) -> anyhow::Result<(
         });
         flow
     });
+    let receipts = telemetry
+        .routes
+        .map(|m| Arc::new(Receipts::new(&cfg.receipts, m)));
     let shared = Shared {
         pods,
         index,
@@ -132,6 +138,7 @@ pub async fn run(cfg: Config, tokenizers: TokenizerRegistry) -> anyhow::Result<(
         supervisor,
         catch_up,
         flow,
+        receipts,
     };
     let errors = telemetry.errors;
     pods::start(
@@ -179,6 +186,7 @@ pub async fn run(cfg: Config, tokenizers: TokenizerRegistry) -> anyhow::Result<(
         GrpcServices {
             decider: shared.decider.clone(),
             flow: shared.flow.clone(),
+            receipts: shared.receipts.clone(),
             metrics: telemetry.extproc,
             readiness: readiness.clone(),
         },
@@ -200,6 +208,7 @@ pub async fn run(cfg: Config, tokenizers: TokenizerRegistry) -> anyhow::Result<(
             pods: shared.pods.clone(),
             decider: shared.decider.clone(),
             sessions: shared.sessions.clone(),
+            receipts: shared.receipts.clone(),
             mode,
             readiness,
         },

@@ -88,11 +88,15 @@ fn on_gone(
     errors: Errors,
 ) -> Arc<dyn Fn(Vec<PodId>) + Send + Sync> {
     let (index, sessions) = (shared.index.clone(), shared.sessions.clone());
+    let receipts = shared.receipts.clone();
     Arc::new(move |gone: Vec<PodId>| {
         for pod in gone {
             sessions.forget_pod(&pod);
             pod_metrics.forget(&pod);
             decision_metrics.forget_pod(&pod);
+            if let Some(r) = &receipts {
+                r.metrics().forget_pod(&pod);
+            }
             let index = index.clone();
             let errors = errors.clone();
             tokio::spawn(async move {

@@ -11,6 +11,7 @@ use crate::extproc::ExtProcMetrics;
 use crate::flow::FlowMetrics;
 use crate::index::RedisMetrics;
 use crate::ingest::IngestMetrics;
+use crate::observe::RouteMetrics;
 use crate::pods::PodMetrics;
 use crate::supervise::Supervisor;
 use crate::telemetry::gie::GieMetrics;
@@ -43,6 +44,8 @@ pub(super) struct Telemetry {
     pub conns: ConnMetrics,
     /// Flow control (`flow_control.enabled` only).
     pub flow: Option<FlowMetrics>,
+    /// Route receipts (`receipts.enabled` only).
+    pub routes: Option<RouteMetrics>,
     /// The Gateway API Inference Extension's families.
     pub gie: GieMetrics,
 }
@@ -70,6 +73,10 @@ impl Telemetry {
             .flow_control
             .enabled
             .then(|| FlowMetrics::register(registry, &cfg.flow_control));
+        let routes = cfg
+            .receipts
+            .enabled
+            .then(|| RouteMetrics::register(registry));
         Self {
             registry: Arc::new(root),
             ingest,
@@ -82,6 +89,7 @@ impl Telemetry {
             redis,
             conns,
             flow,
+            routes,
             gie,
         }
     }

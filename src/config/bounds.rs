@@ -104,6 +104,9 @@ pub(super) fn upper_bounds(cfg: &Config, bad: &mut impl FnMut(&str, &str)) {
     if !(1..=1 << 20).contains(&cfg.server.max_concurrent_streams) {
         bad("server.max_concurrent_streams", "must be in 1..=1048576");
     }
+    if !(1..=1 << 16).contains(&cfg.receipts.recent_decisions) {
+        bad("receipts.recent_decisions", "must be in 1..=65536");
+    }
     if !(1024..=MAX_BODY_LIMIT_BYTES).contains(&cfg.pick_api.max_message_bytes) {
         bad("pick_api.max_message_bytes", "must be in 1024..=1073741824");
     }

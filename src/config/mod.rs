@@ -36,7 +36,7 @@ pub use routing::{
 };
 pub use schema::{
     AdminConfig, BlocksConfig, Config, GrpcTlsConfig, IndexBackend, IndexConfig, KvEventsConfig,
-    Listen, LogConfig, LogFormat, PickApiConfig, ServerConfig, TokenizerConfig,
+    Listen, LogConfig, LogFormat, PickApiConfig, ReceiptsConfig, ServerConfig, TokenizerConfig,
 };
 
 /// The sections the decision reads (`Decider::new`, `Stages::new`): it is handed these, not the

@@ -48,6 +48,8 @@ pub struct Config {
     pub disaggregation: DisaggConfig,
     /// Requests held in the router while every pod is saturated (priorities, fairness).
     pub flow_control: FlowConfig,
+    /// Route receipts on responses, checked against the engine's own cached-token count.
+    pub receipts: ReceiptsConfig,
     /// The Gateway API Inference Extension's conformance-test hooks: the
     /// `test-epp-endpoint-selection` request header picks the candidates and responses carry
     /// `x-conformance-test-*` headers. Test clusters only: any client could steer itself.
@@ -63,6 +65,27 @@ pub struct AdminConfig {
     pub token: String,
     /// A file holding the token (e.g. a mounted Secret); wins over `token`.
     pub token_file: Option<std::path::PathBuf>,
+}
+
+/// Route receipts: the `x-kv-router-receipt` response header, the engine's cached-token count
+/// read from the response, per-pod incorrect-routing counters and `/debug/explain?id=`. Only on
+/// responses the gateway shows the router (ext_proc response headers; body for the counts).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct ReceiptsConfig {
+    /// Set receipts on the responses the router sees, and keep recent decisions.
+    pub enabled: bool,
+    /// Decisions `/debug/explain?id=` can show (a fixed ring, ~1 KiB each at most).
+    pub recent_decisions: usize,
+}
+
+impl Default for ReceiptsConfig {
+    fn default() -> Self {
+        Self {
+            enabled: false,
+            recent_decisions: 1024,
+        }
+    }
 }
 
 /// gRPC server limits and shutdown.
@@ -237,6 +260,7 @@ impl Default for Config {
             admin: AdminConfig::default(),
             disaggregation: DisaggConfig::default(),
             flow_control: FlowConfig::default(),
+            receipts: ReceiptsConfig::default(),
             conformance_test_hooks: false,
         }
     }

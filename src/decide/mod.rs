@@ -94,6 +94,9 @@ impl DecideRequest<'_> {
 /// The outcome of one decision.
 #[derive(Debug)]
 pub struct Decision {
+    /// This replica's id of a committed decision (0: planned only), unique per replica: a
+    /// counter from a random start, never derived from the request. Rendered `{:016x}`.
+    pub id: u64,
     /// The ranking.
     pub plan: Plan,
     /// The request's model.
@@ -213,6 +216,8 @@ pub struct Decider {
     gate: GateConfig,
     /// Held from reading the pods' loads to committing the charge: one decision at a time.
     committing: parking_lot::Mutex<()>,
+    /// The next committed decision's id.
+    ids: std::sync::atomic::AtomicU64,
 }
 
 /// What a live decision gathered before it plans.
@@ -291,6 +296,7 @@ impl Decider {
             prefill_header: cfg.disaggregation.header.clone(),
             gate: cfg.gate.clone(),
             committing: parking_lot::Mutex::new(()),
+            ids: std::sync::atomic::AtomicU64::new(rand::random()),
         }
     }
 
@@ -298,6 +304,21 @@ impl Decider {
     pub fn with_load_share(mut self, share: Arc<dyn LoadShare>) -> Self {
         self.share = share;
         self
+    }
+
+    /// A committed decision's id (never 0, which marks a plan).
+    fn next_id(&self) -> u64 {
+        loop {
+            let id = self.ids.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            if id != 0 {
+                return id;
+            }
+        }
+    }
+
+    /// The session store, where a served response's id is pinned to its pod.
+    pub fn sessions(&self) -> &Arc<SessionStore> {
+        self.state.sessions()
     }
 
     /// The request header that names the prefill pod (`disaggregation.header`).
@@ -437,6 +458,7 @@ impl Decider {
     pub async fn plan(&self, req: DecideRequest<'_>) -> Result<Decision, DecideError> {
         let started = Instant::now();
         let result = self.prepare(req, false).await.map(|p| Decision {
+            id: 0,
             plan: p.plan,
             model: p.model,
             guard: None,
@@ -520,6 +542,7 @@ impl Decider {
             }
         });
         let decision = Decision {
+            id: self.next_id(),
             plan: p.plan,
             model: p.model,
             guard: Some(guard),

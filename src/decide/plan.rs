@@ -264,6 +264,26 @@ impl Plan {
         }
     }
 
+    /// The request's prompt tokens as the router counts them (its keys' estimate or tokenizer).
+    pub fn prompt_tokens(&self) -> u64 {
+        self.keys.prompt_tokens
+    }
+
+    /// Tokens in one of the request's blocks.
+    pub fn block_tokens(&self) -> u64 {
+        self.keys.tokens_per_block as u64
+    }
+
+    /// The prompt tokens the plan predicts candidate `r` holds (whole blocks, short of the last
+    /// prompt token, as an engine counts a hit).
+    pub fn predicted_hit_tokens(&self, r: &ScoredPod) -> u64 {
+        crate::pods::predicted_hit_tokens(
+            r.matched_blocks,
+            self.keys.tokens_per_block,
+            self.keys.prompt_tokens,
+        )
+    }
+
     /// The prefill pod of a disaggregated plan.
     pub fn prefill_pod(&self) -> Option<&PodId> {
         self.pd.as_ref()?.prefill.as_ref()

@@ -36,6 +36,7 @@ use prometheus_client::registry::Registry;
 use crate::budget::{BodyBudget, Refused, Reservation};
 use crate::decide::{DecideError, DecideRequest, Decider, Decision, PendingRecord, Saturated};
 use crate::flow::FlowControl;
+use crate::observe::{Receipts, Watch, RECEIPT_HEADER};
 use crate::pods::InflightGuard;
 use crate::telemetry::gie::{GieMetrics, Running};
 use crate::telemetry::{ErrorKind, Errors};
@@ -156,6 +157,8 @@ pub struct ExtProc {
     streams: Arc<StreamCap>,
     /// `conformance_test_hooks`: the GIE suite's selection and report headers.
     hooks: Option<Arc<TestHooks>>,
+    /// `receipts.enabled`: receipts on responses, checked against the engine's cached tokens.
+    receipts: Option<Arc<Receipts>>,
 }
 
 impl ExtProc {
@@ -186,6 +189,12 @@ impl ExtProc {
         self
     }
 
+    /// Sets a receipt on each routed response and checks it against the engine's report.
+    pub fn with_receipts(mut self, receipts: Arc<Receipts>) -> Self {
+        self.receipts = Some(receipts);
+        self
+    }
+
     /// Honours the conformance suite's selection header and answers its report headers.
     pub fn with_test_hooks(mut self, hooks: TestHooks) -> Self {
         self.hooks = Some(Arc::new(hooks));
@@ -211,6 +220,7 @@ impl ExtProc {
                 limit: usize::MAX,
             }),
             hooks: None,
+            receipts: None,
         }
     }
 }
@@ -327,6 +337,8 @@ struct StreamState {
     prefill_guard: Option<InflightGuard>,
     /// In GIE's `inference_objective_running_requests` until the stream ends.
     running: Option<Running>,
+    /// The routed request's receipt (`receipts.enabled`).
+    receipt: Option<Box<Watch>>,
 }
 
 impl StreamState {
@@ -404,6 +416,7 @@ impl ExtProc {
             guard: None,
             prefill_guard: None,
             running: None,
+            receipt: None,
         };
         let mut first = true;
         let mut ending = None;
@@ -488,7 +501,7 @@ impl ExtProc {
                             g.complete();
                         }
                     }
-                    let set = match &self.hooks {
+                    let mut set = match &self.hooks {
                         Some(hooks) => hooks::response_headers(
                             hooks,
                             msg.metadata_context.as_ref(),
@@ -496,12 +509,32 @@ impl ExtProc {
                         ),
                         None => Vec::new(),
                     };
-                    send(&tx, reply::response_headers_set(&set)).await
+                    let mut remove = Vec::new();
+                    if let Some(r) = &self.receipts {
+                        match st.receipt.as_deref_mut() {
+                            Some(w) => {
+                                let headers = read_headers(h.headers.as_ref());
+                                set.push((RECEIPT_HEADER, r.response_headers(w, &headers)));
+                            }
+                            // No decision of ours: the upstream's copy is not passed on.
+                            None => remove.push(RECEIPT_HEADER),
+                        }
+                        if h.end_of_stream {
+                            self.end_receipt(&mut st);
+                        }
+                    }
+                    send(&tx, reply::response_headers_mutation(&set, &remove)).await
                 }
                 Some(In::ResponseBody(b)) => {
                     let eos = b.end_of_stream;
                     if let Some(g) = st.guard.as_mut() {
                         g.prefill_done();
+                    }
+                    if let (Some(r), Some(w)) = (&self.receipts, st.receipt.as_deref_mut()) {
+                        r.body(w, &b.body, &self.decider);
+                        if eos {
+                            r.end(w, &self.decider);
+                        }
                     }
                     let out = if st.response_full_duplex {
                         reply::response_body_echo(b.body, eos)
@@ -519,6 +552,7 @@ impl ExtProc {
                     if let Some(g) = st.guard.take() {
                         g.complete();
                     }
+                    self.end_receipt(&mut st);
                     send(&tx, reply::response_trailers_continue()).await
                 }
                 // Envoy always sends one of the six; a client that does not is told so.
@@ -544,6 +578,8 @@ impl ExtProc {
                 break;
             }
         }
+        // Whatever of the response was shown is all there is.
+        self.end_receipt(&mut st);
         // A reset is the HTTP stream's end (so is this future's drop, when Envoy's reset comes
         // first): the request is over. A half-close says nothing of the response.
         if !reset {
@@ -673,6 +709,9 @@ impl ExtProc {
             st.running = Some(g.routed(decision.model.as_deref()));
         }
         let destination = decision.plan.destination();
+        if let Some(r) = &self.receipts {
+            st.receipt = Some(r.watch(&decision, &st.path, self.budget.reservation()));
+        }
         if self.hooks.is_some() {
             st.destination = Some(destination.clone());
         }
@@ -729,6 +768,13 @@ impl ExtProc {
 }
 
 impl ExtProc {
+    /// The response ended: its receipt is judged and counted.
+    fn end_receipt(&self, st: &mut StreamState) {
+        if let (Some(r), Some(w)) = (&self.receipts, st.receipt.as_deref_mut()) {
+            r.end(w, &self.decider);
+        }
+    }
+
     /// The decision; with flow control, first a wait in its queue while every pod is saturated.
     async fn decide(
         &self,

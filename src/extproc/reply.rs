@@ -240,9 +240,15 @@ pub fn response_headers_continue() -> ProcessingResponse {
 
 /// Response headers: continue, with these headers set (overwriting a backend's copies).
 pub fn response_headers_set(set: &[(&str, String)]) -> ProcessingResponse {
-    let mutation = (!set.is_empty()).then(|| HeaderMutation {
+    response_headers_mutation(set, &[])
+}
+
+/// Response headers: continue, with `set` set (overwriting a backend's copies) and `remove`
+/// removed.
+pub fn response_headers_mutation(set: &[(&str, String)], remove: &[&str]) -> ProcessingResponse {
+    let mutation = (!set.is_empty() || !remove.is_empty()).then(|| HeaderMutation {
         set_headers: set.iter().map(|(k, v)| header(k, v)).collect(),
-        remove_headers: vec![],
+        remove_headers: remove.iter().map(|h| h.to_string()).collect(),
     });
     ProcessingResponse {
         response: Some(Out::ResponseHeaders(HeadersResponse {

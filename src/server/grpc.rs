@@ -44,6 +44,7 @@ use crate::config::{PickApiConfig, ServerConfig};
 use crate::decide::Decider;
 use crate::extproc::{ExtProc, ExtProcMetrics, TestHooks};
 use crate::flow::FlowControl;
+use crate::observe::Receipts;
 use crate::supervise::Supervisor;
 
 use super::authority::AuthorityFix;
@@ -88,6 +89,8 @@ pub(crate) struct GrpcServices {
     pub decider: Arc<Decider>,
     /// `flow_control.enabled`: where requests wait while every pod is saturated.
     pub flow: Option<Arc<FlowControl>>,
+    /// `receipts.enabled`: receipts on responses.
+    pub receipts: Option<Arc<Receipts>>,
     /// ext_proc's metric families.
     pub metrics: ExtProcMetrics,
     /// What the health services report.
@@ -107,6 +110,7 @@ pub(crate) async fn start(
     let GrpcServices {
         decider,
         flow,
+        receipts,
         metrics,
         readiness,
     } = services;
@@ -128,6 +132,9 @@ pub(crate) async fn start(
     .with_stream_limit(cfg.server.max_extproc_streams);
     if let Some(flow) = flow {
         extproc = extproc.with_flow_control(flow);
+    }
+    if let Some(r) = receipts {
+        extproc = extproc.with_receipts(r);
     }
     if let Some(hooks) = cfg.test_hooks {
         extproc = extproc.with_test_hooks(hooks);

@@ -58,6 +58,7 @@ async fn port(edit: impl Fn(&mut Config)) -> (SocketAddr, Errors) {
             pick_api: &cfg.pick_api,
         };
         let services = GrpcServices {
+            receipts: None,
             decider: decider.clone(),
             flow: None,
             metrics: metrics.clone(),

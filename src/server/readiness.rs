@@ -227,6 +227,7 @@ mod tests {
             index.clone(),
         );
         let admin = router(AdminState {
+            receipts: None,
             registry: Arc::default(),
             pods: pods.clone(),
             decider: Arc::new(decider),

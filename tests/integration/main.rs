@@ -31,6 +31,7 @@ mod faults_streams;
 mod fd_limit;
 mod gie_surface;
 mod hardening;
+mod receipts;
 mod router_headers;
 
 // The shared index on a real Redis/Valkey.

@@ -24,6 +24,7 @@ use tracing::warn;
 
 use crate::config::AdminConfig;
 use crate::decide::Decider;
+use crate::observe::Receipts;
 use crate::pods::PodRegistry;
 use crate::scoring::SessionStore;
 
@@ -63,6 +64,8 @@ pub(crate) struct AdminSources {
     pub decider: Arc<Decider>,
     /// Sessions (their count only).
     pub sessions: Arc<SessionStore>,
+    /// Recent decisions, for `GET /debug/explain?id=` (`receipts.enabled`).
+    pub receipts: Option<Arc<Receipts>>,
     /// The routing mode `/debug/pods` reports.
     pub mode: &'static str,
     /// What `/readyz` answers.
@@ -90,6 +93,7 @@ pub(crate) async fn start(
         pods: sources.pods,
         decider: sources.decider,
         sessions: sources.sessions,
+        receipts: sources.receipts,
         stale_after: cfg.stale_after,
         mode: sources.mode,
         readiness: sources.readiness,

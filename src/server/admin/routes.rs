@@ -1,5 +1,6 @@
 //! The admin port's routes: `/metrics`, `/healthz`, `/readyz`, `/debug/pods`,
-//! `POST /debug/explain`. Who may call them, and what they may cost: [`super`].
+//! `POST /debug/explain`, `GET /debug/explain?id=`. Who may call them, and what they may cost:
+//! [`super`].
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -17,6 +18,7 @@ use tokio::time::Instant;
 use crate::budget::BodyBudget;
 use crate::decide::{DecideRequest, Decider};
 use crate::extproc::reply::Rejection;
+use crate::observe::Receipts;
 use crate::pods::{prefill_models, PodRegistry};
 use crate::scoring::SessionStore;
 use crate::server::fds::ConnCaps;
@@ -33,6 +35,8 @@ pub struct AdminState {
     pub decider: Arc<Decider>,
     /// Sessions (sizes only).
     pub sessions: Arc<SessionStore>,
+    /// Recent decisions by id (`receipts.enabled`).
+    pub receipts: Option<Arc<Receipts>>,
     /// Metrics older than this are stale.
     pub stale_after: Duration,
     /// Routing mode description.
@@ -62,7 +66,9 @@ pub fn router(state: AdminState) -> Router {
                 .layer(axum::middleware::from_fn_with_state(
                     (state.bodies.clone(), state.body_limit),
                     reserve_body,
-                )),
+                ))
+                // A lookup reads no body: it reserves none.
+                .get(explain_by_id),
         )
         .route_layer(axum::middleware::from_fn_with_state(
             state.token.clone(),
@@ -194,6 +200,54 @@ async fn debug_pods(State(s): State<AdminState>) -> Json<Value> {
         "connections": s.caps,
         "pods": pods,
     }))
+}
+
+/// `GET /debug/explain?id=<decision id>`: a recent decision as its receipt named it.
+#[derive(Debug, Deserialize)]
+pub struct ExplainId {
+    /// The decision id (16 hex digits, as in the receipt).
+    pub id: Option<String>,
+}
+
+fn admin_error(status: StatusCode, message: &str) -> Response {
+    let msg = json!({"error": {"message": message, "type": "BadRequestError", "param": null, "code": status.as_u16()}});
+    (status, Json(msg)).into_response()
+}
+
+async fn explain_by_id(
+    State(s): State<AdminState>,
+    axum::extract::Query(q): axum::extract::Query<ExplainId>,
+) -> Response {
+    let Some(receipts) = &s.receipts else {
+        return admin_error(
+            StatusCode::NOT_FOUND,
+            "decisions are kept only with receipts.enabled",
+        );
+    };
+    let Some(id) = q.id.as_deref() else {
+        return admin_error(
+            StatusCode::BAD_REQUEST,
+            "GET /debug/explain needs ?id=<decision id>; POST a request to plan one",
+        );
+    };
+    let parsed = if !id.is_empty() && id.len() <= 16 && id.bytes().all(|b| b.is_ascii_hexdigit()) {
+        u64::from_str_radix(id, 16).ok()
+    } else {
+        None
+    };
+    let Some(id) = parsed else {
+        return admin_error(
+            StatusCode::BAD_REQUEST,
+            "a decision id is 1 to 16 hex digits",
+        );
+    };
+    match receipts.get(id) {
+        Some(summary) => Json(summary).into_response(),
+        None => admin_error(
+            StatusCode::NOT_FOUND,
+            "no such decision among the recent ones (receipts.recent_decisions)",
+        ),
+    }
 }
 
 /// `POST /debug/explain` input: the request as Envoy would show it.
