@@ -31,7 +31,9 @@ mod faults_streams;
 mod fd_limit;
 mod gie_surface;
 mod hardening;
+mod previous_response;
 mod router_headers;
+mod session_keys;
 
 // The shared index on a real Redis/Valkey.
 mod redis_replicas;
