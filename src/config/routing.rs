@@ -92,14 +92,27 @@ impl Default for PrefixScorerConfig {
     }
 }
 
+/// The default session headers: the generic two, then those coding agents send on every
+/// request (Claude Code, OpenCode, Codex CLI; docs/sessions.md says where each was confirmed).
+pub const DEFAULT_SESSION_HEADERS: [&str; 5] = [
+    "x-session-id",
+    "session-id",
+    "x-claude-code-session-id",
+    "x-session-affinity",
+    "session_id",
+];
+
 /// Session scorer.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(default, deny_unknown_fields)]
 pub struct SessionScorerConfig {
     /// Weight in the sum.
     pub weight: f64,
-    /// Headers carrying a session id, first present wins.
+    /// Headers carrying a session id, first present wins (coding agents' own among the defaults:
+    /// docs/sessions.md).
     pub headers: Vec<String>,
+    /// Without a header, the body's `prompt_cache_key` names the session.
+    pub use_prompt_cache_key: bool,
     /// Fall back to the body's `user` field.
     pub use_user_field: bool,
     /// Idle sessions are forgotten after this long.
@@ -112,7 +125,11 @@ impl Default for SessionScorerConfig {
     fn default() -> Self {
         Self {
             weight: 1.0,
-            headers: vec!["x-session-id".into(), "session-id".into()],
+            headers: DEFAULT_SESSION_HEADERS
+                .iter()
+                .map(|h| h.to_string())
+                .collect(),
+            use_prompt_cache_key: true,
             use_user_field: true,
             ttl_ms: 1_800_000,
             capacity: 100_000,

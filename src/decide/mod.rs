@@ -31,14 +31,14 @@ use tokio::time::Instant;
 use tracing::{debug, warn};
 
 use crate::blocks::{BlockKey, BlockScheme};
-use crate::config::{DecisionSections, GateConfig, PodRole};
+use crate::config::{DecisionSections, GateConfig, PodRole, SessionScorerConfig};
 use crate::index::KvIndex;
 use crate::keys::{Keyer, Keys};
 use crate::pods::{
     prefill_time, InflightGuard, Pod, PodId, PodLoad, PodRegistry, PrefillVerdict, TtftPrior,
 };
 use crate::request::{self, RequestError, RoutingRequest};
-use crate::scoring::{SessionKey, SessionStore};
+use crate::scoring::{BodyIds, SessionKey, SessionStore};
 use crate::share::{Charge, LoadShare, NoShare};
 use crate::telemetry::ErrorKind;
 use crate::tokenize::TokenizerRegistry;
@@ -195,8 +195,8 @@ pub struct Decider {
     /// Bodies this big or bigger are parsed and keyed off the async workers.
     offload_bytes: usize,
     stale_after: Duration,
-    session_headers: Vec<String>,
-    use_user_field: bool,
+    /// `scorers.session`: where a request names its session.
+    session: SessionScorerConfig,
     registry: Arc<PodRegistry>,
     index: Arc<dyn KvIndex>,
     /// Replica load sharing (a shared index's), [`NoShare`] unless [`Decider::with_load_share`].
@@ -282,8 +282,7 @@ impl Decider {
                 std::thread::available_parallelism().map_or(2, |n| n.get()),
             )),
             stale_after: Duration::from_millis(cfg.stale_after_ms),
-            session_headers: s.session.headers.clone(),
-            use_user_field: s.session.use_user_field,
+            session: s.session.clone(),
             registry,
             index,
             share: Arc::new(NoShare),
@@ -619,18 +618,31 @@ impl Decider {
             }
         };
         let model = parsed.as_ref().and_then(|r| r.model.clone());
-        let pods = self.candidates(req.subset, model.as_deref())?;
+        let mut pods = self.candidates(req.subset, model.as_deref())?;
         let keys = keys.unwrap_or_default();
         if let Some(kind) = keys.tokenize_error {
             debug!(kind, "tokenization failed; approximate keys");
             self.metrics.errors.inc(ErrorKind::Tokenize);
         }
-        let session = SessionKey::find(
+        let mut session = SessionKey::find(
             |name| req.header(name),
-            &self.session_headers,
-            parsed.as_ref().and_then(|r| r.user.as_deref()),
-            self.use_user_field,
+            &self.session,
+            parsed
+                .as_ref()
+                .map_or(BodyIds::default(), RoutingRequest::session_ids),
         );
+        // A stored response is continued only on the pod that holds it: that pod, when known
+        // and a candidate, is the only candidate.
+        let chain = parsed
+            .as_ref()
+            .and_then(|r| r.previous_response_id.as_deref());
+        if let Some(id) = chain {
+            let held = self.state.sessions().chained(id, self.now_ms()).await;
+            if let Some((key, pod)) = held.filter(|(_, pod)| pods.iter().any(|p| p.id() == pod)) {
+                pods.retain(|p| *p.id() == pod);
+                session = Some(key);
+            }
+        }
         let body = match (&parsed, req.body) {
             (Some(_), _) => Body::Parsed,
             (None, None) => Body::Missing,
@@ -797,5 +809,7 @@ fn in_subset(pod: &PodId, subset: &[String]) -> bool {
     })
 }
 
+#[cfg(test)]
+mod chain_tests;
 #[cfg(test)]
 pub(crate) mod tests;

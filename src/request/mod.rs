@@ -86,6 +86,11 @@ pub struct RoutingRequest {
     pub model: Option<String>,
     /// `user` field, usable as a session key.
     pub user: Option<String>,
+    /// `prompt_cache_key` (Chat Completions and Responses): the client's own cache-affinity id,
+    /// usable as a session key. A value that is not a string is ignored, as vLLM ignores it.
+    pub prompt_cache_key: Option<String>,
+    /// `previous_response_id` (Responses only): the stored response this request continues.
+    pub previous_response_id: Option<String>,
     /// `stream: true`.
     pub stream: bool,
     /// vLLM `cache_salt`: isolates prefix caching between tenants.
@@ -96,6 +101,16 @@ pub struct RoutingRequest {
     pub batch: usize,
     /// Chat requests: the structured conversation, for rendering with a chat template.
     pub chat: Option<ChatInput>,
+}
+
+impl RoutingRequest {
+    /// The session ids its body carries.
+    pub fn session_ids(&self) -> crate::scoring::BodyIds<'_> {
+        crate::scoring::BodyIds {
+            prompt_cache_key: self.prompt_cache_key.as_deref(),
+            user: self.user.as_deref(),
+        }
+    }
 }
 
 /// A chat request's structured input (what a chat template renders).
@@ -211,6 +226,14 @@ pub fn parse(path: &str, body: &[u8]) -> Result<RoutingRequest, RequestError> {
     };
     let model = opt_string(&obj, "model")?;
     let user = opt_string(&obj, "user")?;
+    let prompt_cache_key = match obj.get("prompt_cache_key") {
+        Some(Value::String(k)) => Some(k.clone()),
+        _ => None,
+    };
+    let previous_response_id = match api {
+        Api::Responses => opt_string(&obj, "previous_response_id")?,
+        _ => None,
+    };
     let cache_salt = opt_string(&obj, "cache_salt")?;
     let stream = match obj.get("stream") {
         None | Some(Value::Null) => false,
@@ -276,6 +299,8 @@ pub fn parse(path: &str, body: &[u8]) -> Result<RoutingRequest, RequestError> {
         api,
         model,
         user,
+        prompt_cache_key,
+        previous_response_id,
         stream,
         cache_salt,
         prompt,
@@ -533,6 +558,50 @@ mod tests {
     }
 
     #[test]
+    fn session_ids_are_read_from_the_body() {
+        let r = parse(
+            "/v1/chat/completions",
+            br#"{"messages":[{"role":"user","content":"x"}],"prompt_cache_key":"k1","user":"u"}"#,
+        )
+        .unwrap();
+        assert_eq!(r.prompt_cache_key.as_deref(), Some("k1"));
+        assert_eq!(r.session_ids().prompt_cache_key, Some("k1"));
+        assert_eq!(r.session_ids().user, Some("u"));
+        assert_eq!(r.previous_response_id, None);
+        let r = parse(
+            "/v1/responses",
+            br#"{"input":"x","previous_response_id":"resp_abc","prompt_cache_key":"k2"}"#,
+        )
+        .unwrap();
+        assert_eq!(r.previous_response_id.as_deref(), Some("resp_abc"));
+        assert_eq!(r.prompt_cache_key.as_deref(), Some("k2"));
+        // Only the Responses API chains responses; vLLM ignores a prompt_cache_key it does not
+        // understand, and so does the router.
+        let r = parse(
+            "/v1/completions",
+            br#"{"prompt":"x","previous_response_id":"resp_abc","prompt_cache_key":7}"#,
+        )
+        .unwrap();
+        assert_eq!((r.previous_response_id, r.prompt_cache_key), (None, None));
+        assert!(matches!(
+            parse(
+                "/v1/responses",
+                br#"{"input":"x","previous_response_id":1}"#
+            ),
+            Err(RequestError::InvalidField {
+                field: "previous_response_id",
+                ..
+            })
+        ));
+        let r = parse(
+            "/v1/responses",
+            br#"{"input":"x","previous_response_id":null}"#,
+        )
+        .unwrap();
+        assert_eq!(r.previous_response_id, None);
+    }
+
+    #[test]
     fn other_paths_parse_model_only() {
         let r = parse("/v1/rerank", br#"{"model":"m","query":"q"}"#).unwrap();
         assert_eq!((r.api, r.prompt), (Api::Other, Prompt::Empty));
@@ -568,6 +637,8 @@ mod tests {
                             Just("text".to_string()),
                             Just("input".to_string()),
                             Just("user".to_string()),
+                            Just("prompt_cache_key".to_string()),
+                            Just("previous_response_id".to_string()),
                             Just("cache_salt".to_string()),
                             any::<String>(),
                         ],

@@ -15,7 +15,7 @@ pub(crate) use load::LoadScorer;
 pub(crate) use lora::LoraScorer;
 pub(crate) use prefix::PrefixScorer;
 pub(crate) use session::SessionScorer;
-pub use session::{SessionKey, SessionStore, SharedSessions};
+pub use session::{BodyIds, SessionKey, SessionStore, SharedSessions};
 pub use ttft::{predict, Prediction};
 
 /// One candidate pod as the scorers see it.

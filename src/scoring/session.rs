@@ -1,7 +1,9 @@
 //! Session stickiness: the pod that served a session last scores 1. Session ids come from
-//! configured headers or the body's `user`; only their hash is stored, bounded by LRU and TTL.
-//! With a shared index (Redis) the session → pod map is shared too, so a conversation sticks to
-//! its pod whichever replica decides; this replica's own map answers when the shared one cannot.
+//! configured headers (coding agents' own among the defaults), the body's `prompt_cache_key` or
+//! `user`, and a Responses request's `previous_response_id`; only their hash is stored, bounded
+//! by LRU and TTL. With a shared index (Redis) the session → pod map is shared too, so a
+//! conversation sticks to its pod whichever replica decides; this replica's own map answers when
+//! the shared one cannot.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -12,26 +14,45 @@ use parking_lot::Mutex;
 use xxhash_rust::xxh3::xxh3_64;
 
 use super::{ScoreInput, Scorer};
+use crate::config::SessionScorerConfig;
 use crate::pods::PodId;
 
 /// Hash of a session id (the id itself is never stored).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct SessionKey(u64);
 
+/// The session ids a request body carries.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct BodyIds<'a> {
+    /// `prompt_cache_key`.
+    pub prompt_cache_key: Option<&'a str>,
+    /// `user`.
+    pub user: Option<&'a str>,
+}
+
 impl SessionKey {
-    /// The first configured header present (non-empty), else `user` when allowed.
+    /// The request's session: the first configured header present (non-empty), else the body's
+    /// `prompt_cache_key`, else its `user`, each when `cfg` allows it. Ids of different sources
+    /// are kept apart (a `user` never shares a key with an equal header value); the headers
+    /// share one space, as agents send one id under several of them.
     pub fn find<'a>(
         header: impl Fn(&str) -> Option<&'a str>,
-        names: &[String],
-        user: Option<&str>,
-        use_user_field: bool,
+        cfg: &SessionScorerConfig,
+        body: BodyIds<'_>,
     ) -> Option<Self> {
-        for name in names {
+        for name in &cfg.headers {
             if let Some(v) = header(name).filter(|v| !v.is_empty()) {
                 return Some(Self::of(v));
             }
         }
-        user.filter(|u| use_user_field && !u.is_empty())
+        if let Some(k) = body
+            .prompt_cache_key
+            .filter(|k| cfg.use_prompt_cache_key && !k.is_empty())
+        {
+            return Some(Self::of(&format!("prompt_cache_key\0{k}")));
+        }
+        body.user
+            .filter(|u| cfg.use_user_field && !u.is_empty())
             .map(|u| Self::of(&format!("user\0{u}")))
     }
 
@@ -137,6 +158,17 @@ impl SessionStore {
         self.get(key, now_ms)
     }
 
+    /// Where a Responses request chaining `previous_response_id` must go: the pod the response
+    /// was pinned to as it passed (see [`SessionKey::response`]), with that key.
+    pub async fn chained(
+        &self,
+        previous_response_id: &str,
+        now_ms: u64,
+    ) -> Option<(SessionKey, PodId)> {
+        let key = SessionKey::response(previous_response_id);
+        self.find(key, now_ms).await.map(|pod| (key, pod))
+    }
+
     /// The session's pod in this replica's own map, unless idle for longer than the TTL.
     pub fn get(&self, key: SessionKey, now_ms: u64) -> Option<PodId> {
         let mut inner = self.inner.lock();
@@ -211,18 +243,123 @@ impl Scorer for SessionScorer {
 mod tests {
     use super::*;
 
+    fn cfg(headers: &[&str]) -> SessionScorerConfig {
+        SessionScorerConfig {
+            headers: headers.iter().map(|h| h.to_string()).collect(),
+            ..SessionScorerConfig::default()
+        }
+    }
+
+    fn ids<'a>(prompt_cache_key: Option<&'a str>, user: Option<&'a str>) -> BodyIds<'a> {
+        BodyIds {
+            prompt_cache_key,
+            user,
+        }
+    }
+
     #[test]
-    fn header_order_then_user() {
-        let names = vec!["x-session-id".to_string(), "session-id".to_string()];
+    fn headers_in_order_then_prompt_cache_key_then_user() {
+        let c = cfg(&["x-session-id", "session-id"]);
         let h = |n: &str| (n == "session-id").then_some("abc");
-        assert_eq!(
-            SessionKey::find(h, &names, Some("u"), true),
-            Some(SessionKey::of("abc"))
-        );
         let none = |_: &str| None;
-        assert!(SessionKey::find(none, &names, Some("u"), true).is_some());
-        assert!(SessionKey::find(none, &names, Some("u"), false).is_none());
-        assert!(SessionKey::find(none, &names, None, true).is_none());
+        let body = ids(Some("k"), Some("u"));
+        assert_eq!(SessionKey::find(h, &c, body), Some(SessionKey::of("abc")));
+        let both = |n: &str| {
+            Some(if n == "x-session-id" {
+                "first"
+            } else {
+                "second"
+            })
+        };
+        assert_eq!(
+            SessionKey::find(both, &c, body),
+            Some(SessionKey::of("first"))
+        );
+        let empty = |_: &str| Some("");
+        let by_key = SessionKey::find(empty, &c, body);
+        assert_eq!(by_key, SessionKey::find(none, &c, ids(Some("k"), None)));
+        assert!(by_key.is_some());
+        let by_user = SessionKey::find(none, &c, ids(None, Some("u")));
+        assert!(by_user.is_some() && by_user != by_key);
+        assert_eq!(
+            SessionKey::find(none, &c, ids(Some(""), Some("u"))),
+            by_user
+        );
+        assert!(SessionKey::find(none, &c, ids(None, None)).is_none());
+    }
+
+    #[test]
+    fn each_body_source_can_be_switched_off() {
+        let none = |_: &str| None;
+        let body = ids(Some("k"), Some("u"));
+        let no_key = SessionScorerConfig {
+            use_prompt_cache_key: false,
+            ..cfg(&[])
+        };
+        assert_eq!(
+            SessionKey::find(none, &no_key, body),
+            SessionKey::find(none, &cfg(&[]), ids(None, Some("u")))
+        );
+        let neither = SessionScorerConfig {
+            use_user_field: false,
+            ..no_key
+        };
+        assert!(SessionKey::find(none, &neither, body).is_none());
+    }
+
+    #[test]
+    fn equal_ids_from_different_sources_are_different_sessions() {
+        let c = cfg(&["x-session-id", "session_id"]);
+        let none = |_: &str| None;
+        let header = SessionKey::find(|_| Some("same"), &c, BodyIds::default());
+        let underscored = SessionKey::find(
+            |n| (n == "session_id").then_some("same"),
+            &c,
+            BodyIds::default(),
+        );
+        let key = SessionKey::find(none, &c, ids(Some("same"), None));
+        let user = SessionKey::find(none, &c, ids(None, Some("same")));
+        let response = Some(SessionKey::response("same"));
+        // Agents send one id under several headers: those share a key.
+        assert_eq!(header, underscored);
+        let all = [header, key, user, response];
+        for (i, a) in all.iter().enumerate() {
+            assert!(a.is_some());
+            for b in &all[i + 1..] {
+                assert_ne!(a, b);
+            }
+        }
+    }
+
+    #[test]
+    fn the_default_headers_include_the_coding_agents() {
+        let c = SessionScorerConfig::default();
+        for agent_header in [
+            "x-claude-code-session-id",
+            "x-session-affinity",
+            "session_id",
+        ] {
+            let h = |n: &str| (n == agent_header).then_some("agent-session");
+            assert_eq!(
+                SessionKey::find(h, &c, ids(Some("k"), Some("u"))),
+                Some(SessionKey::of("agent-session")),
+                "{agent_header}"
+            );
+        }
+        assert!(c.use_prompt_cache_key && c.use_user_field);
+    }
+
+    #[tokio::test]
+    async fn a_chained_response_finds_the_pod_its_response_was_pinned_to() {
+        let store = SessionStore::new(10, 1000);
+        assert_eq!(store.chained("resp_1", 0).await, None);
+        store.set(SessionKey::response("resp_1"), PodId::new("p:2"), 0);
+        assert_eq!(
+            store.chained("resp_1", 10).await,
+            Some((SessionKey::response("resp_1"), PodId::new("p:2")))
+        );
+        assert_eq!(store.chained("resp_2", 10).await, None);
+        assert_eq!(store.chained("resp_1", 1000).await, None, "expired");
     }
 
     #[test]

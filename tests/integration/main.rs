@@ -31,8 +31,10 @@ mod faults_streams;
 mod fd_limit;
 mod gie_surface;
 mod hardening;
+mod previous_response;
 mod receipts;
 mod router_headers;
+mod session_keys;
 
 // The shared index on a real Redis/Valkey.
 mod redis_replicas;

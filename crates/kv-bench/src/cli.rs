@@ -12,7 +12,7 @@ use crate::simulate::{
 use crate::strategy::Strategy;
 use kv_testkit::trace::{self, Expansion, Trace};
 use kv_testkit::workload::{
-    Arrivals, MultiturnSpec, SharedPrefixSpec, TraceSpec, Workload, WorkloadKind,
+    Arrivals, ForkSpec, MultiturnSpec, SharedPrefixSpec, TraceSpec, Workload, WorkloadKind,
 };
 use vllm_sim::engine::EngineConfig;
 
@@ -272,6 +272,8 @@ pub struct CompareArgs {
     pub args: WorkloadArgs,
     #[command(flatten)]
     pub shared_prefix: SharedPrefixArgs,
+    #[command(flatten)]
+    pub fork: ForkArgs,
     #[command(flatten)]
     pub trace: TraceArgs,
     #[command(flatten)]
@@ -577,6 +579,8 @@ pub struct RunArgs {
     #[command(flatten)]
     pub shared_prefix: SharedPrefixArgs,
     #[command(flatten)]
+    pub fork: ForkArgs,
+    #[command(flatten)]
     pub trace: TraceArgs,
     #[command(flatten)]
     pub arrivals: ArrivalArgs,
@@ -610,6 +614,56 @@ impl SharedPrefixArgs {
             system_tokens: self.system_tokens,
             question_tokens: self.question_tokens,
             output_tokens: self.output_tokens,
+            model: w.model.clone(),
+            seed: w.seed,
+        }
+    }
+}
+
+/// Fork workload parameters.
+#[derive(Args, Clone)]
+pub struct ForkArgs {
+    /// Fork: the shared context's tokens in the first round.
+    #[arg(long, default_value_t = 8192)]
+    pub fork_prefix_tokens: usize,
+    /// Fork: tokens the context grows by each round.
+    #[arg(long, default_value_t = 256)]
+    pub fork_growth_tokens: usize,
+    /// Fork: branches per round.
+    #[arg(long, default_value_t = 32)]
+    pub fork_branches: usize,
+    /// Fork: rounds.
+    #[arg(long, default_value_t = 3)]
+    pub fork_rounds: usize,
+    /// Fork: a round's branches start within this many ms.
+    #[arg(long, default_value_t = 1000)]
+    pub fork_spread_ms: u64,
+    /// Fork: ms between the starts of two rounds.
+    #[arg(long, default_value_t = 8000)]
+    pub fork_round_gap_ms: u64,
+    /// Fork: each branch's own suffix, tokens.
+    #[arg(long, default_value_t = 64)]
+    pub fork_suffix_tokens: usize,
+    /// Fork: output tokens.
+    #[arg(long, default_value_t = 16)]
+    pub fork_output_tokens: u32,
+    /// Fork: every branch sends one `prompt_cache_key` (one agent session).
+    #[arg(long)]
+    pub fork_shared_cache_key: bool,
+}
+
+impl ForkArgs {
+    pub fn spec(&self, w: &WorkloadArgs) -> ForkSpec {
+        ForkSpec {
+            prefix_tokens: self.fork_prefix_tokens,
+            growth_tokens: self.fork_growth_tokens,
+            branches: self.fork_branches,
+            rounds: self.fork_rounds,
+            spread_ms: self.fork_spread_ms,
+            round_gap_ms: self.fork_round_gap_ms,
+            suffix_tokens: self.fork_suffix_tokens,
+            output_tokens: self.fork_output_tokens,
+            shared_cache_key: self.fork_shared_cache_key,
             model: w.model.clone(),
             seed: w.seed,
         }
@@ -694,6 +748,7 @@ pub fn workload_factory(
     kind: WorkloadKind,
     args: &WorkloadArgs,
     shared_prefix: &SharedPrefixArgs,
+    fork: &ForkArgs,
     trace: &TraceArgs,
     arrivals: &ArrivalArgs,
 ) -> Result<(WorkloadFactory, Option<usize>)> {
@@ -719,6 +774,11 @@ pub fn workload_factory(
                 Box::new(move || with_arrivals(spec.build())),
                 if open { None } else { args.concurrency },
             )
+        }
+        // Open loop at the branches' own times.
+        WorkloadKind::Fork => {
+            let spec = fork.spec(args);
+            (Box::new(move || spec.build()), None)
         }
         WorkloadKind::Trace => {
             let spec = trace.spec(args)?;

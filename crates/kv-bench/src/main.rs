@@ -78,6 +78,7 @@ async fn real_main(cli: Cli) -> Result<()> {
                 a.workload,
                 &a.args,
                 &a.shared_prefix,
+                &a.fork,
                 &a.trace,
                 &a.arrivals,
             )?;

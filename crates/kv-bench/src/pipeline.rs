@@ -43,8 +43,14 @@ pub async fn compare_section(
 ) -> Result<results::Section> {
     let started = std::time::Instant::now();
     let bins = Binaries::beside_current_exe()?;
-    let (workload, concurrency) =
-        crate::cli::workload_factory(a.workload, &a.args, &a.shared_prefix, &a.trace, &a.arrivals)?;
+    let (workload, concurrency) = crate::cli::workload_factory(
+        a.workload,
+        &a.args,
+        &a.shared_prefix,
+        &a.fork,
+        &a.trace,
+        &a.arrivals,
+    )?;
     let opts = CompareOptions {
         envoy: a.envoy.clone(),
         pods: a.pods.unwrap_or(8),

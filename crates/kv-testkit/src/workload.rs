@@ -97,6 +97,9 @@ pub enum WorkloadKind {
     SharedPrefix,
     /// Replay of a Mooncake trace (token-id prompts).
     Trace,
+    /// An agent forking: rounds of B branches sent within about a second, each one long shared
+    /// context plus its own suffix (the context grows a little every round).
+    Fork,
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -491,6 +494,139 @@ impl SharedPrefixSpec {
 }
 
 // ------------------------------------------------------------------------------------------------
+// Fork: many branches off one long context at once
+
+/// Parameters of the fork workload (sizes in the sim's tokens, i.e. 4 bytes of text each).
+#[derive(Debug, Clone, Serialize)]
+pub struct ForkSpec {
+    /// The shared context's length in the first round, tokens.
+    pub prefix_tokens: usize,
+    /// The context grows by this much every round (the agent went on before forking again).
+    pub growth_tokens: usize,
+    /// Branches per round.
+    pub branches: usize,
+    /// Rounds.
+    pub rounds: usize,
+    /// A round's branches are sent at uniform times within this many milliseconds of its start.
+    pub spread_ms: u64,
+    /// Milliseconds between the starts of two rounds.
+    pub round_gap_ms: u64,
+    /// Each branch's own suffix, tokens.
+    pub suffix_tokens: usize,
+    /// Output length, tokens.
+    pub output_tokens: u32,
+    /// Every branch sends the same `prompt_cache_key` (one agent session, as clients that key
+    /// their cache by conversation do); off: branches name no session.
+    pub shared_cache_key: bool,
+    /// `model` field.
+    pub model: String,
+    /// Seed of every text and send time.
+    pub seed: u64,
+}
+
+impl Default for ForkSpec {
+    fn default() -> Self {
+        Self {
+            prefix_tokens: 8192,
+            growth_tokens: 256,
+            branches: 32,
+            rounds: 3,
+            spread_ms: 1000,
+            round_gap_ms: 8000,
+            suffix_tokens: 64,
+            output_tokens: 16,
+            shared_cache_key: false,
+            model: "sim-model".into(),
+            seed: 1,
+        }
+    }
+}
+
+impl ForkSpec {
+    /// The shared context of round `round`: the first round's, then each round's growth.
+    pub fn context(&self, round: usize) -> String {
+        let mut s = prose_tokens(
+            &mut SplitMix64::derive(self.seed, "fork-context", 0),
+            self.prefix_tokens,
+        );
+        for r in 1..=round {
+            s.push_str(&prose_tokens(
+                &mut SplitMix64::derive(self.seed, "fork-growth", r as u64),
+                self.growth_tokens,
+            ));
+        }
+        s
+    }
+
+    /// Builds the requests: open loop, each branch at its own time.
+    pub fn build(&self) -> Workload {
+        let mut times = SplitMix64::derive(self.seed, "fork-times", 0);
+        let mut sessions: Vec<(Duration, Box<dyn Session>)> = Vec::new();
+        for round in 0..self.rounds {
+            let context = self.context(round);
+            let start = Duration::from_millis(self.round_gap_ms * round as u64);
+            for b in 0..self.branches {
+                let offset = Duration::from_millis(times.range(0, self.spread_ms as usize) as u64);
+                let suffix = prose_tokens(
+                    &mut SplitMix64::derive(
+                        self.seed,
+                        "fork-branch",
+                        (round * self.branches + b) as u64,
+                    ),
+                    self.suffix_tokens,
+                );
+                let mut body = completion_body(
+                    &self.model,
+                    Value::String(format!("{context}{suffix}")),
+                    self.output_tokens,
+                );
+                if self.shared_cache_key {
+                    body["prompt_cache_key"] = Value::String(format!("fork-{}", self.seed));
+                }
+                let at = start + offset;
+                let session = Box::new(OneShot {
+                    id: format!("fork-{}-{round}-{b}", self.seed),
+                    request: Some(PlannedRequest {
+                        api: Api::Completions,
+                        body,
+                        headers: Vec::new(),
+                        turn: 0,
+                        not_before: Some(at),
+                        think: None,
+                    }),
+                }) as Box<dyn Session>;
+                sessions.push((at, session));
+            }
+        }
+        sessions.sort_by_key(|(at, _)| *at);
+        let sessions: Vec<Box<dyn Session>> = sessions.into_iter().map(|(_, s)| s).collect();
+        Workload {
+            name: "fork".into(),
+            description: format!(
+                "{} rounds x {} branches within {} ms, every {} ms; context {} tokens (+{} a \
+                 round), suffix {} / output {} tokens{}, seed {}",
+                self.rounds,
+                self.branches,
+                self.spread_ms,
+                self.round_gap_ms,
+                self.prefix_tokens,
+                self.growth_tokens,
+                self.suffix_tokens,
+                self.output_tokens,
+                if self.shared_cache_key {
+                    ", one prompt_cache_key"
+                } else {
+                    ""
+                },
+                self.seed
+            ),
+            requests: sessions.len(),
+            sessions,
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
 // Mooncake trace replay
 
 /// Parameters of a trace replay.
@@ -799,5 +935,61 @@ mod tests {
             .collect();
         let ms = |m: u64| Some(Duration::from_micros(m));
         assert_eq!(spread, [ms(0), ms(1_500_000), ms(1_500_500)]);
+    }
+
+    #[test]
+    fn fork_rounds_branch_off_one_growing_context_within_their_spread() {
+        let spec = ForkSpec {
+            prefix_tokens: 200,
+            growth_tokens: 20,
+            branches: 5,
+            rounds: 3,
+            spread_ms: 300,
+            round_gap_ms: 1000,
+            suffix_tokens: 10,
+            ..Default::default()
+        };
+        let w = spec.build();
+        assert_eq!((w.name.as_str(), w.requests), ("fork", 15));
+        let requests: Vec<PlannedRequest> =
+            drive(&mut spec.build()).into_iter().flatten().collect();
+        assert_eq!(requests.len(), 15);
+        let prompt = |r: &PlannedRequest| r.body["prompt"].as_str().unwrap().to_string();
+        let mut last = Duration::ZERO;
+        for r in &requests {
+            let at = r.not_before.expect("open loop");
+            assert!(at >= last, "sent in time order");
+            last = at;
+            let round = (at.as_millis() / 1000) as usize;
+            assert!(at.as_millis() as u64 - 1000 * round as u64 <= 300, "{at:?}");
+            let context = spec.context(round);
+            assert_eq!(context.len(), (200 + 20 * round) * 4);
+            assert!(prompt(r).starts_with(&context));
+            assert_eq!(prompt(r).len(), context.len() + 40);
+            assert!(r.body.get("prompt_cache_key").is_none());
+            assert!(r.headers.is_empty());
+        }
+        assert!(spec.context(2).starts_with(&spec.context(1)));
+        let distinct: std::collections::BTreeSet<String> = requests.iter().map(prompt).collect();
+        assert_eq!(distinct.len(), 15, "every branch has its own suffix");
+        let keyed = ForkSpec {
+            shared_cache_key: true,
+            ..spec.clone()
+        };
+        let keys: std::collections::BTreeSet<String> = drive(&mut keyed.build())
+            .into_iter()
+            .flatten()
+            .map(|r| r.body["prompt_cache_key"].as_str().unwrap().to_string())
+            .collect();
+        assert_eq!(keys.len(), 1);
+        let again: Vec<Value> = drive(&mut spec.build())
+            .into_iter()
+            .flatten()
+            .map(|r| r.body)
+            .collect();
+        assert_eq!(
+            again,
+            requests.iter().map(|r| r.body.clone()).collect::<Vec<_>>()
+        );
     }
 }

@@ -1,6 +1,9 @@
 //! The OpenAI-compatible HTTP surface of the simulated pod, with vLLM's response shapes.
 
 mod models;
+mod responses;
+
+pub use responses::{ResponseStore, MAX_STORED_BYTES, MAX_STORED_RESPONSES};
 
 use std::collections::VecDeque;
 use std::convert::Infallible;
@@ -64,6 +67,8 @@ pub struct AppState {
     pub vllm_hashing: Option<VllmHashing>,
     /// Prefill/decode role and its counters.
     pub pd: crate::pd::Pd,
+    /// The responses `/v1/responses` produced, for `previous_response_id`.
+    pub responses: ResponseStore,
 }
 
 /// A LoRA adapter the pod serves.
@@ -91,6 +96,7 @@ pub fn router(state: Arc<AppState>) -> Router {
     Router::new()
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/responses", post(responses::create))
         .route("/v1/models", get(models::list_models))
         .route("/health", get(health))
         .route("/metrics", get(metrics_text))

@@ -254,6 +254,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             transfer_blocks_per_sec: args.kv_transfer_blocks_per_sec,
             timeout: std::time::Duration::from_millis(args.remote_prefill_timeout_ms.max(1)),
         }),
+        responses: http::ResponseStore::default(),
     });
     {
         let mut out = std::io::stdout().lock();
