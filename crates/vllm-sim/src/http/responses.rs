@@ -574,7 +574,8 @@ mod tests {
         store.put("d".into(), conversation(100));
         assert_eq!(store.len(), 3);
         assert!(store.get("b").is_none(), "count: the least recent goes");
-        store.put("e".into(), conversation(700));
+        // c goes for the count; then 105 + 105 + 805 bytes pass 1,000 and a goes for the bytes.
+        store.put("e".into(), conversation(800));
         assert!(store.get("e").is_some());
         assert!(
             store.get("c").is_none() && store.get("a").is_none(),
