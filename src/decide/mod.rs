@@ -627,9 +627,10 @@ impl Decider {
         let mut session = SessionKey::find(
             |name| req.header(name),
             &self.session,
-            parsed
-                .as_ref()
-                .map_or(BodyIds::default(), RoutingRequest::session_ids),
+            parsed.as_ref().map_or(BodyIds::default(), |r| BodyIds {
+                prompt_cache_key: r.prompt_cache_key.as_deref(),
+                user: r.user.as_deref(),
+            }),
         );
         // A stored response is continued only on the pod that holds it: that pod, when known
         // and a candidate, is the only candidate.

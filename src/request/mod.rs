@@ -103,16 +103,6 @@ pub struct RoutingRequest {
     pub chat: Option<ChatInput>,
 }
 
-impl RoutingRequest {
-    /// The session ids its body carries.
-    pub fn session_ids(&self) -> crate::scoring::BodyIds<'_> {
-        crate::scoring::BodyIds {
-            prompt_cache_key: self.prompt_cache_key.as_deref(),
-            user: self.user.as_deref(),
-        }
-    }
-}
-
 /// A chat request's structured input (what a chat template renders).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ChatInput {
@@ -565,8 +555,7 @@ mod tests {
         )
         .unwrap();
         assert_eq!(r.prompt_cache_key.as_deref(), Some("k1"));
-        assert_eq!(r.session_ids().prompt_cache_key, Some("k1"));
-        assert_eq!(r.session_ids().user, Some("u"));
+        assert_eq!(r.user.as_deref(), Some("u"));
         assert_eq!(r.previous_response_id, None);
         let r = parse(
             "/v1/responses",
