@@ -127,7 +127,7 @@ pub struct PlanInput {
     pub body: Body,
     /// Candidate pods with the blocks the index matched, their load and the session flag.
     pub candidates: Vec<Candidate>,
-    /// The request's session, pinned to the primary on commit.
+    /// The request's session, pinned to the primary on commit ([`SessionStore::follow`]).
     pub session: Option<SessionKey>,
     /// Round-robin position (the caller counts decisions).
     pub turn: u64,
@@ -477,7 +477,8 @@ pub fn commit_local<G>(
         c.record(&plan.keys.keys, plan.best_match, new_on, now_ms);
     }
     if let (Some(store), Some(s)) = (sessions, plan.session) {
-        store.set(s, primary.clone(), now_ms);
+        let prefill_ms = plan.ranked[0].predicted.ttft_ms.clamp(0.0, 3.6e6) as u64;
+        store.follow(s, primary.clone(), now_ms, now_ms + prefill_ms);
     }
     guard
 }

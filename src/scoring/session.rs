@@ -89,9 +89,18 @@ pub struct SessionStore {
     shared: Option<(Arc<dyn SharedSessions>, Duration)>,
 }
 
+/// A session's pin: its pod, when the session was last seen, and until when (by the router's
+/// estimate) its latest request there or elsewhere is still prefilling.
+#[derive(Debug, Clone)]
+struct Pin {
+    pod: PodId,
+    seen: u64,
+    prefilling_until: u64,
+}
+
 /// The map and, per pod, how many of its sessions are pinned there (kept in step with it).
 struct Inner {
-    map: LruCache<SessionKey, (PodId, u64)>,
+    map: LruCache<SessionKey, Pin>,
     per_pod: ahash::AHashMap<PodId, usize>,
 }
 
@@ -107,12 +116,12 @@ impl Inner {
 
     /// Drops sessions idle for `ttl_ms` (the map's least recent entries are the oldest set).
     fn expire(&mut self, now_ms: u64, ttl_ms: u64) {
-        while let Some((_, (_, seen))) = self.map.peek_lru() {
-            if now_ms.saturating_sub(*seen) < ttl_ms {
+        while let Some((_, pin)) = self.map.peek_lru() {
+            if now_ms.saturating_sub(pin.seen) < ttl_ms {
                 break;
             }
-            if let Some((_, (pod, _))) = self.map.pop_lru() {
-                self.unpin(&pod);
+            if let Some((_, pin)) = self.map.pop_lru() {
+                self.unpin(&pin.pod);
             }
         }
     }
@@ -173,10 +182,10 @@ impl SessionStore {
     pub fn get(&self, key: SessionKey, now_ms: u64) -> Option<PodId> {
         let mut inner = self.inner.lock();
         match inner.map.peek(&key) {
-            Some((pod, seen)) if now_ms.saturating_sub(*seen) < self.ttl_ms => Some(pod.clone()),
+            Some(pin) if now_ms.saturating_sub(pin.seen) < self.ttl_ms => Some(pin.pod.clone()),
             Some(_) => {
-                if let Some((pod, _)) = inner.map.pop(&key) {
-                    inner.unpin(&pod);
+                if let Some(pin) = inner.map.pop(&key) {
+                    inner.unpin(&pin.pod);
                 }
                 None
             }
@@ -186,14 +195,50 @@ impl SessionStore {
 
     /// Records the pod that serves the session now (here, and in the shared store).
     pub fn set(&self, key: SessionKey, pod: PodId, now_ms: u64) {
+        self.pin(key, pod, now_ms, now_ms);
+    }
+
+    /// Records a decision of the session: its request goes to `pod` and prefills until
+    /// `prefill_end_ms` (the router's estimate). A request placed on another pod while an earlier
+    /// one of the session is still prefilling is a fork (parallel branches of one context): the
+    /// pin stays, or later branches would follow each spilled one onto a pod still computing
+    /// the context. Turns sent one after another move it.
+    pub fn follow(&self, key: SessionKey, pod: PodId, now_ms: u64, prefill_end_ms: u64) {
+        {
+            let mut inner = self.inner.lock();
+            let ttl_ms = self.ttl_ms;
+            if let Some(pin) = inner.map.get_mut(&key).filter(|pin| {
+                pin.pod != pod
+                    && pin.prefilling_until > now_ms
+                    && now_ms.saturating_sub(pin.seen) < ttl_ms
+            }) {
+                pin.seen = now_ms;
+                pin.prefilling_until = pin.prefilling_until.max(prefill_end_ms);
+                return;
+            }
+        }
+        self.pin(key, pod, now_ms, prefill_end_ms);
+    }
+
+    fn pin(&self, key: SessionKey, pod: PodId, now_ms: u64, prefill_end_ms: u64) {
         if let Some((shared, _)) = &self.shared {
             shared.set(key, &pod, self.ttl_ms);
         }
         let mut inner = self.inner.lock();
+        if let Some(pin) = inner.map.get_mut(&key).filter(|pin| pin.pod == pod) {
+            pin.seen = now_ms;
+            pin.prefilling_until = pin.prefilling_until.max(prefill_end_ms);
+            return;
+        }
         *inner.per_pod.entry(pod.clone()).or_default() += 1;
+        let pin = Pin {
+            pod,
+            seen: now_ms,
+            prefilling_until: prefill_end_ms,
+        };
         // The key's previous pin, or the least recent session evicted to make room.
-        if let Some((_, (old, _))) = inner.map.push(key, (pod, now_ms)) {
-            inner.unpin(&old);
+        if let Some((_, old)) = inner.map.push(key, pin) {
+            inner.unpin(&old.pod);
         }
     }
 
@@ -203,7 +248,7 @@ impl SessionStore {
         let stale: Vec<SessionKey> = inner
             .map
             .iter()
-            .filter(|(_, (p, _))| p == pod)
+            .filter(|(_, pin)| &pin.pod == pod)
             .map(|(k, _)| *k)
             .collect();
         for k in stale {
@@ -409,5 +454,37 @@ mod tests {
         assert_eq!(count(140), vec![0.0, 1.0]);
         store.forget_pod(&p2);
         assert_eq!(count(140), vec![0.0, 0.0]);
+    }
+
+    #[test]
+    fn a_fork_leaves_the_pin_while_turns_one_after_another_move_it() {
+        let store = SessionStore::new(8, 10_000);
+        let (home, spill, later) = (PodId::new("p:1"), PodId::new("p:2"), PodId::new("p:3"));
+        let k = SessionKey::of("agent");
+        // The context's first branch prefills on `home` until 800 ms.
+        store.follow(k, home.clone(), 0, 800);
+        // Branches spilled elsewhere meanwhile leave the session at home, and extend its prefill.
+        store.follow(k, spill.clone(), 100, 900);
+        assert_eq!(store.get(k, 100), Some(home.clone()));
+        store.follow(k, later.clone(), 850, 1_700);
+        assert_eq!(
+            store.get(k, 850),
+            Some(home.clone()),
+            "the spill's prefill counts"
+        );
+        assert_eq!(
+            store.conversations(&[home.clone(), spill.clone()], 850),
+            vec![1.0, 0.0]
+        );
+        // Once nothing of the session prefills, the next turn moves it.
+        store.follow(k, spill.clone(), 1_700, 2_000);
+        assert_eq!(store.get(k, 1_700), Some(spill.clone()));
+        store.follow(k, spill.clone(), 1_800, 2_500);
+        store.follow(k, home.clone(), 2_400, 2_600);
+        assert_eq!(
+            store.get(k, 2_400),
+            Some(spill),
+            "its own pod's prefill counts too"
+        );
     }
 }

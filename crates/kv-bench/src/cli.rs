@@ -912,6 +912,10 @@ pub struct SimulateArgs {
     /// Seed of tie-breaks and the random policy.
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
+    /// A router configuration file (the router's own format) every strategy starts from, to
+    /// try weights and gates on the trace before deploying them.
+    #[arg(long)]
+    pub router_config: Option<std::path::PathBuf>,
     /// Worker threads (0 = all cores).
     #[arg(long, default_value_t = 0)]
     pub threads: usize,
@@ -938,6 +942,8 @@ impl SimulateArgs {
             output_scale: finite(self.output_scale),
             pods: self.pods,
             strategies: self.strategies.clone(),
+            // Read in `main` (a file can fail to load; these flags cannot).
+            base_config: kv_router::config::Config::default(),
             engine: EngineConfig {
                 block_size: BLOCK_TOKENS,
                 num_gpu_blocks: self.gpu_blocks,

@@ -330,8 +330,30 @@ async fn redis_index(a: &cli::RedisIndexArgs) -> Result<()> {
 }
 
 /// `kv-bench simulate`: runs, prints the tables, writes the JSON when asked.
+/// A router configuration file for the simulator, which supplies the pods: checked as the
+/// router checks it, with a placeholder pod where the file names none.
+fn router_config_for_simulation(path: &std::path::Path) -> Result<kv_router::config::Config> {
+    use kv_router::config::{check_yaml_shape, Config, StaticPod};
+    let text = std::fs::read_to_string(path)?;
+    check_yaml_shape(&text)?;
+    let cfg: Config = serde_yaml::from_str(&text)?;
+    if cfg.clone().validate().is_err() && cfg.pods.static_pods.is_empty() {
+        let mut probe = cfg.clone();
+        probe.pods.static_pods = vec![StaticPod::new("127.0.0.1:8000", &[])];
+        probe.validate()?;
+    } else {
+        cfg.clone().validate()?;
+    }
+    Ok(cfg)
+}
+
 fn simulate(args: &SimulateArgs) -> Result<()> {
-    let report = bench::simulate::run(&args.options())?;
+    let mut opts = args.options();
+    if let Some(path) = &args.router_config {
+        opts.base_config = router_config_for_simulation(path)
+            .with_context(|| format!("--router-config {}", path.display()))?;
+    }
+    let report = bench::simulate::run(&opts)?;
     if args.markdown {
         println!("{}", report.markdown());
     } else {

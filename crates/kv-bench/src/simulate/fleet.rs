@@ -13,7 +13,6 @@
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, VecDeque};
 
-use kv_router::config::Config;
 use kv_router::events::{KvEvent, KvEventBatch};
 use kv_router::index::{build_index, index_capacity, ApplyStats};
 use kv_router::keys::Keys;
@@ -218,7 +217,7 @@ pub(super) fn simulate_replicas(
     opts: &SimulateOptions,
     one_index: bool,
 ) -> Result<RunOutcome, SimulateError> {
-    let mut cfg = strategy.router_config(&Config::default(), MODEL);
+    let mut cfg = strategy.router_config(&opts.base_config, MODEL);
     cfg.index.correction.enabled = opts.correction;
     cfg.gate.replicate_to_idle = opts.replicate_to_idle;
     let ecfg = EngineConfig {

@@ -105,6 +105,9 @@ pub struct SimulateOptions {
     pub pods: usize,
     /// Strategies compared on that fleet.
     pub strategies: Vec<Strategy>,
+    /// The router configuration each strategy starts from (`--router-config`: a user's own
+    /// weights and gates; the defaults otherwise). The strategy's own keys are set over it.
+    pub base_config: kv_router::config::Config,
     /// Every pod's scheduler and latency model (block size is [`BLOCK_TOKENS`]).
     pub engine: EngineConfig,
     /// The first this many pods prefill `slow_factor` times slower than the rest.
@@ -222,6 +225,7 @@ impl Default for SimulateOptions {
             output_scale: 1.0,
             pods: 64,
             strategies: Strategy::available(),
+            base_config: kv_router::config::Config::default(),
             engine: EngineConfig::default(),
             slow_pods: 0,
             slow_factor: 1.0,
