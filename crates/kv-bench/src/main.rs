@@ -399,3 +399,30 @@ async fn main() -> ExitCode {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::router_config_for_simulation;
+
+    fn load(yaml: &str) -> anyhow::Result<kv_router::config::Config> {
+        let dir = tempfile::tempdir()?;
+        let path = dir.path().join("router.yaml");
+        std::fs::write(&path, yaml)?;
+        router_config_for_simulation(&path)
+    }
+
+    #[test]
+    fn a_router_config_without_pods_is_checked_as_the_router_checks_it() {
+        let cfg = load("scorers:\n  prefix: {weight: 1.5}\n").expect("valid without pods");
+        assert_eq!(cfg.scorers.prefix.weight, 1.5);
+        assert!(
+            cfg.pods.static_pods.is_empty(),
+            "the fleet supplies the pods"
+        );
+        assert!(
+            load("scorers:\n  prefix: {wieght: 1.5}\n").is_err(),
+            "unknown key"
+        );
+        assert!(load("gate:\n  max_kv_usage: 7\n").is_err(), "out of range");
+    }
+}
