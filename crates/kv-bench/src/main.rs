@@ -125,6 +125,18 @@ async fn real_main(cli: Cli) -> Result<()> {
             }
             Ok(())
         }
+        Cmd::Study(a) => {
+            let r = bench::study::run(&Binaries::beside_current_exe()?, &a).await?;
+            if a.markdown {
+                let cmd: Vec<String> = std::env::args().skip(1).collect();
+                println!("### `kv-bench {}` ({})\n", cmd.join(" "), r.machine);
+            }
+            println!("{}", r.markdown());
+            if let Some(path) = &a.json {
+                write_json(path, &r)?;
+            }
+            Ok(())
+        }
         Cmd::RedisIndex(a) => redis_index(&a).await,
         Cmd::Capacity(a) => {
             let opts = a.options()?;
