@@ -248,6 +248,25 @@ fn plan(quick: bool, out: &std::path::Path) -> Vec<Planned> {
     ]
 }
 
+/// A section of tables alone (no charts, no details page), its JSON the report itself.
+fn tables_section(
+    title: &str,
+    command: &str,
+    body: String,
+    report: &impl serde::Serialize,
+    started: std::time::Instant,
+) -> Result<results::Section> {
+    Ok(results::Section {
+        title: title.into(),
+        command: command.into(),
+        body,
+        detail: String::new(),
+        charts: Vec::new(),
+        json: serde_json::to_value(report)?,
+        seconds: started.elapsed().as_secs_f64(),
+    })
+}
+
 /// `kv-bench report`: every planned benchmark, then the document, checked.
 pub async fn report_all(a: &ReportArgs) -> Result<()> {
     let machine = results::machine();
@@ -294,27 +313,11 @@ pub async fn report_all(a: &ReportArgs) -> Result<()> {
             }
             Cmd::Study(s) => {
                 let r = super::study::run(&Binaries::beside_current_exe()?, &s).await?;
-                results::Section {
-                    title: item.title.into(),
-                    command: command.clone(),
-                    body: r.markdown(),
-                    detail: String::new(),
-                    charts: Vec::new(),
-                    json: serde_json::to_value(&r)?,
-                    seconds: started.elapsed().as_secs_f64(),
-                }
+                tables_section(item.title, &command, r.markdown(), &r, started)?
             }
             Cmd::Overhead(o) => {
                 let r = overhead_report(&o).await?;
-                results::Section {
-                    title: item.title.into(),
-                    command: command.clone(),
-                    body: r.markdown(),
-                    detail: String::new(),
-                    charts: Vec::new(),
-                    json: serde_json::to_value(&r)?,
-                    seconds: started.elapsed().as_secs_f64(),
-                }
+                tables_section(item.title, &command, r.markdown(), &r, started)?
             }
             _ => anyhow::bail!("the report cannot run {command}"),
         };

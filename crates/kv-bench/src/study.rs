@@ -224,8 +224,8 @@ impl Shape {
 /// `1000` → `1k`, `1000000` → `1M`.
 pub fn tokens_label(n: usize) -> String {
     match n {
-        n if n >= 1_000_000 && n % 1_000_000 == 0 => format!("{}M", n / 1_000_000),
-        n if n >= 1000 && n % 1000 == 0 => format!("{}k", n / 1000),
+        n if n >= 1_000_000 && n.is_multiple_of(1_000_000) => format!("{}M", n / 1_000_000),
+        n if n >= 1000 && n.is_multiple_of(1000) => format!("{}k", n / 1000),
         n => n.to_string(),
     }
 }
@@ -494,22 +494,13 @@ pub fn peak_cores(samples: &[(f64, f64)]) -> Option<f64> {
 pub async fn run(bins: &Binaries, a: &StudyArgs) -> Result<StudyReport> {
     let started = Instant::now();
     let shapes = a.shapes()?;
-    let copts = CompareOptions {
-        envoy: a.envoy.clone(),
-        pods: a.pods,
-        gpu_blocks: a.gpu_blocks,
-        sim_args: a.pod_args(),
-        slow_pods: (0, 1.0),
-        strategies: Vec::new(),
-        request_timeout: Duration::from_secs(a.timeout_s),
-        model: a.model.clone(),
-        progress: false,
-        replicas: None,
-        redis_replicas: None,
-        router_metrics: None,
-        repeat: 1,
-        pd_prefill: 0,
-    };
+    let copts = CompareOptions::fleet(
+        a.envoy.clone(),
+        a.pods,
+        a.gpu_blocks,
+        a.pod_args(),
+        a.model.clone(),
+    );
     let fleet = CompareFleet::start(bins, &copts).await?;
     let base = fleet.base_config()?;
     let mut rows = Vec::new();
