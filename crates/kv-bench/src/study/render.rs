@@ -45,12 +45,14 @@ pub struct GoalCheck {
     pub verdict: Verdict,
 }
 
+/// A figure a goal bounds on a row: its name, its value, the limit.
+type Limit = (&'static str, Option<f64>, f64);
+
 /// A goal: the rows it applies to, and its limits on them.
 struct Goal {
     text: &'static str,
     applies: fn(&Row) -> bool,
-    /// (figure name, its value, the limit) on a row.
-    limits: fn(&Row) -> Vec<(&'static str, Option<f64>, f64)>,
+    limits: fn(&Row) -> Vec<Limit>,
 }
 
 const GOALS: [Goal; 3] = [
