@@ -485,20 +485,16 @@ pub async fn run(bins: &Binaries, o: &CapacityOptions) -> Result<CapacityReport>
     let mut sim_args = o.sim_args.clone();
     sim_args.push(format!("--max-num-seqs={}", o.max_num_seqs));
     let copts = CompareOptions {
-        envoy: o.envoy.clone(),
-        pods: o.pods,
-        gpu_blocks: o.gpu_blocks,
-        sim_args,
-        slow_pods: (0, 1.0),
         strategies: o.strategies.clone(),
         request_timeout: Duration::from_secs(o.timeout_s),
-        model: o.workload.model.clone(),
         progress: o.progress,
-        replicas: None,
-        redis_replicas: None,
-        router_metrics: None,
-        repeat: 1,
-        pd_prefill: 0,
+        ..CompareOptions::fleet(
+            o.envoy.clone(),
+            o.pods,
+            o.gpu_blocks,
+            sim_args,
+            o.workload.model.clone(),
+        )
     };
     let redis = match o.strategies.iter().any(|s| s.needs_redis()) {
         true => Some(deploy::find_redis_server()?),

@@ -39,6 +39,10 @@ pub enum Cmd {
     /// a cache-bound fleet (6,000 blocks, max-num-seqs 8 per pod) under the cache-pressure
     /// workload, Poisson arrivals up a QPS ladder, the strategies interleaved at every rung.
     Capacity(Box<crate::capacity::CapacityArgs>),
+    /// llm-d's published study shapes (shared prefix, a long-input ladder, short requests at a
+    /// high QPS) on 10 pods behind Envoy: TTFT and the picker's own cost (decision time at the
+    /// router and over a no-op picker end to end, CPU cores, peak RSS), approximate and precise.
+    Study(Box<crate::study::StudyArgs>),
     /// Run every benchmark of `make bench` and write results.md, results.json and images/.
     Report(ReportArgs),
     /// Added latency through real Envoy: direct, round robin, no-op ext_proc, kv-router.

@@ -63,6 +63,33 @@ pub struct CompareOptions {
 }
 
 impl CompareOptions {
+    /// A fleet of `pods` aggregated pods, none slower, each strategy with its default replicas,
+    /// one quiet round and no strategy yet: what the sections that run their own loop start from.
+    pub fn fleet(
+        envoy: Option<PathBuf>,
+        pods: usize,
+        gpu_blocks: usize,
+        sim_args: Vec<String>,
+        model: String,
+    ) -> Self {
+        Self {
+            envoy,
+            pods,
+            gpu_blocks,
+            sim_args,
+            slow_pods: (0, 1.0),
+            strategies: Vec::new(),
+            request_timeout: Duration::from_secs(60),
+            model,
+            progress: false,
+            replicas: None,
+            redis_replicas: None,
+            router_metrics: None,
+            repeat: 1,
+            pd_prefill: 0,
+        }
+    }
+
     /// kv-router replicas for `strategy` (none for Envoy's own round robin).
     pub fn replicas(&self, strategy: Strategy) -> usize {
         match (strategy.default_replicas(), self.replicas) {

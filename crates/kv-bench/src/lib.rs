@@ -29,6 +29,7 @@ pub mod simulate;
 pub mod small_fleet;
 pub mod soak;
 pub mod strategy;
+pub mod study;
 pub mod table;
 
 use kv_testkit::runner::RunResult;

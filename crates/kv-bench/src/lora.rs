@@ -319,20 +319,14 @@ pub async fn run(bins: &Binaries, args: &LoraArgs) -> Result<Vec<ArmResult>> {
     ];
     sim_args.extend(modules);
     let opts = CompareOptions {
-        envoy: args.envoy.clone(),
-        pods: args.pods.max(1),
-        gpu_blocks: 2048,
-        sim_args,
-        slow_pods: (0, 1.0),
         strategies: vec![Strategy::Weighted],
-        request_timeout: Duration::from_secs(60),
-        model: BASE_MODEL.into(),
-        progress: false,
-        replicas: None,
-        redis_replicas: None,
-        router_metrics: None,
-        repeat: 1,
-        pd_prefill: 0,
+        ..CompareOptions::fleet(
+            args.envoy.clone(),
+            args.pods.max(1),
+            2048,
+            sim_args,
+            BASE_MODEL.into(),
+        )
     };
     let arms = [("lora-scorer", 2.0), ("no-lora-scorer", 0.0)];
     let mut out = Vec::new();

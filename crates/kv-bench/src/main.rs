@@ -46,6 +46,26 @@ fn write_json(path: &std::path::Path, value: &impl serde::Serialize) -> Result<(
     Ok(())
 }
 
+/// Prints a report's tables (headed by the command and machine with `markdown`) and writes its
+/// JSON where asked.
+fn print_report(
+    markdown: bool,
+    machine: &str,
+    tables: &str,
+    json: Option<&std::path::Path>,
+    value: &impl serde::Serialize,
+) -> Result<()> {
+    if markdown {
+        let cmd: Vec<String> = std::env::args().skip(1).collect();
+        println!("### `kv-bench {}` ({machine})\n", cmd.join(" "));
+    }
+    println!("{tables}");
+    if let Some(path) = json {
+        write_json(path, value)?;
+    }
+    Ok(())
+}
+
 async fn real_main(cli: Cli) -> Result<()> {
     match cli.cmd {
         Cmd::Demo(a) => {
@@ -115,15 +135,11 @@ async fn real_main(cli: Cli) -> Result<()> {
         Cmd::Report(a) => pipeline::report_all(&a).await,
         Cmd::Overhead(a) => {
             let r = pipeline::overhead_report(&a).await?;
-            if a.markdown {
-                let cmd: Vec<String> = std::env::args().skip(1).collect();
-                println!("### `kv-bench {}` ({})\n", cmd.join(" "), r.machine);
-            }
-            println!("{}", r.markdown());
-            if let Some(path) = &a.json {
-                write_json(path, &r)?;
-            }
-            Ok(())
+            print_report(a.markdown, &r.machine, &r.markdown(), a.json.as_deref(), &r)
+        }
+        Cmd::Study(a) => {
+            let r = bench::study::run(&Binaries::beside_current_exe()?, &a).await?;
+            print_report(a.markdown, &r.machine, &r.markdown(), a.json.as_deref(), &r)
         }
         Cmd::RedisIndex(a) => redis_index(&a).await,
         Cmd::Capacity(a) => {

@@ -326,6 +326,7 @@ mod tests {
             session: "s".into(),
             turn: 0,
             start_ms: 0.0,
+            headers_ms: None,
             ttft_ms: Some(ttft),
             e2e_ms: e2e,
             status: Some(200),

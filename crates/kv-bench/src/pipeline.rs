@@ -180,6 +180,17 @@ const SHARED_RUNS: &str = "--repeat 8 --strategies redis,weighted";
 const CAPACITY: &str = "capacity --qps 4,8,12,16 --rung-s 15 --warmup-s 5 \
      --strategies round-robin,weighted,precise";
 
+/// The study's short version in `make bench`: every section at a size and rate this 2-core
+/// machine carries (the full shapes are `kv-bench study` with its defaults, docs/kv-bench.md).
+const STUDY: &str = "study --sp-groups 20 --sp-output-tokens 100 --long-sizes 1000,10000,100000 \
+     --long-requests 20 --short-qps 100 --short-requests 1000";
+
+/// Its quick version (on the quick fleet flags): one small rung each, both modes.
+const STUDY_QUICK: &str = "study --sp-groups 2 --sp-prompts-per-group 2 \
+     --sp-system-tokens 64 --sp-question-tokens 16 --sp-output-tokens 4 --sp-qps 20 \
+     --long-sizes 1000 --long-requests 5 --long-output-tokens 4 --long-qps 20 \
+     --short-qps 50 --short-requests 20 --short-output-tokens 4";
+
 /// Where the shared-index sections keep their rounds, under the report's directory: each
 /// report adds its rounds and judges the goal over all of them too (`compare --pool`).
 pub const POOL_FILE: &str = "paired-rounds/rounds.tsv";
@@ -206,6 +217,7 @@ fn plan(quick: bool, out: &std::path::Path) -> Vec<Planned> {
                        --warmup-s 0 --groups 10 --prefix-tokens 64 --question-tokens 16 \
                        --output-tokens 4 {fast}")),
             p("Router overhead", "overhead", "overhead --quick".into()),
+            p("Picker cost on llm-d's study shapes", "study", format!("{STUDY_QUICK} {fast}")),
             p("Fleet simulation", "simulate", "simulate --trace conversation --pods 8 --quick".into()),
         ];
     }
@@ -230,9 +242,29 @@ fn plan(quick: bool, out: &std::path::Path) -> Vec<Planned> {
           "compare --workload shared-prefix --groups 40 --prompts-per-group 5 --system-tokens 6000 --question-tokens 1200 --output-tokens 100 --poisson-rate 8 --pods 8 --gpu-blocks 5120".into()),
         p("Capacity at a TTFT SLO", "capacity", CAPACITY.into()),
         p("Router overhead", "overhead", "overhead".into()),
+        p("Picker cost on llm-d's study shapes", "study", STUDY.into()),
         p("Fleet simulation, 64 pods", "simulate",
           "simulate --trace conversation --pods 64 --gpu-blocks 31250".into()),
     ]
+}
+
+/// A section of tables alone (no charts, no details page), its JSON the report itself.
+fn tables_section(
+    title: &str,
+    command: &str,
+    body: String,
+    report: &impl serde::Serialize,
+    started: std::time::Instant,
+) -> Result<results::Section> {
+    Ok(results::Section {
+        title: title.into(),
+        command: command.into(),
+        body,
+        detail: String::new(),
+        charts: Vec::new(),
+        json: serde_json::to_value(report)?,
+        seconds: started.elapsed().as_secs_f64(),
+    })
 }
 
 /// `kv-bench report`: every planned benchmark, then the document, checked.
@@ -279,17 +311,13 @@ pub async fn report_all(a: &ReportArgs) -> Result<()> {
                     started.elapsed().as_secs_f64(),
                 )?
             }
+            Cmd::Study(s) => {
+                let r = super::study::run(&Binaries::beside_current_exe()?, &s).await?;
+                tables_section(item.title, &command, r.markdown(), &r, started)?
+            }
             Cmd::Overhead(o) => {
                 let r = overhead_report(&o).await?;
-                results::Section {
-                    title: item.title.into(),
-                    command: command.clone(),
-                    body: r.markdown(),
-                    detail: String::new(),
-                    charts: Vec::new(),
-                    json: serde_json::to_value(&r)?,
-                    seconds: started.elapsed().as_secs_f64(),
-                }
+                tables_section(item.title, &command, r.markdown(), &r, started)?
             }
             _ => anyhow::bail!("the report cannot run {command}"),
         };

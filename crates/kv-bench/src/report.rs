@@ -344,6 +344,7 @@ mod tests {
             session: "s".into(),
             turn: 0,
             start_ms: 0.0,
+            headers_ms: None,
             ttft_ms: Some(ttft),
             e2e_ms: ttft * 2.0,
             status: Some(if err { 500 } else { 200 }),

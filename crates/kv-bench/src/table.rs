@@ -39,6 +39,11 @@ impl Table {
         self
     }
 
+    /// Whether it has no rows.
+    pub fn is_empty(&self) -> bool {
+        self.rows.is_empty()
+    }
+
     /// Appends a row (missing cells are empty, extra ones dropped).
     pub fn row(&mut self, mut cells: Vec<String>) {
         cells.resize(self.header.len(), String::new());

@@ -24,6 +24,9 @@ pub struct StreamOutcome {
     pub headers: Vec<(String, String)>,
     /// Every SSE `data:` payload in order, `[DONE]` included.
     pub events: Vec<String>,
+    /// Time to the response headers: the proxy path and the pod's accept, before any prefill
+    /// (a streaming pod answers its headers at once).
+    pub headers_at: Option<Duration>,
     /// Time to the first content chunk (or the first chunk if none has content).
     pub ttft: Option<Duration>,
     /// Time to the end of the response.
@@ -141,6 +144,7 @@ async fn stream_inner(
         req = req.header(k.as_str(), v.as_str());
     }
     let resp = req.send().await.context("request failed")?;
+    out.headers_at = Some(start.elapsed());
     out.status = Some(resp.status().as_u16());
     out.headers = header_pairs(resp.headers());
     let is_sse = out
@@ -248,6 +252,8 @@ pub struct RequestRecord {
     pub turn: usize,
     /// Send time, milliseconds since the start of the run.
     pub start_ms: f64,
+    /// Time to the response headers, milliseconds.
+    pub headers_ms: Option<f64>,
     /// Time to first token, milliseconds.
     pub ttft_ms: Option<f64>,
     /// End-to-end latency, milliseconds.
@@ -285,6 +291,7 @@ impl RequestRecord {
             session: session.to_string(),
             turn,
             start_ms,
+            headers_ms: o.headers_at.map(|d| d.as_secs_f64() * 1e3),
             ttft_ms: o.ttft.map(|d| d.as_secs_f64() * 1e3),
             e2e_ms: o.e2e.as_secs_f64() * 1e3,
             status: o.status,

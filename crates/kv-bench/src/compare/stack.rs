@@ -31,6 +31,22 @@ impl Stack {
         routers.chain(redis).sum()
     }
 
+    /// Process ids of its kv-router replicas (those still running).
+    pub(crate) fn router_pids(&mut self) -> Vec<u32> {
+        self.routers
+            .iter_mut()
+            .filter_map(|r| r.process().pid())
+            .collect()
+    }
+
+    /// The first replica's `/metrics`.
+    pub(crate) async fn first_metrics(&self) -> Result<String> {
+        self.routers[0]
+            .metrics()
+            .await
+            .context("reading a router's /metrics")
+    }
+
     /// Writes each replica's `/metrics` to `dir/<label>-<replica>.prom`.
     pub(crate) async fn save_metrics(&self, dir: &std::path::Path, label: &str) -> Result<()> {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
@@ -191,12 +207,10 @@ pub fn counter_sum(text: &str, name: &str) -> Option<u64> {
     Some(sum as u64)
 }
 
-/// The upper bound of the bucket holding quantile `q` of histogram `name` in a Prometheus text
-/// (`None` when it has no observations).
-pub fn histogram_quantile(text: &str, name: &str, q: f64) -> Option<f64> {
+/// The cumulative buckets (upper bound, count) of histogram `name` in a Prometheus text.
+fn buckets(text: &str, name: &str) -> Vec<(f64, f64)> {
     let prefix = format!("{name}_bucket{{le=\"");
-    let buckets: Vec<(f64, f64)> = text
-        .lines()
+    text.lines()
         .filter_map(|l| {
             let rest = l.strip_prefix(&prefix)?;
             let (le, count) = rest.split_once("\"} ")?;
@@ -207,7 +221,13 @@ pub fn histogram_quantile(text: &str, name: &str, q: f64) -> Option<f64> {
             };
             Some((le, count.trim().parse().ok()?))
         })
-        .collect();
+        .collect()
+}
+
+/// The upper bound of the bucket holding quantile `q` of histogram `name` in a Prometheus text
+/// (`None` when it has no observations).
+pub fn histogram_quantile(text: &str, name: &str, q: f64) -> Option<f64> {
+    let buckets = buckets(text, name);
     let total = buckets.last()?.1;
     if total <= 0.0 {
         return None;
@@ -218,9 +238,35 @@ pub fn histogram_quantile(text: &str, name: &str, q: f64) -> Option<f64> {
         .map(|(le, _)| *le)
 }
 
+/// Quantile `q` of histogram `name` interpolated linearly inside its bucket, as Prometheus'
+/// `histogram_quantile` does (the first bucket starts at 0; one in `+Inf` gives the last finite
+/// bound). `None` when it has no observations.
+pub fn histogram_quantile_linear(text: &str, name: &str, q: f64) -> Option<f64> {
+    let buckets = buckets(text, name);
+    let total = buckets.last()?.1;
+    if total <= 0.0 {
+        return None;
+    }
+    let rank = q * total;
+    let i = buckets.iter().position(|(_, c)| *c >= rank)?;
+    let (lo, below) = match i {
+        0 => (0.0, 0.0),
+        _ => buckets[i - 1],
+    };
+    let (hi, count) = buckets[i];
+    if !hi.is_finite() {
+        return Some(lo);
+    }
+    let inside = count - below;
+    Some(match inside > 0.0 {
+        true => lo + (hi - lo) * (rank - below) / inside,
+        false => hi,
+    })
+}
+
 #[cfg(test)]
 mod quantile_tests {
-    use super::{counter_sum, histogram_quantile};
+    use super::{counter_sum, histogram_quantile, histogram_quantile_linear};
 
     #[test]
     fn counter_sums_add_every_label_and_no_longer_name() {
@@ -237,5 +283,16 @@ mod quantile_tests {
         assert_eq!(histogram_quantile(text, "x", 0.5), Some(0.001));
         assert_eq!(histogram_quantile(text, "x", 0.99), Some(0.1));
         assert_eq!(histogram_quantile("", "x", 0.5), None);
+    }
+
+    #[test]
+    fn linear_quantiles_interpolate_inside_the_bucket() {
+        let text =
+            "x_bucket{le=\"0.001\"} 50\nx_bucket{le=\"0.002\"} 100\nx_bucket{le=\"+Inf\"} 100\n";
+        assert_eq!(histogram_quantile_linear(text, "x", 0.25), Some(0.0005));
+        assert_eq!(histogram_quantile_linear(text, "x", 0.75), Some(0.0015));
+        let over = "x_bucket{le=\"0.001\"} 1\nx_bucket{le=\"+Inf\"} 4\n";
+        assert_eq!(histogram_quantile_linear(over, "x", 0.9), Some(0.001));
+        assert_eq!(histogram_quantile_linear("", "x", 0.5), None);
     }
 }

@@ -46,7 +46,7 @@ impl CpuSource {
         Self(PathBuf::from(format!("/proc/{pid}/stat")))
     }
 
-    pub(super) fn own_thread(tid: i32) -> Self {
+    pub(crate) fn own_thread(tid: i32) -> Self {
         Self(PathBuf::from(format!("/proc/self/task/{tid}/stat")))
     }
 
