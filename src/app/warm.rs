@@ -75,7 +75,7 @@ impl WarmStart<'_> {
         }
         let budget = Duration::from_millis(self.cfg.timeout_ms);
         let started = Instant::now();
-        match tokio::time::timeout(budget, self.from_peers(started + budget)).await {
+        match tokio::time::timeout(budget, self.take_from_peers(started + budget)).await {
             Ok(Ok((done, peers))) => {
                 self.metrics.count("warm");
                 self.metrics.entries.inc_by(done.entries as u64);
@@ -103,7 +103,7 @@ impl WarmStart<'_> {
     }
 
     /// Every address of every peer in turn; the imports add up. Err: none answered.
-    async fn from_peers(&self, deadline: Instant) -> Result<(Imported, usize), String> {
+    async fn take_from_peers(&self, deadline: Instant) -> Result<(Imported, usize), String> {
         let client = reqwest::Client::builder()
             .connect_timeout(CONNECT_TIMEOUT)
             .no_proxy()

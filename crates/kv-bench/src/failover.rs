@@ -356,7 +356,7 @@ pub async fn run(bins: &Binaries, args: &FailoverArgs) -> Result<Vec<ArmResult>>
         let window_ms = ms(window);
         out.push(ArmResult {
             arm,
-            restart_s: (ready - killed).as_secs_f64(),
+            restart_s: ready.saturating_sub(killed).as_secs_f64(),
             before: Window::of(&run.records, kill_ms - window_ms, kill_ms),
             after: Window::of(&run.records, kill_ms, kill_ms + window_ms),
             warm_starts: replicas.warm_starts().await,
