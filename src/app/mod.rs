@@ -30,6 +30,7 @@ mod maintenance;
 mod pods;
 mod shutdown;
 mod telemetry;
+mod warm;
 
 use maintenance::Gauges;
 use shutdown::Shutdown;
@@ -149,6 +150,18 @@ pub async fn run(cfg: Config, tokenizers: TokenizerRegistry) -> anyhow::Result<(
         telemetry.decisions,
     )
     .await?;
+    // Before either port serves: the index starts from what the live peers know.
+    let decider = shared.decider.clone();
+    warm::WarmStart {
+        cfg: &cfg.index.warm_start,
+        token: admin::admin_token(&cfg.admin)?,
+        index: &shared.index,
+        pods: &shared.pods,
+        now_ms: &move || decider.now_ms(),
+        metrics: &telemetry.warm,
+    }
+    .run()
+    .await;
     let gauges = Gauges {
         pods: telemetry.pods,
         maintenance: telemetry.maintenance,
@@ -202,6 +215,7 @@ pub async fn run(cfg: Config, tokenizers: TokenizerRegistry) -> anyhow::Result<(
             body_limit: cfg.body_limit_bytes,
             stale_after: Duration::from_millis(cfg.pods.stale_after_ms),
             caps,
+            snapshot_max_entries: cfg.index.warm_start.max_entries,
         },
         AdminSources {
             registry: telemetry.registry,

@@ -18,6 +18,7 @@ use crate::telemetry::gie::GieMetrics;
 use crate::telemetry::Errors;
 
 use super::maintenance::MaintenanceMetrics;
+use super::warm::WarmMetrics;
 use crate::server::conns::ConnMetrics;
 
 /// The registry and each component's metrics.
@@ -48,6 +49,8 @@ pub(super) struct Telemetry {
     pub routes: Option<RouteMetrics>,
     /// The Gateway API Inference Extension's families.
     pub gie: GieMetrics,
+    /// Warm starts (`index.warm_start`).
+    pub warm: WarmMetrics,
 }
 
 impl Telemetry {
@@ -69,6 +72,7 @@ impl Telemetry {
         let redis =
             (cfg.index.backend == IndexBackend::Redis).then(|| RedisMetrics::register(registry));
         let conns = ConnMetrics::register(registry);
+        let warm = WarmMetrics::register(registry);
         let flow = cfg
             .flow_control
             .enabled
@@ -91,6 +95,7 @@ impl Telemetry {
             flow,
             routes,
             gie,
+            warm,
         }
     }
 }

@@ -37,6 +37,7 @@ pub use routing::{
 pub use schema::{
     AdminConfig, BlocksConfig, Config, GrpcTlsConfig, IndexBackend, IndexConfig, KvEventsConfig,
     Listen, LogConfig, LogFormat, PickApiConfig, ReceiptsConfig, ServerConfig, TokenizerConfig,
+    WarmStartConfig,
 };
 
 /// The sections the decision reads (`Decider::new`, `Stages::new`): it is handed these, not the
@@ -144,6 +145,47 @@ mod tests {
             "pods",
         ] {
             assert!(text.contains(key), "{key} missing from: {text}");
+        }
+    }
+
+    #[test]
+    fn warm_start_peers_must_be_admin_addresses_of_an_approximate_memory_index() {
+        let pods = "pods: { static: [{ address: 127.0.0.1:8000 }] }\n";
+        let ok = "index: { warm_start: { peers: [kv-router-admin:9090, 10.0.0.1:9090] } }";
+        let cfg = Config::from_yaml(&format!("{pods}{ok}")).unwrap();
+        assert_eq!(cfg.index.warm_start.peers.len(), 2);
+        for (yaml, key) in [
+            (
+                "index: { warm_start: { peers: [nohost] } }",
+                "index.warm_start.peers",
+            ),
+            (
+                "index: { warm_start: { peers: [':9090'] } }",
+                "index.warm_start.peers",
+            ),
+            (
+                "index: { backend: redis, warm_start: { peers: [a:1] } }",
+                "index.warm_start.peers",
+            ),
+            (
+                "kv_events: { enabled: true }\nindex: { warm_start: { peers: [a:1] } }",
+                "index.warm_start.peers",
+            ),
+            (
+                "index: { warm_start: { timeout_ms: 0 } }",
+                "index.warm_start.timeout_ms",
+            ),
+            (
+                "index: { warm_start: { max_bytes: 10 } }",
+                "index.warm_start.max_bytes",
+            ),
+            (
+                "index: { warm_start: { max_entries: 0 } }",
+                "index.warm_start.max_entries",
+            ),
+        ] {
+            let err = Config::from_yaml(&format!("{pods}{yaml}")).unwrap_err();
+            assert!(err.to_string().contains(key), "{yaml}: {err}");
         }
     }
 

@@ -332,6 +332,8 @@ pub struct IndexConfig {
     pub correction: crate::config::CorrectionConfig,
     /// The shared index (`backend: redis`).
     pub redis: RedisConfig,
+    /// Starting from a live peer's index instead of an empty one (memory backend, approximate).
+    pub warm_start: WarmStartConfig,
 }
 
 impl Default for IndexConfig {
@@ -344,6 +346,36 @@ impl Default for IndexConfig {
             max_pod_cache_tokens: DEFAULT_MAX_POD_CACHE_TOKENS,
             correction: crate::config::CorrectionConfig::default(),
             redis: RedisConfig::default(),
+            warm_start: WarmStartConfig::default(),
+        }
+    }
+}
+
+/// `index.warm_start`: a starting replica copies the index of a live peer (another replica's
+/// `GET /debug/index/snapshot`) before it serves, so a rolling restart keeps what the fleet
+/// learned. Memory backend in approximate mode only (the Redis mirror reloads from Redis, the
+/// precise index replays the pods' KV events).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct WarmStartConfig {
+    /// Admin addresses (`host:port`) of the other replicas; a name resolving to several
+    /// addresses (a headless Service) names them all. Empty: every start is cold.
+    pub peers: Vec<String>,
+    /// The whole warm start, every peer together; past it the replica starts cold.
+    pub timeout_ms: u64,
+    /// Largest snapshot read from a peer (checked before and while reading).
+    pub max_bytes: usize,
+    /// Most (key, pod) entries a snapshot holds, served or taken.
+    pub max_entries: usize,
+}
+
+impl Default for WarmStartConfig {
+    fn default() -> Self {
+        Self {
+            peers: Vec::new(),
+            timeout_ms: 5_000,
+            max_bytes: 64 << 20,
+            max_entries: 2_000_000,
         }
     }
 }

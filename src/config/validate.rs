@@ -58,6 +58,30 @@ impl Config {
         for (key, reason) in self.index.correction.problems() {
             bad(&format!("index.correction.{key}"), reason);
         }
+        let warm = &self.index.warm_start;
+        if !(1..=60_000).contains(&warm.timeout_ms) {
+            bad("index.warm_start.timeout_ms", "must be in [1, 60000]");
+        }
+        if warm.max_bytes < 1024 {
+            bad("index.warm_start.max_bytes", "must be at least 1024");
+        }
+        if warm.max_entries == 0 {
+            bad("index.warm_start.max_entries", "must be positive");
+        }
+        if warm.peers.iter().any(|p| {
+            p.rsplit_once(':')
+                .is_none_or(|(h, port)| h.is_empty() || port.parse::<u16>().is_err())
+        }) {
+            bad(
+                "index.warm_start.peers",
+                "each must be host:port (an admin address)",
+            );
+        }
+        if !warm.peers.is_empty()
+            && (self.index.backend == IndexBackend::Redis || self.kv_events.enabled)
+        {
+            bad("index.warm_start.peers", "applies to the memory backend in approximate mode only (the Redis mirror reloads from Redis; KV events replay)");
+        }
         if self.index.backend == IndexBackend::Redis {
             for (key, reason) in self.index.redis.problems() {
                 bad(&format!("index.redis.{key}"), reason);

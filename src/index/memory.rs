@@ -6,6 +6,7 @@ use lru::LruCache;
 use parking_lot::RwLock;
 
 use super::table::{Holder, Slot, Table, Weights, RECORD_CHUNK};
+use super::warm::{Imported, PodEntries as SnapshotPod, Snapshot};
 use super::{IndexError, IndexStats, KvIndex};
 use crate::blocks::BlockKey;
 use crate::pods::PodId;
@@ -118,6 +119,97 @@ impl MemoryIndex {
     }
 }
 
+impl MemoryIndex {
+    /// The entries with time left at `now_ms`, each pod's most recently refreshed first, at most
+    /// `max_entries` in all (each pod up to an equal share). The lock is taken per pod, so
+    /// decisions wait for one pod's copy at most.
+    pub fn snapshot(&self, now_ms: u64, max_entries: usize) -> Snapshot {
+        let ids: Vec<PodId> = self.inner.read().pods.ids().cloned().collect();
+        let share = max_entries / ids.len().max(1);
+        let mut pods = Vec::with_capacity(ids.len());
+        for id in ids {
+            let inner = self.inner.read();
+            let Some(lru) = inner.pods.get(&id).and_then(|s| inner.pods.state(s)) else {
+                continue;
+            };
+            let entries: Vec<(u64, u64)> = lru
+                .iter()
+                .filter(|(_, &exp)| exp > now_ms)
+                .take(share)
+                .map(|(k, &exp)| (k.0, exp - now_ms))
+                .collect();
+            drop(inner);
+            if !entries.is_empty() {
+                pods.push(SnapshotPod {
+                    pod: id.to_string(),
+                    entries,
+                });
+            }
+        }
+        Snapshot::new(pods)
+    }
+
+    /// Takes in a peer's `snap` at `now_ms`: entries of pods for which `known` is false are
+    /// dropped, each entry expires after the time it had left (at most this index's TTL), keys
+    /// this index already holds keep their own entry, and each pod's recency order is kept (only
+    /// its most recent entries are taken when its capacity is short). A pod new here gets room
+    /// for all of its entries; its reported capacity resizes it later as usual.
+    pub fn restore(
+        &self,
+        snap: &Snapshot,
+        now_ms: u64,
+        known: &dyn Fn(&PodId) -> bool,
+    ) -> Imported {
+        let mut done = Imported::default();
+        for p in &snap.pods {
+            let id = PodId::new(p.pod.as_str());
+            if !known(&id) {
+                done.unknown_pods += 1;
+                continue;
+            }
+            let before = done.entries;
+            let room = {
+                let mut inner = self.inner.write();
+                let slot = inner.pods.get_or_insert_with(&id, || {
+                    let mut lru = LruCache::unbounded();
+                    lru.resize(cap(self.default_capacity.max(p.entries.len())));
+                    lru
+                });
+                inner.pods.state_mut(slot).cap().get()
+            };
+            // Only the most recent that fit: a restored entry never evicts another.
+            let (fit, over) = p.entries.split_at(p.entries.len().min(room));
+            done.skipped += over.len();
+            // Oldest first, so the most recent end up most recently used.
+            for chunk in fit.rchunks(RECORD_CHUNK) {
+                let mut inner = self.inner.write();
+                let Table { pods, holders } = &mut *inner;
+                let Some(slot) = pods.get(&id) else {
+                    break;
+                };
+                let lru = pods.state_mut(slot);
+                for &(key, left) in chunk.iter().rev() {
+                    let key = BlockKey(key);
+                    if left == 0 || lru.contains(&key) {
+                        done.skipped += 1;
+                        continue;
+                    }
+                    let expiry = now_ms.saturating_add(left.min(self.ttl_ms));
+                    if let Some((old, _)) = lru.push(key, expiry) {
+                        holders.remove(&old, slot);
+                    }
+                    holders.insert(key, Entry { slot, expiry });
+                    done.entries += 1;
+                }
+            }
+            if done.entries > before {
+                done.pods += 1;
+            }
+        }
+        done
+    }
+}
+
 fn cap(n: usize) -> std::num::NonZeroUsize {
     std::num::NonZeroUsize::new(n.max(1)).expect("max(1)")
 }
@@ -189,6 +281,19 @@ impl KvIndex for MemoryIndex {
     fn describe(&self) -> &'static str {
         "memory (approximate: learned from routing decisions)"
     }
+
+    fn warm_snapshot(&self, now_ms: u64, max_entries: usize) -> Option<Snapshot> {
+        Some(self.snapshot(now_ms, max_entries))
+    }
+
+    fn warm_restore(
+        &self,
+        snap: &Snapshot,
+        now_ms: u64,
+        known: &dyn Fn(&PodId) -> bool,
+    ) -> Option<Imported> {
+        Some(self.restore(snap, now_ms, known))
+    }
 }
 
 impl std::fmt::Debug for MemoryIndex {
@@ -243,6 +348,74 @@ mod tests {
             .block_on(idx.lookup(&k(&[2, 1, 3]), &pods(2), 500))
             .unwrap();
         assert_eq!(got, vec![3.0, 1.0]);
+    }
+
+    #[test]
+    fn a_restored_snapshot_keeps_holders_recency_and_time_left_of_known_pods_only() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        let ids = pods(3);
+        let peer = MemoryIndex::new(1_000, 100);
+        peer.learn(&ids[0], &k(&[1, 2, 3]), 0);
+        peer.learn(&ids[1], &k(&[1, 9]), 0);
+        peer.learn(&ids[2], &k(&[5]), 0);
+        // Expired by the snapshot's time: not handed over.
+        let old = MemoryIndex::new(100, 100);
+        old.learn(&ids[0], &k(&[4]), 0);
+        assert!(old.snapshot(100, 10).pods.is_empty());
+
+        let snap = peer.snapshot(400, 100);
+        assert_eq!(snap.entries(), 6);
+        assert_eq!(
+            snap.pods
+                .iter()
+                .find(|p| p.pod == ids[0].to_string())
+                .unwrap()
+                .entries,
+            vec![(1, 600), (2, 600), (3, 600)],
+            "head first, 600 ms left"
+        );
+        let snap =
+            crate::index::warm::decode(&crate::index::warm::encode(&snap), 1 << 20, 6).unwrap();
+
+        // Another process: its clock started elsewhere; pod 2 left the fleet.
+        let fresh = MemoryIndex::new(1_000, 100);
+        rt.block_on(fresh.set_capacity(&ids[1], 1)).unwrap();
+        let known = |p: &PodId| *p != ids[2];
+        let done = fresh.restore(&snap, 50_000, &known);
+        assert_eq!((done.entries, done.pods, done.unknown_pods), (4, 2, 1));
+        let at = |now| {
+            rt.block_on(fresh.lookup(&k(&[1, 2, 3]), &ids, now))
+                .unwrap()
+        };
+        // Pod 1 has room for one entry: it keeps the head, as it would have.
+        assert_eq!(at(50_000), vec![3.0, 1.0, 0.0]);
+        assert_eq!(at(50_599), vec![3.0, 1.0, 0.0]);
+        assert_eq!(at(50_600), vec![0.0, 0.0, 0.0], "600 ms left, no more");
+        // Restoring again (a second peer) leaves held keys as they are.
+        let again = fresh.restore(&snap, 50_100, &known);
+        assert_eq!(
+            (again.entries, again.skipped),
+            (0, 5),
+            "every key held or past capacity"
+        );
+        assert_eq!(fresh.stats().entries, 4);
+        assert_eq!(at(50_100), vec![3.0, 1.0, 0.0]);
+    }
+
+    #[test]
+    fn a_snapshot_holds_at_most_max_entries_each_pods_most_recent() {
+        let ids = pods(2);
+        let idx = MemoryIndex::new(1_000, 100);
+        idx.learn(&ids[0], &k(&[1, 2, 3, 4]), 0);
+        idx.learn(&ids[1], &k(&[5, 6, 7, 8]), 0);
+        let snap = idx.snapshot(0, 4);
+        assert_eq!(snap.entries(), 4);
+        for p in &snap.pods {
+            assert_eq!(p.entries.len(), 2);
+            assert!([1, 5].contains(&p.entries[0].0), "{p:?}");
+        }
     }
 
     // The shared behaviour (prefix, TTL, capacity, forget, slot reuse) is checked by the

@@ -22,6 +22,7 @@ mod events;
 mod memory;
 mod redis;
 mod table;
+pub mod warm;
 
 use async_trait::async_trait;
 use serde::Serialize;
@@ -160,6 +161,22 @@ pub trait KvIndex: Send + Sync + 'static {
     }
     /// Backend name for `/debug/pods`.
     fn describe(&self) -> &'static str;
+    /// This replica's entries at `now_ms` for a starting peer (`index.warm_start`), at most
+    /// `max_entries`; `None` from a backend that has none to hand over (a shared index reloads
+    /// from Redis, an event-fed one replays the pods' events).
+    fn warm_snapshot(&self, _now_ms: u64, _max_entries: usize) -> Option<warm::Snapshot> {
+        None
+    }
+    /// Takes in a peer's snapshot at `now_ms`, keeping the pods `known` says this replica
+    /// lists; `None` from a backend that takes none.
+    fn warm_restore(
+        &self,
+        _snap: &warm::Snapshot,
+        _now_ms: u64,
+        _known: &dyn Fn(&PodId) -> bool,
+    ) -> Option<warm::Imported> {
+        None
+    }
 }
 
 #[cfg(test)]

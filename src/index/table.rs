@@ -59,6 +59,11 @@ impl<T> PodSlots<T> {
         s
     }
 
+    /// Every pod with a slot.
+    pub(crate) fn ids(&self) -> impl Iterator<Item = &PodId> {
+        self.slots.keys()
+    }
+
     /// Removes `pod`, returning its former slot (now free) and state.
     pub(crate) fn remove(&mut self, pod: &PodId) -> Option<(Slot, T)> {
         let slot = self.slots.remove(pod)?;

@@ -239,6 +239,7 @@ mod tests {
             bodies: BodyBudget::new(1 << 20),
             token: None,
             caps: crate::server::fds::caps(None, 1, 1),
+            snapshots: crate::server::admin::routes::IndexSnapshots::new(1000),
         });
         let (reporter, _server) = grpc::health().await;
         let health = HealthService::from_health_reporter(reporter.clone());

@@ -35,6 +35,7 @@ mod previous_response;
 mod receipts;
 mod router_headers;
 mod session_keys;
+mod warm_start;
 
 // The shared index on a real Redis/Valkey.
 mod redis_replicas;

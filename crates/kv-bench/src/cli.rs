@@ -73,6 +73,10 @@ pub enum Cmd {
     /// router's RSS and in-flight gauges; exits 1 if anything but the bad requests failed,
     /// in-flight load stays, or RSS keeps growing.
     Soak(SoakArgs),
+    /// A rolling restart of every kv-router replica mid-run under steady multi-turn chat: hit
+    /// ratio and TTFT p50/p99 in the window after against the window before, with the memory
+    /// index warm from the live peers, cold, and with the shared Redis index.
+    Failover(crate::failover::FailoverArgs),
 }
 
 #[derive(Args)]

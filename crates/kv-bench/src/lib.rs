@@ -8,6 +8,7 @@ pub mod charts;
 pub mod cli;
 pub mod compare;
 pub mod extproc_client;
+pub mod failover;
 pub mod flow;
 pub mod hostile;
 pub mod hostile_attacks;

@@ -163,6 +163,16 @@ async fn real_main(cli: Cli) -> Result<()> {
             }
             Ok(())
         }
+        Cmd::Failover(a) => {
+            let arms = bench::failover::run(&Binaries::beside_current_exe()?, &a).await?;
+            let cmd: Vec<String> = std::env::args().skip(1).collect();
+            println!(
+                "### `kv-bench {}`\n\n{}",
+                cmd.join(" "),
+                bench::failover::table(&arms, bench::table::Style::Markdown)
+            );
+            Ok(())
+        }
         Cmd::Lora(a) => {
             let arms = bench::lora::run(&Binaries::beside_current_exe()?, &a).await?;
             println!("{}", bench::lora::markdown(&arms));

@@ -3,14 +3,17 @@
 //!
 //! - **Who may call**: anyone who reaches the port (keep it on loopback or a private network);
 //!   with `admin.token` (or `admin.token_file`), `/debug/*` only with `Authorization: Bearer`;
-//!   `/metrics`, `/healthz` and `/readyz` stay open for scrapers and probes.
+//!   `/metrics`, `/healthz` and `/readyz` stay open for scrapers and probes. Another replica's
+//!   warm start presents the same token for `/debug/index/snapshot`.
 //! - **What a caller may change**: nothing. `POST /debug/explain` plans a decision without
-//!   committing it; `/debug/pods` shows pod addresses, models and load.
+//!   committing it; `/debug/pods` shows pod addresses, models and load;
+//!   `/debug/index/snapshot` the index's block keys and pod addresses (no prompt text).
 //! - **Memory**: at most [`serve::MAX_CONNECTIONS`] connections (fewer under a low file-descriptor
 //!   limit: `server::fds`), each reading headers for at most [`serve::HEADER_READ_TIMEOUT`] into
 //!   hyper's bounded read buffer and writing a response for at most [`serve::WRITE_TIMEOUT`]; explain inputs being read
 //!   hold at most 2 × `body_limit_bytes` + 1 MiB, all callers together, from a budget of the
-//!   port's own (the gRPC port's is never spent here).
+//!   port's own (the gRPC port's is never spent here); one index snapshot is built at a time,
+//!   of at most `index.warm_start.max_entries` entries.
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -52,6 +55,8 @@ pub(crate) struct AdminSettings<'a> {
     pub stale_after: Duration,
     /// Both ports' connection caps in force (this port's is `admin_max_connections`).
     pub caps: ConnCaps,
+    /// `index.warm_start.max_entries`: the most entries a snapshot served holds.
+    pub snapshot_max_entries: usize,
 }
 
 /// What the admin port reads.
@@ -102,6 +107,7 @@ pub(crate) async fn start(
         bodies: BodyBudget::new(explain_limit),
         body_limit: explain_limit,
         caps: cfg.caps,
+        snapshots: routes::IndexSnapshots::new(cfg.snapshot_max_entries),
     });
     let listener =
         conns::bind(admin_addr).with_context(|| format!("binding admin listener {admin_addr}"))?;
@@ -110,7 +116,7 @@ pub(crate) async fn start(
 }
 
 /// The admin bearer token: `admin.token_file` (trimmed) wins over `admin.token`; none = open.
-fn admin_token(cfg: &AdminConfig) -> anyhow::Result<Option<Arc<str>>> {
+pub(crate) fn admin_token(cfg: &AdminConfig) -> anyhow::Result<Option<Arc<str>>> {
     let token = match &cfg.token_file {
         Some(path) => std::fs::read_to_string(path)
             .with_context(|| format!("reading admin.token_file {}", path.display()))?

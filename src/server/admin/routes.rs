@@ -1,5 +1,5 @@
 //! The admin port's routes: `/metrics`, `/healthz`, `/readyz`, `/debug/pods`,
-//! `POST /debug/explain`, `GET /debug/explain?id=`. Who may call them, and what they may cost:
+//! `POST /debug/explain`, `GET /debug/explain?id=`, `GET /debug/index/snapshot`. Who may call them, and what they may cost:
 //! [`super`].
 
 use std::sync::Arc;
@@ -52,6 +52,26 @@ pub struct AdminState {
     pub token: Option<Arc<str>>,
     /// Both ports' connection caps, for `/debug/pods`.
     pub caps: ConnCaps,
+    /// `GET /debug/index/snapshot`: one at a time, at most so many entries.
+    pub snapshots: IndexSnapshots,
+}
+
+/// What `GET /debug/index/snapshot` may cost: one snapshot built at a time (a second caller gets
+/// 503), of at most `index.warm_start.max_entries` entries.
+#[derive(Clone)]
+pub struct IndexSnapshots {
+    one: Arc<tokio::sync::Semaphore>,
+    max_entries: usize,
+}
+
+impl IndexSnapshots {
+    /// Snapshots of at most `max_entries` entries.
+    pub fn new(max_entries: usize) -> Self {
+        Self {
+            one: Arc::new(tokio::sync::Semaphore::new(1)),
+            max_entries,
+        }
+    }
 }
 
 /// The admin router.
@@ -59,6 +79,7 @@ pub fn router(state: AdminState) -> Router {
     let limit = axum::extract::DefaultBodyLimit::max(state.body_limit);
     let debug = Router::new()
         .route("/debug/pods", get(debug_pods))
+        .route("/debug/index/snapshot", get(index_snapshot))
         .route(
             "/debug/explain",
             post(explain)
@@ -157,6 +178,40 @@ async fn readyz(State(s): State<AdminState>) -> Response {
     match s.readiness.check() {
         Ok(()) => "ready".into_response(),
         Err(why) => (StatusCode::SERVICE_UNAVAILABLE, why).into_response(),
+    }
+}
+
+/// The index's entries for a starting replica (`index.warm_start`): block keys, pod addresses
+/// and the time each entry has left, as `crate::index::warm` encodes them. Built off the async
+/// workers, one at a time.
+async fn index_snapshot(State(s): State<AdminState>) -> Response {
+    let error = |status: StatusCode, message: &str| {
+        let msg = json!({"error": {"message": message, "code": status.as_u16()}});
+        (status, Json(msg)).into_response()
+    };
+    let Ok(permit) = s.snapshots.one.clone().try_acquire_owned() else {
+        return error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "another index snapshot is being built; retry later",
+        );
+    };
+    let (decider, max) = (s.decider.clone(), s.snapshots.max_entries);
+    let built = tokio::task::spawn_blocking(move || {
+        let _permit = permit;
+        let snap = decider.index().warm_snapshot(decider.now_ms(), max)?;
+        Some(crate::index::warm::encode(&snap))
+    })
+    .await;
+    match built {
+        Ok(Some(body)) => ([(header::CONTENT_TYPE, "application/json")], body).into_response(),
+        Ok(None) => error(
+            StatusCode::NOT_FOUND,
+            "this index hands over no snapshot (only the memory backend in approximate mode does)",
+        ),
+        Err(_) => error(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "building the snapshot failed",
+        ),
     }
 }
 
