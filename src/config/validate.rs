@@ -55,9 +55,6 @@ impl Config {
         if self.index.max_pod_cache_tokens == 0 {
             bad("index.max_pod_cache_tokens", "must be positive");
         }
-        for (key, reason) in self.index.correction.problems() {
-            bad(&format!("index.correction.{key}"), reason);
-        }
         if self.index.backend == IndexBackend::Redis {
             for (key, reason) in self.index.redis.problems() {
                 bad(&format!("index.redis.{key}"), reason);
