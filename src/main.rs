@@ -78,7 +78,10 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
         Command::CheckConfig { file } => match load(&file, KubernetesOverrides::default()) {
-            Ok(_) => {
+            Ok((cfg, _)) => {
+                for why in cfg.ignored_keys() {
+                    eprintln!("{}: {why}", file.display());
+                }
                 println!("{}: OK", file.display());
                 ExitCode::SUCCESS
             }
@@ -106,6 +109,9 @@ fn main() -> ExitCode {
             };
             cfg.conformance_test_hooks |= conformance_test_hooks;
             kv_router::telemetry::init_logging(&cfg.log);
+            for why in cfg.ignored_keys() {
+                tracing::warn!("{why}");
+            }
             allocator::return_freed_memory();
             let rt = match tokio::runtime::Builder::new_multi_thread()
                 .enable_all()

@@ -1,6 +1,6 @@
 //! The maintenance loop: once a second, each pod's index capacity from its KV size (held to
-//! `index.max_pod_cache_tokens`, scaled by its hit accuracy, `index.correction`), the index's TTL
-//! sweep, and the index, session and per-pod gauges.
+//! `index.max_pod_cache_tokens`), the index's TTL sweep, and the index, session and per-pod
+//! gauges.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -14,7 +14,7 @@ use tracing::warn;
 use crate::config::Config;
 use crate::decide::Decider;
 use crate::index::index_capacity;
-use crate::pods::{prefill_models, scaled_capacity, LoadSample, PodMetrics, PodRegistry};
+use crate::pods::{prefill_models, LoadSample, PodMetrics, PodRegistry};
 use crate::scoring::SessionStore;
 use crate::telemetry::gie::{GieMetrics, PodSample};
 use crate::telemetry::{ErrorKind, Errors};
@@ -90,7 +90,6 @@ async fn maintenance(
     gauges: Gauges,
 ) {
     let stale_after = Duration::from_millis(cfg.pods.stale_after_ms);
-    let correction = cfg.index.correction.for_index(cfg.kv_events.enabled);
     let mut capacities = ahash::AHashMap::new();
     let mut tick = interval(Duration::from_secs(1));
     tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
@@ -130,16 +129,11 @@ async fn maintenance(
                     }
                 }
             }
-            // KV events say what a pod holds: its judged scale weights its matches instead
-            // (`Pod::index_confidence`); only the approximate index's capacity is scaled.
-            let judged = pod.correct_capacity(&correction);
-            let scale = if cfg.kv_events.enabled { 1.0 } else { judged };
             gauges.pods.observe(pod, model, now, stale_after);
             let Some((_, sample)) = pod.last_sample() else {
                 continue;
             };
-            let managed = capacities.contains_key(pod.id());
-            let Some(cap) = pod_capacity(&cfg, &sample, scale, managed) else {
+            let Some(cap) = pod_capacity(&cfg, &sample) else {
                 continue;
             };
             if capacities.get(pod.id()) != Some(&cap) {
@@ -175,21 +169,16 @@ async fn maintenance(
     }
 }
 
-/// A pod's index capacity: its KV size (`cache_config_info`) times its judged `scale`. A pod
-/// without one keeps the index's default until a scale other than 1 applies, and from then on
-/// (`managed`) is set from the default, so a scale back at 1 restores it.
-fn pod_capacity(cfg: &Config, sample: &LoadSample, scale: f64, managed: bool) -> Option<usize> {
-    let cap = match sample.num_gpu_blocks {
-        Some(blocks) => index_capacity(
-            &cfg.index,
-            &cfg.blocks,
-            blocks,
-            sample.block_size.unwrap_or(16),
-        ),
-        None if scale != 1.0 || managed => cfg.index.default_capacity_blocks,
-        None => return None,
-    };
-    Some(scaled_capacity(cap, scale))
+/// A pod's index capacity from its KV size (`cache_config_info`); a pod without one keeps the
+/// index's default.
+fn pod_capacity(cfg: &Config, sample: &LoadSample) -> Option<usize> {
+    let blocks = sample.num_gpu_blocks?;
+    Some(index_capacity(
+        &cfg.index,
+        &cfg.blocks,
+        blocks,
+        sample.block_size.unwrap_or(16),
+    ))
 }
 
 /// The KV-cache tokens a pod reports when `index.max_pod_cache_tokens` holds them.
@@ -205,37 +194,16 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_pod_without_its_kv_size_is_scaled_from_the_default_both_ways_and_restored() {
+    fn a_pod_without_its_kv_size_is_left_to_the_index_default() {
         let cfg = Config::default();
-        let default = cfg.index.default_capacity_blocks;
-        let unsized_pod = LoadSample::default();
-        assert_eq!(
-            pod_capacity(&cfg, &unsized_pod, 1.0, false),
-            None,
-            "left to the index"
-        );
-        assert_eq!(
-            pod_capacity(&cfg, &unsized_pod, 0.5, false),
-            Some(default / 2)
-        );
-        assert_eq!(
-            pod_capacity(&cfg, &unsized_pod, 2.0, false),
-            Some(default * 2),
-            "finding more than predicted grows it as it grows a sized pod"
-        );
-        assert_eq!(
-            pod_capacity(&cfg, &unsized_pod, 1.0, true),
-            Some(default),
-            "a scale back at 1 restores the default it had scaled"
-        );
+        assert_eq!(pod_capacity(&cfg, &LoadSample::default()), None);
         let sized = LoadSample {
             num_gpu_blocks: Some(1000),
             block_size: Some(16),
             ..LoadSample::default()
         };
         let full = index_capacity(&cfg.index, &cfg.blocks, 1000, 16);
-        assert_eq!(pod_capacity(&cfg, &sized, 1.0, false), Some(full));
-        assert_eq!(pod_capacity(&cfg, &sized, 2.0, true), Some(full * 2));
+        assert_eq!(pod_capacity(&cfg, &sized), Some(full));
     }
 
     #[test]
@@ -249,18 +217,13 @@ mod tests {
         };
         let max = cfg.index.max_pod_cache_tokens;
         let most = index_capacity(&cfg.index, &cfg.blocks, max / 16, 16);
-        assert_eq!(pod_capacity(&cfg, &liar, 1.0, false), Some(most));
+        assert_eq!(pod_capacity(&cfg, &liar), Some(most));
         assert_eq!(clamped_report(&cfg, &liar), Some(16_000_000_000_000_000));
-        assert_eq!(
-            pod_capacity(&cfg, &liar, 4.0, true),
-            Some(most * 4),
-            "the correction's bounds are multiples of the held size"
-        );
         let honest = LoadSample {
             num_gpu_blocks: Some(max / 16),
             ..liar
         };
-        assert_eq!(pod_capacity(&cfg, &honest, 1.0, false), Some(most));
+        assert_eq!(pod_capacity(&cfg, &honest), Some(most));
         assert_eq!(
             clamped_report(&cfg, &honest),
             None,

@@ -21,7 +21,7 @@ mod routing;
 mod schema;
 mod validate;
 pub use bounds::{check_yaml_shape, MAX_YAML_BYTES};
-pub use correction::CorrectionConfig;
+pub use correction::{RemovedKey, CORRECTION_REMOVED};
 pub use disagg::{header_problem, DisaggConfig, PodRole, DEFAULT_PREFILL_HEADER, ROLE_LABEL};
 pub use engine::{CustomEngine, EngineSetting, Preset, MAX_METRIC_NAME_BYTES};
 pub use error::{ConfigError, Problem};
@@ -98,6 +98,15 @@ impl Config {
             serde_yaml::from_str(text)?
         };
         cfg.validate()
+    }
+
+    /// Why each removed key the config still names is ignored (one line each, for a warning).
+    pub fn ignored_keys(&self) -> Vec<&'static str> {
+        let mut out = Vec::new();
+        if self.index.correction.present() {
+            out.push(CORRECTION_REMOVED);
+        }
+        out
     }
 
     /// Parsed gRPC listen address (valid after [`Config::validate`]).

@@ -328,8 +328,9 @@ pub struct IndexConfig {
     /// Most KV-cache tokens (`num_gpu_blocks` × block size) a pod's report is believed for: a
     /// larger report is held to this, so no pod sizes its own share of the index.
     pub max_pod_cache_tokens: u64,
-    /// Capacity correction from each pod's reported prefix-cache hits (approximate mode).
-    pub correction: crate::config::CorrectionConfig,
+    /// Removed (`config/correction.rs`): still accepted, ignored with a warning.
+    #[serde(skip_serializing)]
+    pub correction: crate::config::RemovedKey,
     /// The shared index (`backend: redis`).
     pub redis: RedisConfig,
     /// Starting from a live peer's index instead of an empty one (memory backend, approximate).
@@ -344,7 +345,7 @@ impl Default for IndexConfig {
             default_capacity_blocks: 31_250,
             capacity_factor: 1.0,
             max_pod_cache_tokens: DEFAULT_MAX_POD_CACHE_TOKENS,
-            correction: crate::config::CorrectionConfig::default(),
+            correction: crate::config::RemovedKey::default(),
             redis: RedisConfig::default(),
             warm_start: WarmStartConfig::default(),
         }

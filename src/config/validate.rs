@@ -55,9 +55,6 @@ impl Config {
         if self.index.max_pod_cache_tokens == 0 {
             bad("index.max_pod_cache_tokens", "must be positive");
         }
-        for (key, reason) in self.index.correction.problems() {
-            bad(&format!("index.correction.{key}"), reason);
-        }
         let warm = &self.index.warm_start;
         if !(1..=60_000).contains(&warm.timeout_ms) {
             bad("index.warm_start.timeout_ms", "must be in [1, 60000]");

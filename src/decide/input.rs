@@ -43,8 +43,6 @@ pub struct PodReading {
     pub load: PodLoad,
     /// Its prefill learner (fitted against the fleet's).
     pub ttft: TtftLearner,
-    /// The weight its matches get (see [`PodFacts::confidence`]).
-    pub confidence: f64,
     /// Its P/D role.
     pub role: PodRole,
     /// A prefill pod excluded from prefill picks (its prefills never showed in its counters).
@@ -64,9 +62,6 @@ pub struct PodFacts {
     pub model: TtftModel,
     /// Consecutive prompt blocks the index says it holds (before the unrecorded overlay).
     pub matched_blocks: f64,
-    /// The weight its matches get (1; less for a precise-mode pod whose prefix-cache counters
-    /// report far fewer hits than its KV events promise: lost or misconfigured events).
-    pub confidence: f64,
     /// Its P/D role: a model with `prefill` pods and others is disaggregated.
     pub role: PodRole,
     /// A prefill pod left out of prefill picks.
@@ -200,7 +195,6 @@ impl DecisionState {
                 load: r.load,
                 model,
                 matched_blocks,
-                confidence: r.confidence,
                 role: r.role,
                 prefill_excluded: r.prefill_excluded,
                 lora: r.lora,
@@ -277,10 +271,7 @@ impl DecisionState {
         };
         let pods: Vec<&PodFacts> = at.iter().map(|&i| &input.pods[i]).collect();
         let ids: Vec<PodId> = pods.iter().map(|p| p.id.clone()).collect();
-        let mut matched: Vec<f64> = pods
-            .iter()
-            .map(|p| p.matched_blocks * p.confidence)
-            .collect();
+        let mut matched: Vec<f64> = pods.iter().map(|p| p.matched_blocks).collect();
         held.overlay(&req.keys.keys, &ids, &mut matched);
         let seen = match (&session, session_pod) {
             (None, _) => SessionSeen::None,
@@ -475,7 +466,6 @@ mod lora_tests {
                     },
                     model: TtftModel::default(),
                     matched_blocks: 0.0,
-                    confidence: 1.0,
                     role: PodRole::Both,
                     prefill_excluded: false,
                     lora: Some(fit),
@@ -495,49 +485,5 @@ mod lora_tests {
             let p = state.plan(&stages, &input, 0, false, &mut rng);
             assert_eq!(p.plan.ranked[0].pod, PodId::new("10.0.0.2:8000"));
         }
-    }
-
-    // A precise-mode pod whose counters report a quarter of the hits its events promise keeps a
-    // quarter of its match in the plan; the unrecorded overlay (this router's own) is not scaled.
-    #[test]
-    fn a_pods_matches_are_weighted_by_its_confidence() {
-        let sessions = Arc::new(SessionStore::new(100, 10_000));
-        let state = DecisionState::new(&GateConfig::default(), sessions, Recording::InCommit);
-        let facts = |id: &str, matched_blocks: f64, confidence: f64| PodFacts {
-            id: PodId::new(id),
-            load: PodLoad {
-                fresh: true,
-                ..PodLoad::default()
-            },
-            model: TtftModel::default(),
-            matched_blocks,
-            confidence,
-            role: PodRole::Both,
-            prefill_excluded: false,
-            lora: None,
-        };
-        let pods = [
-            facts("10.0.0.1:8000", 20.0, 0.25),
-            facts("10.0.0.2:8000", 8.0, 1.0),
-        ];
-        let input = DecisionInput {
-            request: RequestFacts {
-                keys: Keys::default(),
-                body: Body::Parsed,
-                session: None,
-                adapter: None,
-            },
-            session_pod: None,
-            pods: pods.to_vec(),
-        };
-        let input = state.input(&input, 0);
-        assert!(input.prefill.is_none() && input.decode.lora.is_none());
-        let matched: Vec<f64> = input
-            .decode
-            .candidates
-            .iter()
-            .map(|c| c.matched_blocks)
-            .collect();
-        assert_eq!(matched, vec![5.0, 8.0]);
     }
 }

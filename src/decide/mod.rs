@@ -207,9 +207,6 @@ pub struct Decider {
     metrics: DecisionMetrics,
     epoch: Instant,
     pd_unserved_after: Duration,
-    /// KV events feed the index: a pod's matches are weighted by the confidence its counters
-    /// earn (`HitAccuracy::correct`), where approximate mode scales its capacity instead.
-    precise: bool,
     /// `disaggregation.header`.
     prefill_header: String,
     /// The saturation gate's thresholds (flow control's test for room).
@@ -291,7 +288,6 @@ impl Decider {
             metrics,
             epoch: Instant::now(),
             pd_unserved_after: Duration::from_millis(cfg.disaggregation.prefill_unserved_after_ms),
-            precise: cfg.kv_events.enabled,
             prefill_header: cfg.disaggregation.header.clone(),
             gate: cfg.gate.clone(),
             committing: parking_lot::Mutex::new(()),
@@ -706,11 +702,6 @@ impl Decider {
             .map(|(i, (p, role))| PodReading {
                 load: p.load(now, self.stale_after),
                 ttft: p.ttft_learner(),
-                confidence: if self.precise {
-                    p.index_confidence()
-                } else {
-                    1.0
-                },
                 role,
                 prefill_excluded: disaggregated
                     && role == PodRole::Prefill

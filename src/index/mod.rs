@@ -16,8 +16,6 @@
 mod build;
 #[cfg(test)]
 mod contract;
-#[cfg(test)]
-mod correction_tests;
 mod events;
 mod memory;
 mod redis;

@@ -31,7 +31,6 @@ pub struct PodMetrics {
     query_tokens: Family<PodLabels, FloatCounter>,
     observed_hits: Family<PodLabels, FloatCounter>,
     hit_accuracy: Family<PodLabels, FloatGauge>,
-    capacity_scale: Family<PodLabels, FloatGauge>,
     engine_restarts: Family<PodLabels, Counter>,
     lora_loads: Family<PodLabels, Counter>,
 }
@@ -101,11 +100,6 @@ impl PodMetrics {
             m.hit_accuracy.clone(),
         );
         registry.register(
-            "pod_index_capacity_scale",
-            "Fraction of the pod's configured capacity its index entries are held to, or in precise mode the weight its matches get (index.correction)",
-            m.capacity_scale.clone(),
-        );
-        registry.register(
             "pod_engine_restarts",
             "Times the pod's prefix-cache counters went backwards: its engine restarted with an empty cache (approximate mode forgets its index entries)",
             m.engine_restarts.clone(),
@@ -155,9 +149,6 @@ impl PodMetrics {
                 self.hit_accuracy.remove(&l);
             }
         }
-        self.capacity_scale
-            .get_or_create(&l)
-            .set(report.capacity_scale);
         let loads = pod.take_lora_loads();
         // Only pods that report residency get a series: no zero rows for LoRA-less fleets.
         if loads > 0 || pod.lora_residency().is_some() {
@@ -190,7 +181,6 @@ impl PodMetrics {
         self.query_tokens.remove(&l);
         self.observed_hits.remove(&l);
         self.hit_accuracy.remove(&l);
-        self.capacity_scale.remove(&l);
         self.engine_restarts.remove(&l);
         self.lora_loads.remove(&l);
     }
@@ -231,7 +221,6 @@ mod tests {
             r#"pod_observed_hit_tokens_total{pod="127.0.0.1:8"} 800.0"#,
             // Observed 0.4 of queried tokens against 0.8 predicted.
             r#"pod_hit_accuracy_ratio{pod="127.0.0.1:8"} 0.5"#,
-            r#"pod_index_capacity_scale{pod="127.0.0.1:8"} 1.0"#,
         ] {
             assert!(out.contains(line), "{line} in {out}");
         }

@@ -28,8 +28,7 @@ use serde::Serialize;
 use tokio::time::Instant;
 
 pub use accuracy::{
-    predicted_hit_tokens, scaled_capacity, AccuracyReport, HitAccuracy, HitWindow, PrefixCounters,
-    WINDOWS,
+    predicted_hit_tokens, AccuracyReport, HitAccuracy, HitWindow, PrefixCounters, WINDOWS,
 };
 pub use engine::{
     detect, parse_vllm_metrics, read, EngineChoice, EngineResolver, MetricMap, PodEngine, Reading,
@@ -271,18 +270,6 @@ impl Pod {
     /// last call: its cache is empty.
     pub fn take_restart(&self) -> bool {
         self.accuracy.lock().take_restart()
-    }
-
-    /// In precise mode, the weight the pod's index matches get: its last judged scale (1 unless
-    /// `index.correction` found its counters far below what its KV events promise).
-    pub fn index_confidence(&self) -> f64 {
-        self.accuracy.lock().confidence()
-    }
-
-    /// Judges the scrape windows seen so far (see [`HitAccuracy::correct`]); the fraction of its
-    /// configured capacity the pod's index entries should be held to.
-    pub fn correct_capacity(&self, cfg: &crate::config::CorrectionConfig) -> f64 {
-        self.accuracy.lock().correct(cfg)
     }
 
     /// Predicted against reported prefix-cache hits over the last scrape windows.

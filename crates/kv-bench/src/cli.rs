@@ -887,10 +887,6 @@ pub struct SimulateArgs {
     /// were decided (the live mirror's `index.redis.mirror_load`).
     #[arg(long)]
     pub shared_load: bool,
-    /// Approximate indexes scale each pod's capacity by the hits the pod reports
-    /// (`index.correction.enabled`).
-    #[arg(long)]
-    pub correction: bool,
     /// Until when a request's uncached tokens count on its pod: `prefill` (everyone for the
     /// predicted prefill), `live` (its router until the first token, the other replicas for the
     /// predicted prefill, as the live router), `first-token` (everyone until the first token).
@@ -988,7 +984,6 @@ impl SimulateArgs {
             charge_propagation_ms: self.charge_propagation_ms,
             shared_load: self.shared_load,
             token_release: self.token_release,
-            correction: self.correction,
             shared_conversations: self.shared_conversations,
             spread_clumps: self.spread_clumps,
             replicate_to_idle: !self.no_replicate_to_idle,

@@ -22,7 +22,6 @@ use kv_testkit::splitmix::SplitMix64;
 use vllm_sim::engine::{AdapterName, Engine, EngineConfig, LoraConfig, Output, Submission};
 use vllm_sim::translate::{Hashes, Translator};
 
-use super::convergence::ScaleTrack;
 use super::options::{Replication, SimulateError, SimulateOptions, BLOCK_TOKENS, MODEL};
 use super::prepare::Prepared;
 use super::replicas::{Replicas, Writes};
@@ -64,8 +63,6 @@ pub(super) struct RunOutcome {
     pub(super) replication: Replication,
     /// Index records the replicas published.
     pub(super) writes: Writes,
-    /// The first replica's capacity correction over time, when `index.correction` is on.
-    pub(super) scale_track: Option<ScaleTrack>,
     /// Requests prefilled on a prefill pod (P/D fleets).
     pub(super) disaggregated: usize,
     /// Adapters the engines loaded into a slot.
@@ -218,7 +215,6 @@ pub(super) fn simulate_replicas(
     one_index: bool,
 ) -> Result<RunOutcome, SimulateError> {
     let mut cfg = strategy.router_config(&opts.base_config, MODEL);
-    cfg.index.correction.enabled = opts.correction;
     cfg.gate.replicate_to_idle = opts.replicate_to_idle;
     let ecfg = EngineConfig {
         block_size: BLOCK_TOKENS,
@@ -327,7 +323,6 @@ pub(super) fn simulate_replicas(
     let mut per_pod = vec![0usize; pods];
     let mut all_saturated = 0usize;
     let mut applied = ApplyStats::default();
-    let mut scale_track = cfg.index.correction.enabled.then(ScaleTrack::default);
     let (mut next_req, mut next_tick, mut ticks) = (0usize, 0u64, 0u64);
     // The pod each request was routed to (a bypassed one has none): its router's charge.
     let mut routed_to: Vec<Option<usize>> = vec![None; n];
@@ -394,10 +389,7 @@ pub(super) fn simulate_replicas(
         if t_tick == Some(t) {
             router.scrape(t, &fleet.engines);
             if ticks % sweep_every == 0 {
-                router.correct();
-                if let Some(track) = &mut scale_track {
-                    track.record(t as f64 / 1e6, &router.routers[0].scales());
-                }
+                router.forget_restarted();
                 router.sweep(t);
             }
             ticks += 1;
@@ -481,7 +473,6 @@ pub(super) fn simulate_replicas(
         learned_tokens_per_sec: router.routers[0].learned_tokens_per_sec(),
         replication: how,
         writes: router.writes,
-        scale_track,
         disaggregated,
         adapter_loads: fleet.engines.iter().map(|e| e.stats().lora_loads).sum(),
     })

@@ -29,7 +29,6 @@
 //! this file (orchestration), [`report`] (the tables).
 
 mod capacity;
-mod convergence;
 #[cfg(test)]
 mod equivalence_tests;
 mod fleet;
@@ -61,7 +60,6 @@ use kv_testkit::trace::{self, Trace};
 use prepare::Prepared;
 
 pub use capacity::CapacityPlan;
-pub use convergence::ScaleTrack;
 pub use options::{
     CapacityOptions, Divergence, Replication, SimulateError, SimulateOptions, TokenRelease,
     BLOCK_TOKENS, DEFAULT_TTFT_TARGET_MS,

@@ -137,9 +137,6 @@ pub struct SimulateOptions {
     /// Each replica counts the others' requests as in-flight load, from their records (the
     /// live mirror's `mirror_load`); off: each charges only its own decisions.
     pub shared_load: bool,
-    /// `index.correction.enabled`: approximate indexes scale each pod's capacity by its
-    /// reported hits.
-    pub correction: bool,
     /// Replicas apply each other's conversation marks with the records.
     pub shared_conversations: bool,
     /// Until when a routed request's uncached tokens count as queued work on its pod.
@@ -240,7 +237,6 @@ impl Default for SimulateOptions {
             charge_propagation_ms: None,
             shared_load: false,
             token_release: TokenRelease::Prefill,
-            correction: false,
             shared_conversations: false,
             spread_clumps: false,
             replicate_to_idle: true,

@@ -7,7 +7,6 @@ use kv_router::index::ApplyStats;
 use super::super::oracle::Oracles;
 use super::super::report::percentile;
 use super::super::strategy::Strategy;
-use super::convergence::ScaleTrack;
 use super::fleet::RunOutcome;
 use super::options::Replication;
 use super::replicas::Writes;
@@ -71,8 +70,6 @@ pub struct StrategyResult {
     pub kv_events: Option<ApplyStats>,
     /// Each pod's prefill speed as the router learned it from the engine's counters (tokens/s).
     pub learned_tokens_per_sec: Vec<f64>,
-    /// How `index.correction` moved the median pod's scale (when on).
-    pub correction: Option<ScaleTrack>,
     /// Requests prefilled on a prefill pod (P/D fleets).
     #[serde(skip_serializing_if = "is_zero")]
     pub disaggregated: u64,
@@ -135,7 +132,6 @@ impl StrategyResult {
             ttft_cdf_ms,
             kv_events: out.kv_events,
             learned_tokens_per_sec: out.learned_tokens_per_sec,
-            correction: out.scale_track,
             disaggregated: out.disaggregated as u64,
             adapter_loads: out.adapter_loads,
             timing: Timing {

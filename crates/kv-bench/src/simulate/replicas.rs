@@ -315,10 +315,10 @@ impl Replicas {
     }
 
     /// The TTL sweep of every index at `t`.
-    /// Every replica's capacity correction (the live maintenance loop's, once a second).
-    pub(super) fn correct(&mut self) {
+    /// Every replica's restart handling (the live maintenance loop's, once a second).
+    pub(super) fn forget_restarted(&mut self) {
         for router in &mut self.routers {
-            router.correct();
+            router.forget_restarted();
         }
     }
 

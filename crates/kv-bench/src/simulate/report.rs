@@ -192,27 +192,6 @@ impl SimulateReport {
                 );
             }
         }
-        for r in &self.strategies {
-            if let Some(track) = &r.correction {
-                let span = self.arrival_span_s;
-                let at: Vec<String> = [0.25, 0.5, 0.75]
-                    .iter()
-                    .map(|f| format!("{:.2}", track.at(f * span)))
-                    .collect();
-                let _ = writeln!(
-                    out,
-                    "\n{}: capacity correction: median pod scale {} at a quarter, half and three \
-                     quarters of the arrivals, {:.2} at the end; within 25 % of that from {:.0} s \
-                     of {:.0} s ({} changes).",
-                    r.strategy.as_str(),
-                    at.join(" / "),
-                    track.end(),
-                    track.settled_s(0.25),
-                    span,
-                    track.points.len()
-                );
-            }
-        }
         if let Some(c) = &self.capacity {
             let o = &c.options;
             let _ = writeln!(

@@ -7,7 +7,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kv_router::config::Config;
-use kv_router::config::CorrectionConfig;
 #[cfg(test)]
 use kv_router::decide::PlanInputs;
 use kv_router::decide::{
@@ -17,9 +16,8 @@ use kv_router::decide::{
 use kv_router::index::KvIndex;
 use kv_router::keys::Keys;
 use kv_router::pods::{
-    fleet_models, predicted_hit_tokens, prefill_time, scaled_capacity, HitAccuracy, LoadSample,
-    LoraFit, LoraResidency, PodId, PodLoad, PodRole, PrefixCounters, Settling, Timestamp,
-    TtftLearner,
+    fleet_models, predicted_hit_tokens, prefill_time, HitAccuracy, LoadSample, LoraFit,
+    LoraResidency, PodId, PodLoad, PodRole, PrefixCounters, Settling, Timestamp, TtftLearner,
 };
 use kv_router::scoring::{SessionKey, SessionStore};
 use rand::Rng;
@@ -185,9 +183,7 @@ pub(super) struct SimRouter {
     /// Each pod's P/D role (all `Both`: an aggregated fleet).
     roles: Vec<PodRole>,
     stale_after: Duration,
-    /// `index.correction`: scales capacity in approximate mode, weights matches in precise mode.
-    correction: CorrectionConfig,
-    /// Each pod's configured index capacity, and the capacity last set from its accuracy.
+    /// Each pod's configured index capacity, and the capacity last set (0: forgotten).
     capacity: Option<usize>,
     applied: Vec<usize>,
     /// KV events feed the index (a restart arrives as `AllBlocksCleared`).
@@ -211,7 +207,6 @@ impl SimRouter {
             applied: vec![0; ids.len()],
             ids,
             stale_after: Duration::from_millis(cfg.pods.stale_after_ms),
-            correction: cfg.index.correction.for_index(cfg.kv_events.enabled),
             capacity: None,
             precise: cfg.kv_events.enabled,
             own_until_first_token: false,
@@ -219,7 +214,7 @@ impl SimRouter {
         }
     }
 
-    /// Each pod's index capacity as configured (what `correct` scales).
+    /// Each pod's index capacity as configured (set again after a restart forgets the pod).
     pub(super) fn with_capacity(mut self, blocks: usize) -> Self {
         self.capacity = Some(blocks);
         self.applied.fill(blocks);
@@ -233,8 +228,9 @@ impl SimRouter {
         self
     }
 
-    /// The live maintenance loop's correction: each pod's index capacity scaled by its accuracy.
-    pub(super) fn correct(&mut self) {
+    /// The live maintenance loop's restart handling: a pod whose prefix-cache counters went
+    /// backwards restarted empty, so the approximate index forgets it and sets its capacity again.
+    pub(super) fn forget_restarted(&mut self) {
         let (Some(index), Some(base)) = (&self.index, self.capacity) else {
             return;
         };
@@ -244,22 +240,11 @@ impl SimRouter {
                 // Forgetting drops the pod's capacity too.
                 *applied = 0;
             }
-            let judged = v.accuracy.correct(&self.correction);
-            if self.precise {
-                // Events say what the pod holds: the scale weights its matches instead.
-                continue;
-            }
-            let cap = scaled_capacity(base, judged);
-            if cap != *applied {
-                ready(index.set_capacity(id, cap)).expect("in-memory index");
-                *applied = cap;
+            if *applied != base {
+                ready(index.set_capacity(id, base)).expect("in-memory index");
+                *applied = base;
             }
         }
-    }
-
-    /// Each pod's judged scale (capacity in approximate mode, match weight in precise mode).
-    pub(super) fn scales(&self) -> Vec<f64> {
-        self.views.iter().map(|v| v.accuracy.scale()).collect()
     }
 
     /// What the router knows of a request arriving at `t` (µs), gathered as the live router
@@ -279,7 +264,7 @@ impl SimRouter {
             session,
             adapter: adapter.map(str::to_string),
         };
-        let (views, stale_after, precise) = (&mut self.views, self.stale_after, self.precise);
+        let (views, stale_after) = (&mut self.views, self.stale_after);
         let roles = &self.roles;
         let read = || {
             views
@@ -288,11 +273,6 @@ impl SimRouter {
                 .map(|(v, &role)| PodReading {
                     load: v.load(SimTime(t), stale_after),
                     ttft: v.ttft,
-                    confidence: if precise {
-                        v.accuracy.confidence()
-                    } else {
-                        1.0
-                    },
                     role,
                     prefill_excluded: false,
                     lora: adapter.map(|a| v.lora_fit(a, SimTime(t), stale_after)),
