@@ -417,6 +417,7 @@ mod tests {
             cached_tokens: Some(cached),
             completion_tokens: Some(1),
             pod: None,
+            headers_ms: None,
         }
     }
 
