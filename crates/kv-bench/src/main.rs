@@ -363,12 +363,14 @@ fn router_config_for_simulation(path: &std::path::Path) -> Result<kv_router::con
     let text = std::fs::read_to_string(path)?;
     check_yaml_shape(&text)?;
     let cfg: Config = serde_yaml::from_str(&text)?;
-    if cfg.clone().validate().is_err() && cfg.pods.static_pods.is_empty() {
-        let mut probe = cfg.clone();
-        probe.pods.static_pods = vec![StaticPod::new("127.0.0.1:8000", &[])];
-        probe.validate()?;
-    } else {
-        cfg.clone().validate()?;
+    match cfg.clone().validate() {
+        Ok(_) => {}
+        Err(_) if cfg.pods.static_pods.is_empty() => {
+            let mut probe = cfg.clone();
+            probe.pods.static_pods = vec![StaticPod::new("127.0.0.1:8000", &[])];
+            probe.validate()?;
+        }
+        Err(e) => return Err(e.into()),
     }
     Ok(cfg)
 }
