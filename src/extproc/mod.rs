@@ -337,7 +337,7 @@ struct StreamState {
     prefill_guard: Option<InflightGuard>,
     /// In GIE's `inference_objective_running_requests` until the stream ends.
     running: Option<Running>,
-    /// The routed request's receipt (`receipts.enabled`).
+    /// The routed request's receipt (`receipts.enabled`), or on `/v1/responses` its id watch.
     receipt: Option<Box<Watch>>,
 }
 
@@ -510,18 +510,18 @@ impl ExtProc {
                         None => Vec::new(),
                     };
                     let mut remove = Vec::new();
-                    if let Some(r) = &self.receipts {
-                        match st.receipt.as_deref_mut() {
-                            Some(w) => {
-                                let headers = read_headers(h.headers.as_ref());
-                                set.push((RECEIPT_HEADER, r.response_headers(w, &headers)));
-                            }
-                            // No decision of ours: the upstream's copy is not passed on.
-                            None => remove.push(RECEIPT_HEADER),
-                        }
-                        if h.end_of_stream {
-                            self.end_receipt(&mut st);
-                        }
+                    let receipt = st
+                        .receipt
+                        .as_deref_mut()
+                        .and_then(|w| w.response_headers(&read_headers(h.headers.as_ref())));
+                    match receipt {
+                        Some(v) => set.push((RECEIPT_HEADER, v)),
+                        // No decision of ours: the upstream's copy is not passed on.
+                        None if self.receipts.is_some() => remove.push(RECEIPT_HEADER),
+                        None => {}
+                    }
+                    if h.end_of_stream {
+                        self.end_receipt(&mut st);
                     }
                     send(&tx, reply::response_headers_mutation(&set, &remove)).await
                 }
@@ -530,10 +530,10 @@ impl ExtProc {
                     if let Some(g) = st.guard.as_mut() {
                         g.prefill_done();
                     }
-                    if let (Some(r), Some(w)) = (&self.receipts, st.receipt.as_deref_mut()) {
-                        r.body(w, &b.body, &self.decider);
+                    if let Some(w) = st.receipt.as_deref_mut() {
+                        w.body(&b.body, &self.decider);
                         if eos {
-                            r.end(w, &self.decider);
+                            w.end(&self.decider);
                         }
                     }
                     let out = if st.response_full_duplex {
@@ -709,9 +709,11 @@ impl ExtProc {
             st.running = Some(g.routed(decision.model.as_deref()));
         }
         let destination = decision.plan.destination();
-        if let Some(r) = &self.receipts {
-            st.receipt = Some(r.watch(&decision, &st.path, self.budget.reservation()));
-        }
+        let held = self.budget.reservation();
+        st.receipt = match &self.receipts {
+            Some(r) => Some(r.watch(&decision, &st.path, held)),
+            None => Watch::response_id(&decision, &st.path, held),
+        };
         if self.hooks.is_some() {
             st.destination = Some(destination.clone());
         }
@@ -768,10 +770,10 @@ impl ExtProc {
 }
 
 impl ExtProc {
-    /// The response ended: its receipt is judged and counted.
+    /// The response ended: its receipt is judged and counted, its id pinned.
     fn end_receipt(&self, st: &mut StreamState) {
-        if let (Some(r), Some(w)) = (&self.receipts, st.receipt.as_deref_mut()) {
-            r.end(w, &self.decider);
+        if let Some(w) = st.receipt.as_deref_mut() {
+            w.end(&self.decider);
         }
     }
 

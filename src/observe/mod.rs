@@ -1,7 +1,9 @@
 //! Route receipts (`receipts.enabled`): what the router predicted for a request, set on its
 //! response as the [`RECEIPT_HEADER`], checked against what the engine says it found cached
 //! (read from the response body as it passes: [`usage`]), counted per pod, and kept for
-//! `GET /debug/explain?id=` in a fixed ring of recent decisions ([`Recent`]).
+//! `GET /debug/explain?id=` in a fixed ring of recent decisions ([`Recent`]). With or without
+//! receipts, a `/v1/responses` response that passes the router pins its id to its pod
+//! ([`Watch`]), so that `previous_response_id` finds it.
 //!
 //! A request is *judged* when its response reports the engine's cached prompt tokens, and
 //! *incorrectly routed* when those fall short of what the router predicted for the chosen pod by
@@ -205,11 +207,13 @@ pub struct Receipts {
     recent: Recent,
 }
 
-/// One routed request's receipt while its response passes. Dropped unjudged (the gateway reset
-/// the stream before the response's end reached kv-router: a response body it is not sent), it
-/// is judged on what it saw.
+/// One routed request's response while it passes: its receipt (`receipts.enabled`), and on
+/// `/v1/responses` the response id, pinned to the pod that produced it. Dropped unjudged (the
+/// gateway reset the stream before the response's end reached kv-router: a response body it is
+/// not sent), it is judged on what it saw.
 pub struct Watch {
-    receipts: Arc<Receipts>,
+    /// Receipts are on: the header is set and the response judged and counted.
+    receipts: Option<Arc<Receipts>>,
     summary: Summary,
     scanner: Scanner,
     /// The gateway showed the response headers (else the response is not this router's to
@@ -244,53 +248,12 @@ impl Receipts {
         self.recent.record(summary.clone());
         let want_id = Api::from_path(path) == Api::Responses;
         Box::new(Watch {
-            receipts: self.clone(),
+            receipts: Some(self.clone()),
             summary,
             scanner: Scanner::new(None, want_id, held),
             shown: false,
             ended: false,
         })
-    }
-
-    /// The response headers arrived: the receipt header, and the body's format.
-    pub fn response_headers(&self, w: &mut Watch, headers: &[(String, String)]) -> String {
-        w.shown = true;
-        if let Some((_, ct)) = headers.iter().find(|(k, _)| k == "content-type") {
-            w.scanner.content_type(ct);
-        }
-        w.summary.receipt()
-    }
-
-    /// A response body chunk passed; a `/v1/responses` id found in it is pinned to the pod.
-    pub fn body(&self, w: &mut Watch, chunk: &[u8], decider: &Decider) {
-        if w.ended {
-            return;
-        }
-        w.scanner.feed(chunk);
-        if let Some(id) = w.scanner.take_id() {
-            decider.sessions().set(
-                SessionKey::response(&id),
-                w.summary.pod.clone(),
-                decider.now_ms(),
-            );
-        }
-    }
-
-    /// The response ended, or its stream did (the body was not sent here, or the client left):
-    /// judged and counted, once, if its headers were shown.
-    pub fn end(&self, w: &mut Watch, decider: &Decider) {
-        if w.ended || !w.shown {
-            return;
-        }
-        let usage = w.scanner.finish();
-        if let Some(id) = w.scanner.take_id() {
-            let pod = w.summary.pod.clone();
-            decider
-                .sessions()
-                .set(SessionKey::response(&id), pod, decider.now_ms());
-        }
-        w.ended = true;
-        self.count(&w.summary, usage);
     }
 
     fn count(&self, s: &Summary, usage: Usage) {
@@ -309,12 +272,73 @@ impl Receipts {
     }
 }
 
+impl Watch {
+    /// Without receipts: a `/v1/responses` request's response, watched for its id only (other
+    /// paths: nothing to watch). Its bytes are kept under `held`.
+    pub fn response_id(d: &Decision, path: &str, held: Reservation) -> Option<Box<Watch>> {
+        (Api::from_path(path) == Api::Responses).then(|| {
+            Box::new(Watch {
+                receipts: None,
+                summary: Summary::of(d),
+                scanner: Scanner::new(None, true, held),
+                shown: false,
+                ended: false,
+            })
+        })
+    }
+
+    /// The response headers arrived: the body's format, and the receipt header's value when
+    /// receipts are on.
+    pub fn response_headers(&mut self, headers: &[(String, String)]) -> Option<String> {
+        self.shown = true;
+        if let Some((_, ct)) = headers.iter().find(|(k, _)| k == "content-type") {
+            self.scanner.content_type(ct);
+        }
+        self.receipts.as_ref().map(|_| self.summary.receipt())
+    }
+
+    /// A response body chunk passed; a `/v1/responses` id found in it is pinned to the pod.
+    pub fn body(&mut self, chunk: &[u8], decider: &Decider) {
+        if self.ended {
+            return;
+        }
+        self.scanner.feed(chunk);
+        self.pin_id(decider);
+    }
+
+    /// The response ended, or its stream did (the body was not sent here, or the client left):
+    /// judged and counted, once, if its headers were shown.
+    pub fn end(&mut self, decider: &Decider) {
+        if self.ended || !self.shown {
+            return;
+        }
+        let usage = self.scanner.finish();
+        self.pin_id(decider);
+        self.ended = true;
+        if let Some(r) = &self.receipts {
+            r.count(&self.summary, usage);
+        }
+    }
+
+    fn pin_id(&mut self, decider: &Decider) {
+        if let Some(id) = self.scanner.take_id() {
+            decider.sessions().set(
+                SessionKey::response(&id),
+                self.summary.pod.clone(),
+                decider.now_ms(),
+            );
+        }
+    }
+}
+
 impl Drop for Watch {
     fn drop(&mut self) {
         if self.shown && !self.ended {
             self.ended = true;
             let usage = self.scanner.finish();
-            self.receipts.count(&self.summary, usage);
+            if let Some(r) = &self.receipts {
+                r.count(&self.summary, usage);
+            }
         }
     }
 }

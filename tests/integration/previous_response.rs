@@ -46,8 +46,8 @@ async fn explain_first(d: &Deployment, body: &Value) -> String {
 
 #[tokio::test]
 async fn a_chained_response_returns_to_its_pod_even_when_load_points_elsewhere() {
-    // Response ids are learned where receipts watch the responses.
-    let d = Deployment::start_sims(&SIM, 3, &[FULL_DUPLEX], |c| c.receipts.enabled = true).await;
+    // Receipts stay off: the router learns response ids wherever it sees the responses.
+    let d = Deployment::start_sims(&SIM, 3, &[FULL_DUPLEX], |_| {}).await;
     let first = json!({"model": "sim-model", "instructions": INSTRUCTIONS,
                        "input": text(1, 2000), "max_output_tokens": 4});
     let o = d.post(0, "/v1/responses", &first, &[]).await;
@@ -107,4 +107,15 @@ async fn a_chained_response_returns_to_its_pod_even_when_load_points_elsewhere()
     for l in load {
         let _ = l.await;
     }
+    let metrics = d
+        .router
+        .as_ref()
+        .expect("router")
+        .metrics()
+        .await
+        .expect("metrics");
+    assert!(
+        !metrics.contains("kv_router_route_"),
+        "receipts' families appear only with receipts enabled"
+    );
 }
