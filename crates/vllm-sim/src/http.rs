@@ -334,26 +334,8 @@ fn parse_job(state: &AppState, api: Api, body: &[u8]) -> Result<Job, ApiError> {
         None => DEFAULT_MAX_TOKENS.min(room),
     };
     let max_tokens = u32::try_from(max_tokens).unwrap_or(u32::MAX);
-    let mut hasher = Xxh3::with_seed(state.seed);
-    for id in &tokens {
-        hasher.update(&id.to_le_bytes());
-    }
-    let text_seed = hasher.digest();
-    let seed = namespace_seed(&model, req.cache_salt.as_deref());
-    let vllm = state.vllm_hashing.as_ref().map(|h| {
-        let lora = h.loras.get(&model);
-        let extras = HashExtras {
-            lora: lora.map(|(path, _)| (model.clone(), path.clone())),
-            cache_salt: req.cache_salt.clone(),
-        };
-        VllmInfo {
-            digests: chain(&h.none_hash, &tokens, state.block_size, &extras),
-            extras,
-            lora_id: lora.map(|(_, id)| *id),
-        }
-    });
-    let mut submission = Submission::new(seed, tokens, max_tokens, state.block_size);
-    submission.vllm = vllm;
+    let (text_seed, submission) =
+        submission(state, &model, req.cache_salt.as_ref(), tokens, max_tokens);
     Ok(Job {
         api,
         model,
@@ -402,6 +384,37 @@ const WORDS: &[&str] = &[
 ];
 
 /// Output token `index` of a request: a deterministic filler word.
+/// A parsed request's text seed (the same prompt gets the same words) and its submission to the
+/// engine, with vLLM's block digests when the pod reports them.
+pub(crate) fn submission(
+    state: &AppState,
+    model: &str,
+    cache_salt: Option<&String>,
+    tokens: Vec<u32>,
+    max_tokens: u32,
+) -> (u64, Submission) {
+    let mut hasher = Xxh3::with_seed(state.seed);
+    for id in &tokens {
+        hasher.update(&id.to_le_bytes());
+    }
+    let seed = namespace_seed(model, cache_salt.map(String::as_str));
+    let vllm = state.vllm_hashing.as_ref().map(|h| {
+        let lora = h.loras.get(model);
+        let extras = HashExtras {
+            lora: lora.map(|(path, _)| (model.to_string(), path.clone())),
+            cache_salt: cache_salt.cloned(),
+        };
+        VllmInfo {
+            digests: chain(&h.none_hash, &tokens, state.block_size, &extras),
+            extras,
+            lora_id: lora.map(|(_, id)| *id),
+        }
+    });
+    let mut submission = Submission::new(seed, tokens, max_tokens, state.block_size);
+    submission.vllm = vllm;
+    (hasher.digest(), submission)
+}
+
 fn word(text_seed: u64, index: u32) -> String {
     let w =
         WORDS[(xxh3_64_with_seed(&index.to_le_bytes(), text_seed) % WORDS.len() as u64) as usize];

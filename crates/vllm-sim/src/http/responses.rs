@@ -23,15 +23,13 @@ use axum::Json;
 use lru::LruCache;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
-use xxhash_rust::xxh3::Xxh3;
 
-use kv_router::blocks::namespace_seed;
-
-use super::{bad_request, error, hex_id, unix_now, word, ApiError, AppState, DEFAULT_MAX_TOKENS};
+use super::{
+    bad_request, error, hex_id, submission, unix_now, word, ApiError, AppState, DEFAULT_MAX_TOKENS,
+};
 use crate::actor::{RequestEvent, RequestStream};
-use crate::engine::{AdapterName, Submission, Usage, VllmInfo};
+use crate::engine::{AdapterName, Submission, Usage};
 use crate::openai;
-use crate::vllm_hash::{chain, HashExtras};
 
 /// Most responses a pod keeps for chaining.
 pub const MAX_STORED_RESPONSES: usize = 4096;
@@ -282,26 +280,8 @@ fn parse(state: &AppState, body: &[u8]) -> Result<Job, ApiError> {
         Some(m) => m as u64,
     };
     let max_tokens = u32::try_from(max_tokens).unwrap_or(u32::MAX);
-    let mut hasher = Xxh3::with_seed(state.seed);
-    for id in &tokens {
-        hasher.update(&id.to_le_bytes());
-    }
-    let text_seed = hasher.digest();
-    let seed = namespace_seed(&model, req.cache_salt.as_deref());
-    let vllm = state.vllm_hashing.as_ref().map(|h| {
-        let lora = h.loras.get(&model);
-        let extras = HashExtras {
-            lora: lora.map(|(path, _)| (model.clone(), path.clone())),
-            cache_salt: req.cache_salt.clone(),
-        };
-        VllmInfo {
-            digests: chain(&h.none_hash, &tokens, state.block_size, &extras),
-            extras,
-            lora_id: lora.map(|(_, id)| *id),
-        }
-    });
-    let mut submission = Submission::new(seed, tokens, max_tokens, state.block_size);
-    submission.vllm = vllm;
+    let (text_seed, submission) =
+        submission(state, &model, req.cache_salt.as_ref(), tokens, max_tokens);
     Ok(Job {
         model,
         lora,
