@@ -322,7 +322,7 @@ async fn full_duplex_buffers_decides_then_echoes_the_whole_body() {
     assert_eq!(echoed, payload, "every byte echoed, in order");
 }
 
-/// A FULL_DUPLEX request whose body is sent as `pieces`: its destination and the echoed body.
+/// A FULL_DUPLEX request whose body is sent as `pieces`: the pod chosen and the echoed body.
 async fn full_duplex_in_pieces(h: &mut Harness, pieces: &[&[u8]]) -> (String, Vec<u8>) {
     let mut s = Stream::open(h).await;
     s.send(
@@ -333,7 +333,9 @@ async fn full_duplex_in_pieces(h: &mut Harness, pieces: &[&[u8]]) -> (String, Ve
     for (i, p) in pieces.iter().enumerate() {
         s.send(body(p, i + 1 == pieces.len()), None).await;
     }
+    // The destination list: the chosen pod first, then the fallbacks.
     let dest = destination(&s.next().await);
+    let primary = dest.split(',').next().unwrap_or_default().to_string();
     let mut echoed = Vec::new();
     loop {
         let Some(Out::RequestBody(br)) = s.next().await.response else {
@@ -347,7 +349,7 @@ async fn full_duplex_in_pieces(h: &mut Harness, pieces: &[&[u8]]) -> (String, Ve
         assert!(sr.body.len() <= 62_000);
         echoed.extend(sr.body);
         if sr.end_of_stream {
-            return (dest, echoed);
+            return (primary, echoed);
         }
     }
 }
