@@ -165,8 +165,8 @@ fn prose(bytes: usize, escaped: bool) -> String {
     while text.len() < bytes {
         i += 1;
         text.push_str(["lorem ", "ipsum ", "dolor ", "sit ", "amet, "][i % 5]);
-        if escaped && i % 7 == 0 {
-            text.push_str(if i % 2 == 0 { "\n" } else { "\"" });
+        if escaped && i.is_multiple_of(7) {
+            text.push_str(if i.is_multiple_of(2) { "\n" } else { "\"" });
         }
     }
     text.truncate(bytes);
