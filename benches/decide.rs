@@ -5,15 +5,19 @@
 //! config; 16 distinct `/v1/completions` prompts per size, each decided once before timing, so
 //! the index holds them (the warm case `kv-bench overhead` measures). `decide` is the request
 //! path (parse, keys, lookup, plan, load and session commit: what Envoy waits for);
-//! `record` the index write the ext_proc stream does after its reply.
+//! `record` the index write the ext_proc stream does after its reply. `parse_key` is the body's
+//! own stage (parse, canonical prompt, approximate block keys) on 400 KB and 4 MB prompts: plain
+//! text, text with JSON escapes (newlines, quotes), and a chat conversation.
 
 use std::sync::Arc;
 
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
+use kv_router::blocks::BlockScheme;
 use kv_router::config::{Config, StaticPod};
 use kv_router::decide::{DecideRequest, Decider, DecisionMetrics};
 use kv_router::index::MemoryIndex;
 use kv_router::pods::{LoadSample, PodRegistry, PodSource, StaticSource};
+use kv_router::request;
 use kv_router::scoring::SessionStore;
 use kv_router::telemetry::Errors;
 use prometheus_client::registry::Registry;
@@ -154,5 +158,51 @@ fn bench_decide(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, bench_decide);
+/// Prose of `bytes` bytes; `escaped` puts a newline and a quote (JSON escapes) in every ~40 bytes.
+fn prose(bytes: usize, escaped: bool) -> String {
+    let mut text = String::with_capacity(bytes + 16);
+    let mut i = 0usize;
+    while text.len() < bytes {
+        i += 1;
+        text.push_str(["lorem ", "ipsum ", "dolor ", "sit ", "amet, "][i % 5]);
+        if escaped && i.is_multiple_of(7) {
+            text.push_str(if i.is_multiple_of(2) { "\n" } else { "\"" });
+        }
+    }
+    text.truncate(bytes);
+    text
+}
+
+fn bench_parse_key(c: &mut Criterion) {
+    let scheme = BlockScheme::default();
+    let mut g = c.benchmark_group("parse_key");
+    for (label, bytes) in [("400KB", 400 * 1024), ("4MB", 4 << 20)] {
+        let plain =
+            serde_json::json!({"model": "m", "prompt": prose(bytes, false), "max_tokens": 1});
+        let escaped =
+            serde_json::json!({"model": "m", "prompt": prose(bytes, true), "max_tokens": 1});
+        let turn = prose(bytes / 8, true);
+        let messages: Vec<_> = (0..8)
+            .map(|i| serde_json::json!({"role": if i % 2 == 0 { "user" } else { "assistant" }, "content": turn}))
+            .collect();
+        let chat = serde_json::json!({"model": "m", "messages": messages, "max_tokens": 1});
+        for (kind, path, body) in [
+            ("completions", "/v1/completions", plain),
+            ("completions_escaped", "/v1/completions", escaped),
+            ("chat", "/v1/chat/completions", chat),
+        ] {
+            let body = serde_json::to_vec(&body).unwrap();
+            g.throughput(Throughput::Bytes(body.len() as u64));
+            g.bench_function(format!("{kind}_{label}"), |b| {
+                b.iter(|| {
+                    let req = request::parse(path, &body).unwrap();
+                    scheme.keys(&req).len()
+                })
+            });
+        }
+    }
+    g.finish();
+}
+
+criterion_group!(benches, bench_decide, bench_parse_key);
 criterion_main!(benches);

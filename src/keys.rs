@@ -111,11 +111,8 @@ mod tests {
         .unwrap();
         let keyer = Keyer::new(BlockScheme::default(), 16, Arc::new(reg));
         let text = "x".repeat(200);
-        let req = parse(
-            "/v1/completions",
-            format!(r#"{{"model":"sim-model","prompt":"{text}"}}"#).as_bytes(),
-        )
-        .unwrap();
+        let body = format!(r#"{{"model":"sim-model","prompt":"{text}"}}"#);
+        let req = parse("/v1/completions", body.as_bytes()).unwrap();
         let k = keyer.keys(&req);
         assert!(k.precise);
         let want = token_keys(

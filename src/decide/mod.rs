@@ -715,18 +715,11 @@ impl Decider {
     /// ([`OFFLOAD_BYTES_TOKENIZED`] with tokenizers) are parsed and keyed (tokenized, in precise
     /// mode) on the blocking pool, at most one per core at a time, so a huge prompt never stalls
     /// the async workers (probes, other streams, health).
-    async fn parse_and_key(
-        &self,
-        req: &DecideRequest<'_>,
-    ) -> (Option<Result<RoutingRequest, RequestError>>, Option<Keys>) {
+    async fn parse_and_key<'b>(&self, req: &DecideRequest<'b>) -> (Parsed<'b>, Option<Keys>) {
         let Some(body) = req.body else {
             return (None, None);
         };
-        let work = |keyer: &Keyer, path: &str, body: &[u8]| {
-            let parsed = request::parse(path, body);
-            let keys = parsed.as_ref().ok().map(|r| keyer.keys(r));
-            (Some(parsed), keys)
-        };
+        let work = parse_and_keys;
         if body.len() < self.offload_bytes {
             return work(&self.keyer, req.path, body);
         }
@@ -749,7 +742,8 @@ impl Decider {
         let (keyer, path, body) = (self.keyer.clone(), req.path.to_string(), body.to_vec());
         tokio::task::spawn_blocking(move || {
             let _permit = permit;
-            work(&keyer, &path, &body)
+            let (parsed, keys) = work(&keyer, &path, &body);
+            (parsed.map(|p| p.map(RoutingRequest::into_owned)), keys)
         })
         .await
         .unwrap_or_else(|e| {
@@ -786,6 +780,17 @@ impl Decider {
         }
         Ok(pods)
     }
+}
+
+/// A body's parse: `None` without a body; the request may borrow the body's prompt.
+type Parsed<'b> = Option<Result<RoutingRequest<'b>, RequestError>>;
+
+/// Parses a body and computes its keys (straight from the borrowed prompt text where the
+/// canonical form is the body's own string).
+fn parse_and_keys<'b>(keyer: &Keyer, path: &str, body: &'b [u8]) -> (Parsed<'b>, Option<Keys>) {
+    let parsed = request::parse(path, body);
+    let keys = parsed.as_ref().ok().map(|r| keyer.keys(r));
+    (Some(parsed), keys)
 }
 
 /// Subset entries match a pod by `ip:port`, or by IP when the entry has no port.

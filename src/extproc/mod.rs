@@ -353,8 +353,8 @@ impl StreamState {
     }
 }
 
-/// A body as the chunks it came in, joined once at the decision: appended to one `Vec`, its
-/// capacity doubled as it grew, so held bodies cost up to twice their bytes (plus each copy).
+/// A body as the chunks it came in, kept apart until the decision (appending to one `Vec`
+/// doubled its capacity as it grew: held bodies cost up to twice their bytes).
 #[derive(Default)]
 struct Chunks {
     parts: Vec<Vec<u8>>,
@@ -373,18 +373,39 @@ impl Chunks {
         }
     }
 
-    /// The whole body; a body sent in one piece is not copied.
-    fn join(&mut self) -> Vec<u8> {
-        let mut parts = std::mem::take(&mut self.parts);
+    /// The whole body, for the decision.
+    fn take(&mut self) -> HeldBody {
         self.len = 0;
-        if parts.len() <= 1 {
-            return parts.pop().unwrap_or_default();
+        HeldBody::new(std::mem::take(&mut self.parts))
+    }
+}
+
+/// A body at its decision: the chunks it came in, echoed as they are (FULL_DUPLEX), and one
+/// joined copy for the parser only when there are several. Each body byte is copied at most
+/// once: joined, or (a lone chunk longer than an echo message) cut into echo messages.
+struct HeldBody {
+    parts: Vec<Vec<u8>>,
+    joined: Option<Vec<u8>>,
+}
+
+impl HeldBody {
+    fn new(parts: Vec<Vec<u8>>) -> Self {
+        let joined = (parts.len() > 1).then(|| parts.concat());
+        Self { parts, joined }
+    }
+
+    /// The body in one piece.
+    fn bytes(&self) -> &[u8] {
+        match (&self.joined, self.parts.first()) {
+            (Some(joined), _) => joined,
+            (None, Some(part)) => part,
+            (None, None) => &[],
         }
-        let mut body = Vec::with_capacity(parts.iter().map(Vec::len).sum());
-        for p in parts {
-            body.extend_from_slice(&p);
-        }
-        body
+    }
+
+    /// The chunks it came in (the joined copy is dropped).
+    fn into_parts(self) -> Vec<Vec<u8>> {
+        self.parts
     }
 }
 
@@ -661,7 +682,7 @@ impl ExtProc {
                 _ => true,
             };
         }
-        let body = st.body.join();
+        let body = st.body.take();
         let ok = self.decide_and_reply(st, Some(body), tx).await;
         // The body is gone with the decision; a long response must not hold its budget.
         st.reserved.release();
@@ -671,7 +692,7 @@ impl ExtProc {
     async fn on_request_trailers(&self, st: &mut StreamState, tx: &Tx) -> bool {
         if !st.decided && st.mode == BodyMode::FullDuplex {
             // The body ended without end_of_stream (trailers follow): decide now.
-            let body = st.body.join();
+            let body = st.body.take();
             let ok = self.decide_and_reply_inner(st, Some(body), tx, false).await;
             st.reserved.release();
             if !ok {
@@ -681,20 +702,28 @@ impl ExtProc {
         send(tx, reply::request_trailers_continue()).await
     }
 
-    async fn decide_and_reply(&self, st: &mut StreamState, body: Option<Vec<u8>>, tx: &Tx) -> bool {
+    async fn decide_and_reply(
+        &self,
+        st: &mut StreamState,
+        body: Option<HeldBody>,
+        tx: &Tx,
+    ) -> bool {
         self.decide_and_reply_inner(st, body, tx, true).await
     }
 
     async fn decide_and_reply_inner(
         &self,
         st: &mut StreamState,
-        body: Option<Vec<u8>>,
+        body: Option<HeldBody>,
         tx: &Tx,
         body_eos: bool,
     ) -> bool {
         st.decided = true;
         let has_body = body.is_some();
-        let (decision, pending) = match self.decide(st, body.as_deref(), tx).await {
+        let (decision, pending) = match self
+            .decide(st, body.as_ref().map(HeldBody::bytes), tx)
+            .await
+        {
             Ok(d) => d,
             Err(e) => {
                 // The decision path or flow control counted the error.
@@ -704,6 +733,11 @@ impl ExtProc {
                 send(tx, reply::immediate_error(&e)).await;
                 return false;
             }
+        };
+        // Decided: the joined copy goes now, and the chunks too unless they are to be echoed.
+        let echo = match st.mode {
+            BodyMode::FullDuplex => body.map(HeldBody::into_parts),
+            BodyMode::Buffered | BodyMode::Streamed => None,
         };
         if let Some(g) = &self.metrics.gie {
             st.running = Some(g.routed(decision.model.as_deref()));
@@ -742,8 +776,7 @@ impl ExtProc {
                 {
                     return false;
                 }
-                let body = body.unwrap_or_default();
-                for msg in reply::echo_body(body, body_eos) {
+                for msg in reply::echo_parts(echo.unwrap_or_default(), body_eos) {
                     if !send(tx, msg).await {
                         return false;
                     }

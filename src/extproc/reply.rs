@@ -215,13 +215,56 @@ fn common_streamed(chunk: Vec<u8>, eos: bool) -> Option<CommonResponse> {
 
 /// FULL_DUPLEX_STREAMED: the whole request body echoed in chunks of at most 62 000 bytes.
 pub fn echo_body(body: Vec<u8>, eos: bool) -> Vec<ProcessingResponse> {
-    if body.is_empty() {
+    echo_parts(vec![body], eos)
+}
+
+/// A chunk shorter than this is appended to the echo message before it rather than sent alone
+/// (a body dribbled in tiny chunks is not echoed as as many tiny messages).
+const ECHO_COALESCE: usize = 4096;
+
+/// FULL_DUPLEX_STREAMED: a body echoed from the chunks it came in, in messages of at most
+/// 62 000 bytes. A chunk that fits one message is moved into it, not copied; only a chunk too
+/// long for one (past its first message) and chunks shorter than 4 KiB are copied, each byte
+/// once.
+pub fn echo_parts(parts: Vec<Vec<u8>>, eos: bool) -> Vec<ProcessingResponse> {
+    let mut out: Vec<Vec<u8>> = Vec::new();
+    // Whether the last message is made of chunks shorter than ECHO_COALESCE (more may join it).
+    let mut small_tail = false;
+    for mut part in parts {
+        if part.is_empty() {
+            continue;
+        }
+        if part.len() < ECHO_COALESCE {
+            match out.last_mut() {
+                Some(last) if small_tail && last.len() + part.len() <= ECHO_CHUNK => {
+                    // Grown once to a full message: its bytes are not moved again.
+                    last.reserve_exact(ECHO_CHUNK - last.len());
+                    last.extend_from_slice(&part);
+                }
+                _ => {
+                    out.push(part);
+                    small_tail = true;
+                }
+            }
+            continue;
+        }
+        small_tail = false;
+        // Cut from the end: each cut copies only its own bytes, and the first piece stays put.
+        let mut tail = Vec::with_capacity(part.len().div_ceil(ECHO_CHUNK));
+        while part.len() > ECHO_CHUNK {
+            let at = (part.len() - 1) / ECHO_CHUNK * ECHO_CHUNK;
+            tail.push(part.split_off(at));
+        }
+        out.push(part);
+        out.extend(tail.into_iter().rev());
+    }
+    if out.is_empty() {
         return vec![request_body_continue(true, Vec::new(), eos)];
     }
-    let n = body.len().div_ceil(ECHO_CHUNK);
-    body.chunks(ECHO_CHUNK)
+    let n = out.len();
+    out.into_iter()
         .enumerate()
-        .map(|(i, c)| request_body_continue(true, c.to_vec(), eos && i + 1 == n))
+        .map(|(i, c)| request_body_continue(true, c, eos && i + 1 == n))
         .collect()
 }
 
@@ -474,6 +517,67 @@ mod tests {
             joined.extend(s.body);
         }
         assert_eq!((joined, eos_count), (body, 1));
+    }
+
+    /// Bodies of the messages, and how many carry end of stream.
+    fn echoed(msgs: Vec<ProcessingResponse>) -> (Vec<Vec<u8>>, usize) {
+        let mut eos = 0;
+        let bodies = msgs
+            .into_iter()
+            .map(|m| {
+                let Some(Out::RequestBody(b)) = m.response else {
+                    panic!("body reply")
+                };
+                let Some(Mutation::StreamedResponse(s)) =
+                    b.response.unwrap().body_mutation.unwrap().mutation
+                else {
+                    panic!("streamed")
+                };
+                eos += usize::from(s.end_of_stream);
+                s.body
+            })
+            .collect();
+        (bodies, eos)
+    }
+
+    #[test]
+    fn echoed_parts_are_moved_not_copied_and_tiny_ones_are_packed() {
+        let byte = |i: usize| (i % 251) as u8;
+        // 30 tiny chunks, a 50 KB one, a 130 KB one, 5 tiny ones.
+        let mut sizes = vec![100; 30];
+        sizes.extend([50_000, 130_000]);
+        sizes.extend([10; 5]);
+        let mut at = 0;
+        let parts: Vec<Vec<u8>> = sizes
+            .iter()
+            .map(|&n| {
+                let p = (at..at + n).map(byte).collect();
+                at += n;
+                p
+            })
+            .collect();
+        let whole: Vec<u8> = parts.concat();
+        let (mid, big) = (parts[30].as_ptr(), parts[31].as_ptr());
+        let (bodies, eos) = echoed(echo_parts(parts, true));
+        assert_eq!((bodies.concat(), eos), (whole, 1));
+        assert!(bodies
+            .iter()
+            .all(|b| !b.is_empty() && b.len() <= ECHO_CHUNK));
+        // tiny ×30 | 50 KB | 62 000 | 62 000 | 6 000 | tiny ×5
+        let lens: Vec<usize> = bodies.iter().map(Vec::len).collect();
+        assert_eq!(lens, [3_000, 50_000, 62_000, 62_000, 6_000, 50]);
+        assert_eq!(
+            bodies[1].as_ptr(),
+            mid,
+            "a chunk that fits a message is moved"
+        );
+        assert_eq!(
+            bodies[2].as_ptr(),
+            big,
+            "a long chunk's first message stays in place"
+        );
+        let (bodies, eos) = echoed(echo_parts(Vec::new(), false));
+        assert_eq!((bodies, eos), (vec![Vec::new()], 0));
     }
 
     fn mutation(r: ProcessingResponse) -> HeaderMutation {

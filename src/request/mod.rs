@@ -5,8 +5,13 @@
 //! returns prompt text in errors.
 
 mod canonical;
+mod fields;
+
+use std::borrow::Cow;
 
 use serde_json::{Map, Value};
+
+use fields::{Body, Fields, PromptValue, Scalar};
 use thiserror::Error;
 
 pub(crate) use canonical::{canonical_chat, canonical_responses};
@@ -57,16 +62,26 @@ impl Api {
 
 /// The prompt in the form the block-key stage consumes.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Prompt {
-    /// Canonical text (chat conversations, string prompts).
-    Text(String),
+pub enum Prompt<'a> {
+    /// Canonical text (chat conversations, string prompts); a string prompt without JSON escapes
+    /// is borrowed from the body.
+    Text(Cow<'a, str>),
     /// Token ids given by the client.
     Tokens(Vec<u32>),
     /// No prompt (e.g. unknown API with a body).
     Empty,
 }
 
-impl Prompt {
+impl Prompt<'_> {
+    /// The prompt detached from the body it was read from.
+    pub fn into_owned(self) -> Prompt<'static> {
+        match self {
+            Prompt::Text(t) => Prompt::Text(Cow::Owned(t.into_owned())),
+            Prompt::Tokens(t) => Prompt::Tokens(t),
+            Prompt::Empty => Prompt::Empty,
+        }
+    }
+
     /// Rough prompt size in tokens (text: 4 bytes per token).
     pub fn approx_tokens(&self) -> u64 {
         match self {
@@ -77,9 +92,9 @@ impl Prompt {
     }
 }
 
-/// Everything the router needs from a request body.
+/// Everything the router needs from a request body (its prompt may borrow from the body).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct RoutingRequest {
+pub struct RoutingRequest<'a> {
     /// The API the path names.
     pub api: Api,
     /// `model` (a LoRA adapter is a model name).
@@ -96,11 +111,29 @@ pub struct RoutingRequest {
     /// vLLM `cache_salt`: isolates prefix caching between tenants.
     pub cache_salt: Option<String>,
     /// Canonical prompt (first prompt of a batch; see docs/block-keys.md).
-    pub prompt: Prompt,
+    pub prompt: Prompt<'a>,
     /// Number of prompts in a batched request (completions/embeddings lists).
     pub batch: usize,
     /// Chat requests: the structured conversation, for rendering with a chat template.
     pub chat: Option<ChatInput>,
+}
+
+impl RoutingRequest<'_> {
+    /// The request detached from the body it was read from (the prompt is copied if borrowed).
+    pub fn into_owned(self) -> RoutingRequest<'static> {
+        RoutingRequest {
+            api: self.api,
+            model: self.model,
+            user: self.user,
+            prompt_cache_key: self.prompt_cache_key,
+            previous_response_id: self.previous_response_id,
+            stream: self.stream,
+            cache_salt: self.cache_salt,
+            prompt: self.prompt.into_owned(),
+            batch: self.batch,
+            chat: self.chat,
+        }
+    }
 }
 
 /// A chat request's structured input (what a chat template renders).
@@ -197,50 +230,62 @@ fn without_lone_surrogates(body: &[u8]) -> Option<Vec<u8>> {
     changed.then_some(out)
 }
 
-/// Parses a request body for the API named by `path`.
-pub fn parse(path: &str, body: &[u8]) -> Result<RoutingRequest, RequestError> {
+/// Parses a request body for the API named by `path`. A string prompt without JSON escapes is
+/// borrowed from `body`; [`RoutingRequest::into_owned`] detaches the request from it.
+pub fn parse<'a>(path: &str, body: &'a [u8]) -> Result<RoutingRequest<'a>, RequestError> {
     let api = Api::from_path(path);
-    let value: Value = match serde_json::from_slice(body) {
-        Ok(v) => v,
+    match serde_json::from_slice::<Body<'a>>(body) {
+        Ok(Body(fields)) => build(api, fields),
         // Python's json (vLLM's parser) accepts a lone UTF-16 surrogate escape; serde_json does
         // not. Such a body is parsed again with each lone one read as U+FFFD.
-        Err(e) => without_lone_surrogates(body)
-            .and_then(|fixed| serde_json::from_slice(&fixed).ok())
-            .ok_or(RequestError::InvalidJson {
+        Err(e) => {
+            let invalid = RequestError::InvalidJson {
                 line: e.line(),
                 column: e.column(),
-            })?,
-    };
-    let Value::Object(mut obj) = value else {
+            };
+            let fixed = without_lone_surrogates(body).ok_or(invalid.clone())?;
+            let Ok(Body(fields)) = serde_json::from_slice::<Body<'_>>(&fixed) else {
+                return Err(invalid);
+            };
+            build(api, fields).map(RoutingRequest::into_owned)
+        }
+    }
+}
+
+/// The routing request from a body's fields (`None`: the body is not an object).
+fn build(api: Api, fields: Option<Fields<'_>>) -> Result<RoutingRequest<'_>, RequestError> {
+    let Some(f) = fields else {
         return Err(RequestError::NotAnObject);
     };
-    let model = opt_string(&obj, "model")?;
-    let user = opt_string(&obj, "user")?;
-    let prompt_cache_key = match obj.get("prompt_cache_key") {
-        Some(Value::String(k)) => Some(k.clone()),
+    let model = opt_string(f.model, "model")?;
+    let user = opt_string(f.user, "user")?;
+    let prompt_cache_key = match f.prompt_cache_key {
+        Scalar::Str(k) => Some(k.into_owned()),
         _ => None,
     };
     let previous_response_id = match api {
-        Api::Responses => opt_string(&obj, "previous_response_id")?,
+        Api::Responses => opt_string(f.previous_response_id, "previous_response_id")?,
         _ => None,
     };
-    let cache_salt = opt_string(&obj, "cache_salt")?;
-    let stream = match obj.get("stream") {
-        None | Some(Value::Null) => false,
-        Some(Value::Bool(b)) => *b,
-        Some(_) => {
+    let cache_salt = opt_string(f.cache_salt, "cache_salt")?;
+    let stream = match f.stream {
+        Scalar::Missing | Scalar::Null => false,
+        Scalar::Bool(b) => b,
+        _ => {
             return Err(RequestError::InvalidField {
                 field: "stream",
                 expected: "a boolean",
             })
         }
     };
+    let tools = f.tools;
     let (prompt, batch) = match api {
-        Api::Completions => prompt_field(&mut obj, "prompt")?,
-        Api::Embeddings => prompt_field(&mut obj, "input")?,
+        Api::Completions => prompt_field(f.prompt, "prompt")?,
+        Api::Embeddings => prompt_field(f.input, "input")?,
         Api::ChatCompletions => {
-            let messages = obj
-                .get("messages")
+            let messages = f
+                .messages
+                .as_ref()
                 .ok_or(RequestError::MissingField("messages"))?;
             let Value::Array(messages) = messages else {
                 return Err(RequestError::InvalidField {
@@ -248,38 +293,38 @@ pub fn parse(path: &str, body: &[u8]) -> Result<RoutingRequest, RequestError> {
                     expected: "an array of messages",
                 });
             };
-            (Prompt::Text(canonical_chat(obj.get("tools"), messages)?), 1)
+            (
+                Prompt::Text(canonical_chat(tools.as_ref(), messages)?.into()),
+                1,
+            )
         }
         Api::Responses => {
-            let input = obj
-                .get("input")
+            let input = f
+                .input
+                .map(PromptValue::into_json)
                 .ok_or(RequestError::MissingField("input"))?;
             (
-                Prompt::Text(canonical_responses(
-                    obj.get("instructions"),
-                    obj.get("tools"),
-                    input,
-                )?),
+                Prompt::Text(
+                    canonical_responses(f.instructions.as_ref(), tools.as_ref(), &input)?.into(),
+                ),
                 1,
             )
         }
         Api::Other => (Prompt::Empty, 0),
     };
+    let as_bool = |s: Scalar<'_>, default: bool| match s {
+        Scalar::Bool(b) => b,
+        _ => default,
+    };
     let chat = (api == Api::ChatCompletions).then(|| ChatInput {
-        messages: match obj.remove("messages") {
+        messages: match f.messages {
             Some(Value::Array(m)) => m,
             _ => Vec::new(),
         },
-        tools: obj.remove("tools").filter(|t| !t.is_null()),
-        add_generation_prompt: obj
-            .get("add_generation_prompt")
-            .and_then(Value::as_bool)
-            .unwrap_or(true),
-        continue_final_message: obj
-            .get("continue_final_message")
-            .and_then(Value::as_bool)
-            .unwrap_or(false),
-        template_kwargs: match obj.remove("chat_template_kwargs") {
+        tools: tools.filter(|t| !t.is_null()),
+        add_generation_prompt: as_bool(f.add_generation_prompt, true),
+        continue_final_message: as_bool(f.continue_final_message, false),
+        template_kwargs: match f.chat_template_kwargs {
             Some(Value::Object(m)) => m,
             _ => Map::new(),
         },
@@ -298,34 +343,35 @@ pub fn parse(path: &str, body: &[u8]) -> Result<RoutingRequest, RequestError> {
     })
 }
 
-fn opt_string(
-    obj: &Map<String, Value>,
-    field: &'static str,
-) -> Result<Option<String>, RequestError> {
-    match obj.get(field) {
-        None | Some(Value::Null) => Ok(None),
-        Some(Value::String(s)) => Ok(Some(s.clone())),
-        Some(_) => Err(RequestError::InvalidField {
+fn opt_string(value: Scalar<'_>, field: &'static str) -> Result<Option<String>, RequestError> {
+    match value {
+        Scalar::Missing | Scalar::Null => Ok(None),
+        Scalar::Str(s) => Ok(Some(s.into_owned())),
+        _ => Err(RequestError::InvalidField {
             field,
             expected: "a string",
         }),
     }
 }
 
-/// `prompt` / `input`: string, list of strings, token ids, or list of token-id lists. The field is
-/// moved out of `obj`, not copied: a prompt can be most of a large body.
-fn prompt_field(
-    obj: &mut Map<String, Value>,
+/// `prompt` / `input`: string, list of strings, token ids, or list of token-id lists. A string is
+/// kept as the parser gave it (borrowed from the body when it has no escapes): a prompt can be
+/// most of a large body.
+fn prompt_field<'a>(
+    value: Option<PromptValue<'a>>,
     field: &'static str,
-) -> Result<(Prompt, usize), RequestError> {
+) -> Result<(Prompt<'a>, usize), RequestError> {
     let invalid = RequestError::InvalidField {
         field,
         expected:
             "a string, an array of strings, an array of token ids or an array of token-id arrays",
     };
-    let value = obj.remove(field).ok_or(RequestError::MissingField(field))?;
+    let value = match value.ok_or(RequestError::MissingField(field))? {
+        PromptValue::Str(s) => return Ok((Prompt::Text(s), 1)),
+        PromptValue::Json(v) => v,
+    };
     match value {
-        Value::String(s) => Ok((Prompt::Text(s), 1)),
+        Value::String(s) => Ok((Prompt::Text(s.into()), 1)),
         Value::Array(items) if items.is_empty() => Err(invalid),
         Value::Array(mut items) => match &items[0] {
             Value::String(_) => {
@@ -336,7 +382,7 @@ fn prompt_field(
                 let Value::String(first) = items.swap_remove(0) else {
                     return Err(invalid);
                 };
-                Ok((Prompt::Text(first), batch))
+                Ok((Prompt::Text(first.into()), batch))
             }
             Value::Number(_) => Ok((Prompt::Tokens(token_ids(&items).ok_or(invalid)?), 1)),
             Value::Array(_) => {
@@ -381,7 +427,7 @@ mod tests {
     }
     use super::*;
 
-    fn text(r: &RoutingRequest) -> &str {
+    fn text<'r>(r: &'r RoutingRequest<'_>) -> &'r str {
         match &r.prompt {
             Prompt::Text(t) => t,
             other => panic!("expected text prompt, got {other:?}"),

@@ -63,7 +63,7 @@ fn chat(messages: Vec<Json>) -> ChatInput {
     }
 }
 
-fn chat_request(model: &str, c: ChatInput) -> RoutingRequest {
+fn chat_request(model: &str, c: ChatInput) -> RoutingRequest<'static> {
     RoutingRequest {
         api: Api::ChatCompletions,
         model: Some(model.into()),
@@ -78,7 +78,7 @@ fn chat_request(model: &str, c: ChatInput) -> RoutingRequest {
     }
 }
 
-fn completion_request(model: &str, prompt: Prompt) -> RoutingRequest {
+fn completion_request<'a>(model: &str, prompt: Prompt<'a>) -> RoutingRequest<'a> {
     RoutingRequest {
         api: Api::Completions,
         model: Some(model.into()),

@@ -1,6 +1,7 @@
 //! The ext_proc protocol without Envoy: a real tonic server with the router's service, driven by
 //! envoy-types' client, message by message as Envoy 1.40 sends them.
 
+use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -16,6 +17,7 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
     ProtocolConfiguration,
 };
 use envoy_types::pb::google::protobuf::value::Kind;
+use kv_router::blocks::BlockScheme;
 use kv_router::config::{Config, StaticPod};
 use kv_router::decide::{Decider, DecisionMetrics};
 use kv_router::extproc::{ExtProc, ExtProcMetrics, DESTINATION_HEADER};
@@ -33,6 +35,8 @@ mod response;
 struct Harness {
     client: ExternalProcessorClient<tonic::transport::Channel>,
     pods: Arc<PodRegistry>,
+    /// The decider's index (what a decision recorded).
+    index: Arc<MemoryIndex>,
     /// The service's metrics (`extproc_open_streams`: what the tests wait on).
     registry: prometheus_client::registry::Registry,
 }
@@ -95,11 +99,12 @@ async fn harness_with_budget(limit: usize, budget: usize) -> Harness {
     }
     let mut registry = prometheus_client::registry::Registry::default();
     let errors = Errors::register(&mut registry);
+    let index = Arc::new(MemoryIndex::new(60_000, 10_000));
     let decider = Arc::new(Decider::new(
         cfg.decision(),
         Arc::default(),
         pods.clone(),
-        Arc::new(MemoryIndex::new(60_000, 10_000)),
+        index.clone(),
         Arc::new(SessionStore::new(100, 60_000)),
         DecisionMetrics::register(&mut registry, errors.clone()),
     ));
@@ -127,6 +132,7 @@ async fn harness_with_budget(limit: usize, budget: usize) -> Harness {
     Harness {
         client,
         pods,
+        index,
         registry,
     }
 }
@@ -314,6 +320,85 @@ async fn full_duplex_buffers_decides_then_echoes_the_whole_body() {
         }
     }
     assert_eq!(echoed, payload, "every byte echoed, in order");
+}
+
+/// A FULL_DUPLEX request whose body is sent as `pieces`: the pod chosen and the echoed body.
+async fn full_duplex_in_pieces(h: &mut Harness, pieces: &[&[u8]]) -> (String, Vec<u8>) {
+    let mut s = Stream::open(h).await;
+    s.send(
+        headers("/v1/completions", &[], false),
+        Some(BodySendMode::FullDuplexStreamed),
+    )
+    .await;
+    for (i, p) in pieces.iter().enumerate() {
+        s.send(body(p, i + 1 == pieces.len()), None).await;
+    }
+    // The destination list: the chosen pod first, then the fallbacks.
+    let dest = destination(&s.next().await);
+    let primary = dest.split(',').next().unwrap_or_default().to_string();
+    let mut echoed = Vec::new();
+    loop {
+        let Some(Out::RequestBody(br)) = s.next().await.response else {
+            panic!("body echo")
+        };
+        let Some(Mutation::StreamedResponse(sr)) =
+            br.response.unwrap().body_mutation.unwrap().mutation
+        else {
+            panic!("streamed_response")
+        };
+        assert!(sr.body.len() <= 62_000);
+        echoed.extend(sr.body);
+        if sr.end_of_stream {
+            return (primary, echoed);
+        }
+    }
+}
+
+/// A body that came in many chunks (cut inside escapes and multi-byte characters) is decided on
+/// the same bytes as the body in one: the keys recorded for it are the one-piece body's, the
+/// body in one chunk then goes to the same pod, and both are echoed byte for byte.
+#[tokio::test]
+async fn a_body_in_many_chunks_is_decided_as_the_body_in_one() {
+    let mut h = harness(1 << 22).await;
+    let text: String = (0..40_000)
+        .map(|i| ["é", "\n", "\"", "ab", "€ ", "\u{1F600}"][i % 6])
+        .collect();
+    let payload = completion(&text);
+    let blocks = Config::default().blocks;
+    let scheme = BlockScheme {
+        size_chars: blocks.size_chars,
+        max_blocks: blocks.max_blocks,
+    };
+    let parsed = kv_router::request::parse("/v1/completions", &payload).unwrap();
+    let want: HashSet<u64> = scheme.keys(&parsed).iter().map(|k| k.0).collect();
+    assert!(want.len() > 1_000, "{} keys", want.len());
+    let pieces: Vec<&[u8]> = payload.chunks(777).collect();
+    let (first, echoed) = full_duplex_in_pieces(&mut h, &pieces).await;
+    assert!(echoed == payload, "every byte echoed, in order");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    loop {
+        let held: HashSet<u64> = h
+            .index
+            .snapshot(0, usize::MAX)
+            .pods
+            .iter()
+            .filter(|p| p.pod == first)
+            .flat_map(|p| p.entries.iter().map(|e| e.0))
+            .collect();
+        if held == want {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{first} holds {} keys, {} of the one-piece body's",
+            held.len(),
+            held.intersection(&want).count()
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let (second, echoed) = full_duplex_in_pieces(&mut h, &[&payload]).await;
+    assert_eq!(second, first, "the same body goes where its blocks are");
+    assert!(echoed == payload, "every byte echoed, in order");
 }
 
 #[tokio::test]

@@ -114,7 +114,7 @@ fn assert_prefix(path: &str, shorter: &RoutingRequest, longer: &RoutingRequest) 
         panic!("{path}: chat prompts are text");
     };
     assert!(
-        b.starts_with(a.as_str()),
+        b.starts_with(&**a),
         "{path}: turn t is not a prefix of turn t+1"
     );
     let (ka, kb) = (SCHEME.keys(shorter), SCHEME.keys(longer));
