@@ -280,7 +280,7 @@ impl Watch {
             Box::new(Watch {
                 receipts: None,
                 summary: Summary::of(d),
-                scanner: Scanner::new(None, true, held),
+                scanner: Scanner::id_only(held),
                 shown: false,
                 ended: false,
             })

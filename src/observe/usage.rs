@@ -64,6 +64,8 @@ pub struct Scanner {
     id: Option<String>,
     /// The id was looked for (JSON: once, in the head).
     id_read: bool,
+    /// Only the id is wanted: once it is read, nothing more is kept.
+    id_only: bool,
 }
 
 impl Scanner {
@@ -81,6 +83,16 @@ impl Scanner {
             usage: Usage::default(),
             id: None,
             id_read: false,
+            id_only: false,
+        }
+    }
+
+    /// A scanner that reads a `/v1/responses` body's id and no usage: its bytes go back to the
+    /// budget as soon as the id is read (a JSON body's head, a stream's `response.created`).
+    pub fn id_only(held: Reservation) -> Self {
+        Self {
+            id_only: true,
+            ..Self::new(None, true, held)
         }
     }
 
@@ -109,6 +121,25 @@ impl Scanner {
         match self.format {
             Format::Sse => self.feed_sse(chunk),
             _ => self.feed_json(chunk),
+        }
+        if self.id_only {
+            self.stop_once_id_read();
+        }
+    }
+
+    /// Id only: looks for it in a JSON head so far, and once it is read stops keeping bytes.
+    fn stop_once_id_read(&mut self) {
+        if self.format == Format::Json && !self.id_read {
+            // A head cut short has no complete `"id": "…"` yet: the next chunk tries again.
+            if let Some(id) = top_level_string(&self.buf, b"id") {
+                self.id = Some(id);
+                self.id_read = true;
+            }
+        }
+        if self.id_read && !self.gave_up {
+            self.gave_up = true;
+            self.buf = Vec::new();
+            self.held.release();
         }
     }
 

@@ -192,3 +192,31 @@ fn arbitrary_bytes_never_panic() {
         let _ = scan(&body, None, true, chunk);
     }
 }
+
+#[test]
+fn an_id_only_scanner_gives_its_bytes_back_once_the_id_is_read() {
+    let budget = BodyBudget::new(1 << 20);
+    // A JSON body: the id is read from its head, before the body ends.
+    let mut s = Scanner::id_only(budget.reservation());
+    s.feed(b"{\"id\":\"resp_1\",\"object\":\"response\",\"output\":[");
+    assert_eq!(s.take_id().as_deref(), Some("resp_1"));
+    assert_eq!(budget.used(), 0, "nothing is kept once the id is read");
+    s.feed(&[b' '; 10_000]);
+    assert_eq!(budget.used(), 0);
+    // Cut inside the id: kept until the rest arrives.
+    let mut s = Scanner::id_only(budget.reservation());
+    s.feed(b"{\"id\":\"resp_");
+    assert_eq!(s.take_id(), None);
+    assert!(budget.used() > 0);
+    s.feed(b"2\",\"output\":[]}");
+    assert_eq!(s.take_id().as_deref(), Some("resp_2"));
+    assert_eq!(budget.used(), 0);
+    // A stream: its response.created event names it.
+    let stream = fixture("responses-stream.sse");
+    let mut s = Scanner::id_only(budget.reservation());
+    for c in stream.chunks(7) {
+        s.feed(c);
+    }
+    assert!(s.take_id().is_some_and(|id| id.starts_with("resp")));
+    assert_eq!(budget.used(), 0);
+}

@@ -618,7 +618,8 @@ async fn service() -> Arc<Service> {
 /// Arbitrary bytes → an [`Exchange`] → one stream through the real service, in memory. The
 /// service must not panic or hang; an immediate response must be its last reply; a decision
 /// must name known pods; a decided stream, still open, holds no body budget (a request of
-/// exactly the body limit, which is also the budget, is still routed); and when the stream is
+/// exactly the body limit, which is also the budget, is still routed) unless a response id
+/// watch keeps a response's head; and when the stream is
 /// over no budget and no pod's in-flight load is left.
 pub fn extproc(data: &[u8]) {
     let Ok(exchange) = Exchange::arbitrary_take_rest(Unstructured::new(data)) else {
@@ -683,7 +684,7 @@ pub fn run_exchange(exchange: &Exchange) {
                             .iter()
                             .any(|r| matches!(r.response, Some(Out::ImmediateResponse(_))))
                 };
-                if decided {
+                if decided && !watches_a_response_id(&exchange) {
                     // The stream is still open, but decided: it must hold no body budget.
                     probe(&s.svc, &s.pods, "while a decided stream is open").await;
                 }
@@ -733,6 +734,23 @@ where
         .await
         .expect("process accepts every stream")
         .into_inner()
+}
+
+/// A `/v1/responses` request whose response body passed: its id watch may keep the body's head,
+/// under the budget, until the id is read or the stream ends (checked after the stream).
+fn watches_a_response_id(e: &Exchange) -> bool {
+    let responses = e.messages.iter().any(|m| match m {
+        Message::Headers { path, .. } => match path {
+            PathKind::Responses => true,
+            PathKind::Raw(p) => Api::from_path(p) == Api::Responses,
+            _ => false,
+        },
+        _ => false,
+    });
+    responses
+        && e.messages
+            .iter()
+            .any(|m| matches!(m, Message::ResponseBody { body, .. } if !body.is_empty()))
 }
 
 /// A BUFFERED request of exactly the body limit, which is also the budget: it is routed only
