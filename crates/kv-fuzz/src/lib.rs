@@ -684,7 +684,7 @@ pub fn run_exchange(exchange: &Exchange) {
                             .iter()
                             .any(|r| matches!(r.response, Some(Out::ImmediateResponse(_))))
                 };
-                if decided && !watches_a_response_id(&exchange) {
+                if decided && !watches_a_response_id(exchange) {
                     // The stream is still open, but decided: it must hold no body budget.
                     probe(&s.svc, &s.pods, "while a decided stream is open").await;
                 }
