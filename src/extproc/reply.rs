@@ -499,24 +499,10 @@ mod tests {
     #[test]
     fn echo_chunks_cover_the_body_and_end_once() {
         let body: Vec<u8> = (0..150_000u32).map(|i| i as u8).collect();
-        let msgs = echo_body(body.clone(), true);
-        assert_eq!(msgs.len(), 3);
-        let mut joined = Vec::new();
-        let mut eos_count = 0;
-        for m in msgs {
-            let Some(Out::RequestBody(b)) = m.response else {
-                panic!("body reply")
-            };
-            let Some(Mutation::StreamedResponse(s)) =
-                b.response.unwrap().body_mutation.unwrap().mutation
-            else {
-                panic!("streamed")
-            };
-            assert!(s.body.len() <= ECHO_CHUNK);
-            eos_count += usize::from(s.end_of_stream);
-            joined.extend(s.body);
-        }
-        assert_eq!((joined, eos_count), (body, 1));
+        let (bodies, eos) = echoed(echo_body(body.clone(), true));
+        assert_eq!(bodies.len(), 3);
+        assert!(bodies.iter().all(|b| b.len() <= ECHO_CHUNK));
+        assert_eq!((bodies.concat(), eos), (body, 1));
     }
 
     /// Bodies of the messages, and how many carry end of stream.

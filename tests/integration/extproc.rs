@@ -302,10 +302,18 @@ async fn full_duplex_buffers_decides_then_echoes_the_whole_body() {
     assert!(common.clear_route_cache);
     assert!(!common.header_mutation.unwrap().set_headers.is_empty());
     assert!(dest.starts_with("10.1.0."));
+    assert_eq!(
+        echoed_body(&mut s).await,
+        payload,
+        "every byte echoed, in order"
+    );
+}
+
+/// The request body echoed back in FULL_DUPLEX, to its end; no message past Envoy's 62,000 bytes.
+async fn echoed_body(s: &mut Stream) -> Vec<u8> {
     let mut echoed = Vec::new();
     loop {
-        let r = s.next().await;
-        let Some(Out::RequestBody(br)) = r.response else {
+        let Some(Out::RequestBody(br)) = s.next().await.response else {
             panic!("body echo")
         };
         let Some(Mutation::StreamedResponse(sr)) =
@@ -316,10 +324,9 @@ async fn full_duplex_buffers_decides_then_echoes_the_whole_body() {
         assert!(sr.body.len() <= 62_000);
         echoed.extend(sr.body);
         if sr.end_of_stream {
-            break;
+            return echoed;
         }
     }
-    assert_eq!(echoed, payload, "every byte echoed, in order");
 }
 
 /// A FULL_DUPLEX request whose body is sent as `pieces`: the pod chosen and the echoed body.
@@ -336,22 +343,7 @@ async fn full_duplex_in_pieces(h: &mut Harness, pieces: &[&[u8]]) -> (String, Ve
     // The destination list: the chosen pod first, then the fallbacks.
     let dest = destination(&s.next().await);
     let primary = dest.split(',').next().unwrap_or_default().to_string();
-    let mut echoed = Vec::new();
-    loop {
-        let Some(Out::RequestBody(br)) = s.next().await.response else {
-            panic!("body echo")
-        };
-        let Some(Mutation::StreamedResponse(sr)) =
-            br.response.unwrap().body_mutation.unwrap().mutation
-        else {
-            panic!("streamed_response")
-        };
-        assert!(sr.body.len() <= 62_000);
-        echoed.extend(sr.body);
-        if sr.end_of_stream {
-            return (primary, echoed);
-        }
-    }
+    (primary, echoed_body(&mut s).await)
 }
 
 /// A body that came in many chunks (cut inside escapes and multi-byte characters) is decided on
