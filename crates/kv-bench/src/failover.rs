@@ -301,20 +301,14 @@ async fn spawn_ready(bins: &Binaries, cfg: &Config, pods: usize) -> Result<Route
 /// Runs every arm.
 pub async fn run(bins: &Binaries, args: &FailoverArgs) -> Result<Vec<ArmResult>> {
     let opts = CompareOptions {
-        envoy: args.envoy.clone(),
-        pods: args.pods.max(1),
-        gpu_blocks: args.gpu_blocks,
-        sim_args: Vec::new(),
-        slow_pods: (0, 1.0),
         strategies: vec![Strategy::Weighted],
-        request_timeout: Duration::from_secs(60),
-        model: "sim-model".into(),
-        progress: false,
-        replicas: None,
-        redis_replicas: None,
-        router_metrics: None,
-        repeat: 1,
-        pd_prefill: 0,
+        ..CompareOptions::fleet(
+            args.envoy.clone(),
+            args.pods.max(1),
+            args.gpu_blocks,
+            Vec::new(),
+            "sim-model".into(),
+        )
     };
     let fleet = CompareFleet::start(bins, &opts).await?;
     let mut out = Vec::new();
